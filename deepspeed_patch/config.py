@@ -1,0 +1,113 @@
+"""The ``layer_grad_norms`` block of a ds_config, and its validation.
+
+Every key is validated when ``deepspeed.initialize`` reads the block, so that a typo fails the
+launch with an error naming the key and the value instead of silently measuring nothing.
+"""
+
+import re
+from typing import Any, List, Optional, Tuple, Union
+
+from deepspeed.runtime.config_utils import DeepSpeedConfigModel
+from pydantic import Field, ValidationError, field_validator
+
+CONFIG_KEY = "layer_grad_norms"
+
+# One layer of a selection: an index (negative counts from the last layer) or "mid" (L // 2).
+LayerToken = Union[int, str]
+
+LAYER_SPEC_FORMS = '"all", a list such as [0, 1, "mid", -2, -1], or the string "0,1,mid,-2,-1"'
+
+
+class LayerGradNormsConfigError(ValueError):
+    """A bad value in the ``layer_grad_norms`` block; the message names the key and the value."""
+
+
+def parse_layer_spec(spec: Any) -> Optional[Tuple[LayerToken, ...]]:
+    """Normalise a layer selection to a tuple of tokens, or ``None`` for all layers.
+
+    Accepts ``"all"`` (or ``None``), a list of ints and ``"mid"``, or the same list as a
+    comma-separated string.
+    """
+    if spec is None:
+        return None
+    if isinstance(spec, str):
+        if spec.strip().lower() == "all":
+            return None
+        items: List[Any] = [item.strip() for item in spec.split(",")]
+    elif isinstance(spec, (list, tuple)):
+        items = list(spec)
+    else:
+        raise ValueError(f"expected {LAYER_SPEC_FORMS}")
+    if not items:
+        raise ValueError(f"empty layer selection; expected {LAYER_SPEC_FORMS}")
+    return tuple(_parse_layer_token(item) for item in items)
+
+
+def _parse_layer_token(item: Any) -> LayerToken:
+    if isinstance(item, bool):
+        raise ValueError(f"{item!r} is not a layer; expected {LAYER_SPEC_FORMS}")
+    if isinstance(item, int):
+        return item
+    if isinstance(item, str):
+        if item.lower() == "mid":
+            return "mid"
+        if re.fullmatch(r"-?\d+", item):
+            return int(item)
+    raise ValueError(f"{item!r} is not a layer index or 'mid'; expected {LAYER_SPEC_FORMS}")
+
+
+class LayerGradNormsConfig(DeepSpeedConfigModel):
+    """Per-layer gradient statistics inside the ZeRO-1/2 optimizer."""
+
+    enabled: bool = False
+    """Measure per-layer statistics. Without the block, or with ``false``, nothing changes."""
+
+    layers: Optional[Tuple[LayerToken, ...]] = None
+    """Layers to report: ``"all"`` (stored as ``None``) or a selection, see ``parse_layer_spec``."""
+
+    interval: int = Field(1, ge=1)
+    """Measure every N-th optimizer step; the steps in between do no extra work."""
+
+    layer_pattern: Optional[str] = None
+    """Regex with one capture group, the layer index; ``None`` recognises the common layouts."""
+
+    @field_validator("layers", mode="before")
+    @classmethod
+    def _validate_layers(cls, value: Any) -> Optional[Tuple[LayerToken, ...]]:
+        return parse_layer_spec(value)
+
+    @field_validator("layer_pattern")
+    @classmethod
+    def _validate_layer_pattern(cls, value: Optional[str]) -> Optional[str]:
+        if value is None:
+            return None
+        try:
+            compiled = re.compile(value)
+        except re.error as err:
+            raise ValueError(f"not a valid regular expression: {err}") from err
+        if compiled.groups != 1:
+            raise ValueError(f"needs exactly one capture group (the layer index), found {compiled.groups}")
+        return value
+
+
+def load_config(param_dict: dict) -> LayerGradNormsConfig:
+    """Read the ``layer_grad_norms`` block of a ds_config dict; absent means disabled."""
+    block = param_dict.get(CONFIG_KEY, {})
+    if not isinstance(block, dict):
+        raise LayerGradNormsConfigError(f"{CONFIG_KEY}={block!r}: expected a JSON object")
+    try:
+        return LayerGradNormsConfig(strict=True, **block)
+    except ValidationError as err:
+        raise LayerGradNormsConfigError(_describe(err, block)) from None
+
+
+def _describe(err: ValidationError, block: dict) -> str:
+    lines = []
+    for problem in err.errors():
+        key = str(problem["loc"][0]) if problem["loc"] else "?"
+        value = block.get(key, problem.get("input"))
+        reason = problem["msg"].removeprefix("Value error, ")
+        if problem["type"] == "extra_forbidden":
+            reason = f"unknown key; known keys are {sorted(LayerGradNormsConfig.model_fields)}"
+        lines.append(f"{CONFIG_KEY}.{key}={value!r}: {reason}")
+    return "invalid ds_config block: " + "; ".join(lines)

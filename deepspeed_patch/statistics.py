@@ -1,0 +1,88 @@
+"""Per-bucket gradient statistics: local partial results, their reduction, the reported dict.
+
+Each rank folds the runs of its local gradient partition into one small ``(buckets, 5)`` float64
+table. Sums (squared norm, non-finite count) and maxima (max, -min, -abs_min) combine the same way
+across runs, parameter groups and ranks, so one all-gather of that table, reduced identically on
+every rank, gives the statistics of the full gradient whatever the number of layers.
+"""
+
+import math
+from typing import Dict, Hashable, List, Optional, Sequence
+
+import torch
+from deepspeed import comm as dist
+
+SUMSQ, NONFINITE, MAX, NEG_MIN, NEG_ABS_MIN = range(5)
+NUM_SUMMED = 2  # columns before this one add up; the others take the maximum
+NUM_COLUMNS = 5
+
+
+def empty_stats(num_buckets: int, device) -> torch.Tensor:
+    """The identity of the reduction: zero sums, ``-inf`` maxima."""
+    stats = torch.full((num_buckets, NUM_COLUMNS), -math.inf, dtype=torch.float64, device=device)
+    stats[:, :NUM_SUMMED] = 0.0
+    return stats
+
+
+def accumulate_runs(stats: torch.Tensor, runs: Sequence[torch.Tensor], buckets: torch.Tensor) -> None:
+    """Fold the statistics of ``runs`` (1-D gradient slices) into their ``buckets`` rows of ``stats``.
+
+    One host synchronisation per call: non-finite elements are counted only when a run's min or max
+    says there are some, which keeps the common case to three reads of the gradient.
+    """
+    if not runs:
+        return
+    sumsq = torch.stack(torch._foreach_norm(runs, 2.0)).double().square()
+    min_max = torch.stack([torch.stack(torch.aminmax(run)) for run in runs]).double()
+    abs_min = torch.stack([torch.linalg.vector_norm(run, -math.inf) for run in runs]).double()
+    per_run = torch.stack([sumsq, torch.zeros_like(sumsq), min_max[:, 1], -min_max[:, 0], -abs_min], dim=1)
+    if not bool(torch.isfinite(min_max).all()):
+        per_run[:, NONFINITE] = torch.stack([torch.count_nonzero(~torch.isfinite(run)) for run in runs]).double()
+    index = buckets.unsqueeze(1).expand(-1, NUM_SUMMED)
+    stats[:, :NUM_SUMMED].scatter_add_(0, index, per_run[:, :NUM_SUMMED])
+    index = buckets.unsqueeze(1).expand(-1, NUM_COLUMNS - NUM_SUMMED)
+    stats[:, NUM_SUMMED:].scatter_reduce_(0, index, per_run[:, NUM_SUMMED:], reduce="amax")
+
+
+def reduce_stats(stats: torch.Tensor, group=None) -> torch.Tensor:
+    """Combine every rank's table in ``group`` with one collective; identical result on all ranks."""
+    world_size = dist.get_world_size(group=group)
+    if world_size == 1:
+        return stats
+    gathered = [torch.empty_like(stats) for _ in range(world_size)]
+    dist.all_gather(gathered, stats, group=group)
+    stacked = torch.stack(gathered)
+    return torch.cat([stacked[:, :, :NUM_SUMMED].sum(0), stacked[:, :, NUM_SUMMED:].amax(0)], dim=1)
+
+
+def bucket_results(stats: torch.Tensor, keys: Sequence[Hashable], selected: Sequence[Hashable],
+                   scale: float) -> Dict[Hashable, Dict[str, float]]:
+    """The reported statistics of the ``selected`` buckets, each value multiplied by ``scale``.
+
+    ``scale`` is ``1 / loss_scale`` before clipping; clipping multiplies every gradient by one positive
+    factor, so the post-clip statistics are the same table times that factor.
+    """
+    rows: List[List[float]] = stats.tolist()
+    position = {key: index for index, key in enumerate(keys)}
+    results = {}
+    for key in selected:
+        row = rows[position[key]]
+        results[key] = {
+            "norm": math.sqrt(row[SUMSQ]) * scale,
+            "min": -row[NEG_MIN] * scale,
+            "max": row[MAX] * scale,
+            "abs_min": -row[NEG_ABS_MIN] * scale,
+            "abs_max": max(row[MAX], row[NEG_MIN]) * scale,
+            "nonfinite": int(row[NONFINITE]),
+        }
+    return results
+
+
+def clip_coefficient(scaled_total_norm: Optional[torch.Tensor], clip_grad: float, loss_scale: float) -> float:
+    """The factor ZeRO's ``unscale_and_clip_grads`` applies to the unscaled gradient (1.0: no clipping)."""
+    if clip_grad <= 0.0 or scaled_total_norm is None:
+        return 1.0
+    total_norm = float(scaled_total_norm)
+    if not math.isfinite(total_norm) or total_norm < 0:  # DeepSpeed's sentinel for an invalid norm
+        return 0.0
+    return 1.0 / max(((total_norm / loss_scale) + 1e-6) / clip_grad, 1.0)

@@ -1,0 +1,54 @@
+"""Run a function on N CPU ranks (gloo) in fresh processes and collect what each rank returns."""
+
+import os
+import pickle
+import socket
+import traceback
+from typing import Any, Callable, List
+
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, queue) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+                      WORLD_SIZE=str(world_size), LOCAL_SIZE=str(world_size))
+    try:
+        import deepspeed
+
+        deepspeed.init_distributed(dist_backend="gloo", verbose=False)
+        # Plain pickle: tensors travel as bytes, not as shared memory that dies with this process.
+        queue.put((rank, True, pickle.dumps(fn(*args))))
+    except BaseException:
+        queue.put((rank, False, traceback.format_exc()))
+
+
+def launch(fn: Callable, world_size: int, *args: Any, timeout: float = 600) -> List[Any]:
+    """``fn(*args)`` on every rank; returns the results by rank. A hang past ``timeout`` fails."""
+    context = mp.get_context("spawn")
+    queue = context.Queue()
+    port = free_port()
+    procs = [
+        context.Process(target=_worker, args=(rank, world_size, port, fn, args, queue), daemon=True)
+        for rank in range(world_size)
+    ]
+    for proc in procs:
+        proc.start()
+    results: List[Any] = [None] * world_size
+    try:
+        for _ in range(world_size):
+            rank, ok, value = queue.get(timeout=timeout)
+            if not ok:
+                raise RuntimeError(f"rank {rank} failed:\n{value}")
+            results[rank] = pickle.loads(value)
+    finally:
+        for proc in procs:
+            proc.join(timeout=10)
+            if proc.is_alive():
+                proc.kill()
+    return results

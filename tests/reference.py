@@ -1,0 +1,67 @@
+"""Independent reference: per-bucket statistics from full gradients computed in plain PyTorch.
+
+Nothing here imports the code under test. Buckets follow the documented rule (``layers.N.`` gives
+layer N; any other parameter goes to the bucket named after its module).
+"""
+
+import re
+from collections import defaultdict
+from typing import Dict, Hashable, Iterable
+
+import torch
+from megatron_integration.tiny_gpt import TinyGPT, TinyGPTConfig
+
+LAYER_NAME = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+def reference_bucket(name: str) -> Hashable:
+    match = LAYER_NAME.search(name)
+    return int(match.group(1)) if match else name.rpartition(".")[0] or name
+
+
+def bucket_stats(named_grads: Dict[str, torch.Tensor]) -> Dict[Hashable, Dict[str, float]]:
+    """norm, min, max, abs_min, abs_max and non-finite count of each bucket's concatenated gradient."""
+    pieces = defaultdict(list)
+    for name, grad in named_grads.items():
+        pieces[reference_bucket(name)].append(grad.double().reshape(-1))
+    stats = {}
+    for key, tensors in pieces.items():
+        flat = torch.cat(tensors)
+        stats[key] = {
+            "norm": flat.square().sum().sqrt().item(),
+            "min": flat.min().item(),
+            "max": flat.max().item(),
+            "abs_min": flat.abs().min().item(),
+            "abs_max": flat.abs().max().item(),
+            "nonfinite": int((~torch.isfinite(flat)).sum()),
+        }
+    return stats
+
+
+def averaged_gradients(weights: Dict[str, torch.Tensor], config: TinyGPTConfig, dtype: torch.dtype,
+                       batches: Iterable[torch.Tensor], frozen: Iterable[str] = (),
+                       loss_scale: float = 1.0) -> Dict[str, torch.Tensor]:
+    """Mean gradient (float64) over ``batches`` of a TinyGPT holding ``weights``, run in ``dtype``.
+
+    ``loss_scale`` multiplies the loss before backward and divides the gradient after, as fp16
+    training does, so that small fp16 gradients do not flush to zero in the reference either.
+    """
+    model = TinyGPT(config)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            param.copy_(weights[name])
+    model.to(dtype)
+    frozen = set(frozen)
+    for name, param in model.named_parameters():
+        param.requires_grad_(name not in frozen)
+    total = {}
+    count = 0
+    for batch in batches:
+        model.zero_grad(set_to_none=True)
+        (model(batch) * loss_scale).backward()
+        for name, param in model.named_parameters():
+            if param.grad is not None:
+                grad = param.grad.double() / loss_scale
+                total[name] = total[name] + grad if name in total else grad
+        count += 1
+    return {name: grad / count for name, grad in total.items()}

@@ -1,0 +1,143 @@
+"""What each rank runs in the multi-rank tests: train a TinyGPT under ZeRO and record what it reports.
+
+Each case trains a few steps with the feature on, records ``get_layer_grad_norms()`` and the
+global norm after every step and, on rank 0, the plain-PyTorch reference statistics of the same
+step. Cases that ask for it train again with the feature off, to prove training is unchanged.
+"""
+
+import logging
+from typing import Any, Dict, List
+
+import torch
+
+import deepspeed_patch
+from megatron_integration.tiny_gpt import TinyGPT, TinyGPTConfig, synthetic_batch
+from reference import averaged_gradients, bucket_stats
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+FP16_INITIAL_SCALE_POWER = 8
+MICRO_BATCH = 2
+
+DEFAULT_CASE: Dict[str, Any] = {
+    "stage": 2,
+    "dtype": "fp32",
+    "steps": 3,
+    "gas": 1,
+    "clip": 0.0,
+    "groups": False,  # weight-decay and no-decay parameter groups
+    "frozen": (),  # parameter names to freeze
+    "tie": False,
+    "layers": 4,
+    "zero": {},  # extra zero_optimization keys
+    "block": {},  # extra layer_grad_norms keys
+    "overflow_step": None,  # fp16: blow up the loss of this step
+    "compare_off": False,  # also train with the feature off and compare bit for bit
+    "grad_accum_dtype": None,
+}
+
+
+def force_fp16_on_cpu() -> None:
+    """DeepSpeed's CPU accelerator refuses fp16; the kernels work, so tests switch the flag on."""
+    from deepspeed.accelerator import get_accelerator
+
+    accelerator = get_accelerator()
+    accelerator.is_fp16_supported = lambda: True
+    accelerator.supported_dtypes = lambda: [torch.float, torch.bfloat16, torch.float16]
+
+
+def ds_config(case: Dict[str, Any], enabled: bool) -> Dict[str, Any]:
+    config = {
+        "train_micro_batch_size_per_gpu": MICRO_BATCH,
+        "gradient_accumulation_steps": case["gas"],
+        "gradient_clipping": case["clip"],
+        "zero_optimization": {"stage": case["stage"], **case["zero"]},
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 10**9,
+    }
+    if case["dtype"] == "bf16":
+        config["bf16"] = {"enabled": True}
+    if case["dtype"] == "fp16":
+        config["fp16"] = {"enabled": True, "initial_scale_power": FP16_INITIAL_SCALE_POWER, "loss_scale_window": 2}
+    if case["grad_accum_dtype"]:
+        config["data_types"] = {"grad_accum_dtype": case["grad_accum_dtype"]}
+    if enabled:
+        config["layer_grad_norms"] = {"enabled": True, **case["block"]}
+    return config
+
+
+def model_config(case: Dict[str, Any]) -> TinyGPTConfig:
+    return TinyGPTConfig(num_layers=case["layers"], tie_embeddings=case["tie"])
+
+
+def batches_of_step(case: Dict[str, Any], step: int, world_size: int, rank: int = None) -> List[torch.Tensor]:
+    """The micro-batches of one optimizer step: all ranks' (rank=None) or one rank's, in order."""
+    ranks = range(world_size) if rank is None else [rank]
+    return [
+        synthetic_batch(model_config(case), MICRO_BATCH, seed=1000 * step + 10 * micro + r) for r in ranks
+        for micro in range(case["gas"])
+    ]
+
+
+def train(case: Dict[str, Any], enabled: bool) -> Dict[str, Any]:
+    import deepspeed
+    from deepspeed import comm as dist
+
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = TinyGPT(model_config(case))
+    for name, param in model.named_parameters():
+        param.requires_grad_(name not in case["frozen"])
+    trainable = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+    if case["groups"]:
+        params = [
+            {"params": [p for name, p in trainable if p.ndim > 1], "weight_decay": 0.0},
+            {"params": [p for name, p in trainable if p.ndim <= 1], "weight_decay": 0.0},
+        ]
+    else:
+        params = [p for _, p in trainable]
+    optimizer = torch.optim.SGD(params, lr=1.0)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config(case, enabled))
+
+    record = {"losses": [], "measured": [], "global_norm": [], "reference": [], "applied": []}
+    for step in range(1, case["steps"] + 1):
+        before = {name: p.detach().float().clone() for name, p in engine.module.named_parameters()}
+        for batch in batches_of_step(case, step, world_size, rank):
+            loss = engine(batch)
+            record["losses"].append(loss.item())
+            if step == case["overflow_step"]:
+                loss = loss * 1e30
+            engine.backward(loss)
+            engine.step()
+        after = {name: p.detach().float() for name, p in engine.module.named_parameters()}
+        # SGD with lr=1: the update is the gradient the optimizer consumed, after clipping.
+        record["applied"].append(bucket_stats({n: before[n] - after[n] for n, _ in trainable}))
+        record["measured"].append(engine.get_layer_grad_norms())
+        record["global_norm"].append(engine.get_global_grad_norm())
+        if rank == 0 and enabled:
+            scale = 2.0**FP16_INITIAL_SCALE_POWER if case["dtype"] == "fp16" else 1.0
+            grads = averaged_gradients(before, model_config(case), DTYPES[case["dtype"]],
+                                       batches_of_step(case, step, world_size), case["frozen"], scale)
+            record["reference"].append(bucket_stats(grads))
+    record["final"] = {name: p.detach().clone() for name, p in engine.module.named_parameters()}
+    record["optimizer"] = type(engine.optimizer).__name__
+    engine.destroy()
+    return record
+
+
+def run_cases(cases: Dict[str, Dict[str, Any]]) -> Dict[str, Any]:
+    """Every case on this rank; a failing case is recorded, not raised, so the others still run."""
+    import traceback
+
+    deepspeed_patch.install()
+    force_fp16_on_cpu()
+    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+    results = {}
+    for name, overrides in cases.items():
+        case = {**DEFAULT_CASE, **overrides}
+        try:
+            results[name] = {"on": train(case, enabled=True), "case": case}
+            if case["compare_off"]:
+                results[name]["off"] = train(case, enabled=False)
+        except Exception:
+            results[name] = {"error": traceback.format_exc(), "case": case}
+    return results

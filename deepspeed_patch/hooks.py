@@ -165,8 +165,8 @@ def _update_scale(original):
 
     def wrapper(self, has_overflow=False):
         tracker = _tracker(self)
-        if has_overflow and tracker is not None and tracker.measuring:
-            tracker.observe_overflow(overflow_partitions(self), self.loss_scale)
+        if tracker is not None and tracker.measuring:
+            tracker.observe_loss_scale(self.loss_scale, overflow_partitions(self) if has_overflow else None)
         return original(self, has_overflow)
 
     return wrapper

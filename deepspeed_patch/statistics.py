@@ -78,11 +78,14 @@ def bucket_results(stats: torch.Tensor, keys: Sequence[Hashable], selected: Sequ
     return results
 
 
-def clip_coefficient(scaled_total_norm: Optional[torch.Tensor], clip_grad: float, loss_scale: float) -> float:
-    """The factor ZeRO's ``unscale_and_clip_grads`` applies to the unscaled gradient (1.0: no clipping)."""
+def combined_scale(scaled_total_norm: Optional[torch.Tensor], clip_grad: float, loss_scale: float) -> float:
+    """What ZeRO's ``unscale_and_clip_grads`` divides the flat gradient by: loss scale times clip factor.
+
+    Mirrors DeepSpeed 0.19.8, including its use of the loss scale as updated for the next step.
+    """
     if clip_grad <= 0.0 or scaled_total_norm is None:
-        return 1.0
+        return loss_scale
     total_norm = float(scaled_total_norm)
     if not math.isfinite(total_norm) or total_norm < 0:  # DeepSpeed's sentinel for an invalid norm
-        return 0.0
-    return 1.0 / max(((total_norm / loss_scale) + 1e-6) / clip_grad, 1.0)
+        return math.inf
+    return max(((total_norm / loss_scale) + 1e-6) / clip_grad, 1.0) * loss_scale

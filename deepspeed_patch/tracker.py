@@ -3,9 +3,10 @@
 ``DeepSpeedZeroOptimizer.step()`` drives it through four calls:
 
 - ``begin_step()`` once at the top; it decides whether this step is measured.
-- ``observe_partition(group_index, flat_grad)`` for each parameter group, on the flat fp32 gradient
-  partition just before ``unscale_and_clip_grads``, with the norm that clipping will use.
-- ``observe_overflow(...)`` when the loss scaler skips the step, before the gradients are dropped.
+- ``observe_loss_scale(scale, flat_grads)`` just before the loss scaler updates: the scale this
+  step's gradients carry and, when the scaler skips the step, the gradients it is about to drop.
+- ``observe_partition(group_index, flat_grad, ...)`` for each parameter group, on the flat fp32
+  gradient partition just before ``unscale_and_clip_grads``, with what that call divides by.
 - ``end_step()`` once at the end: one collective, then the result dict.
 
 Unmeasured steps cost a counter increment and a few attribute reads.
@@ -19,7 +20,7 @@ import torch
 from .config import LayerGradNormsConfig
 from .layer_map import LayerMap
 from .partition_slices import PartitionSlices
-from .statistics import accumulate_runs, bucket_results, clip_coefficient, empty_stats, reduce_stats
+from .statistics import accumulate_runs, bucket_results, combined_scale, empty_stats, reduce_stats
 
 logger = logging.getLogger(__name__)
 
@@ -40,8 +41,8 @@ class LayerGradNormTracker:
         self.result: Optional[dict] = None
         self._stats: Optional[torch.Tensor] = None
         self._observed = set()
-        self._clip_coef = 1.0
-        self._loss_scale = 1.0
+        self._gradient_scale = 1.0
+        self._applied_scale = 1.0
         self._overflow = False
 
     def begin_step(self) -> bool:
@@ -52,29 +53,40 @@ class LayerGradNormTracker:
             self._stats = empty_stats(len(self.layer_map.keys), self.device)
             self._observed = set()
             self._overflow = False
+            self._gradient_scale = self._applied_scale = 1.0
         return self.measuring
+
+    def observe_loss_scale(self, loss_scale: float, overflow_grads: Optional[Dict[int, torch.Tensor]]) -> None:
+        """Record the scale this step's gradients carry, before the scaler updates it.
+
+        ``overflow_grads`` (group index to flat gradient partition) is given when the scaler is
+        about to skip the step: those gradients are measured now, before they are dropped.
+        """
+        if not self.measuring:
+            return
+        self._gradient_scale = loss_scale
+        if overflow_grads is None:
+            return
+        for group_index, flat_grad in overflow_grads.items():
+            self._accumulate(group_index, flat_grad.float())
+        self._overflow = True
 
     def observe_partition(self, group_index: int, flat_grad: torch.Tensor, scaled_total_norm, clip_grad: float,
                           loss_scale: float) -> None:
-        """Fold one group's flat gradient partition (still multiplied by the loss scale) in."""
+        """Fold one group's flat gradient partition (still multiplied by the loss scale) in.
+
+        ``scaled_total_norm``, ``clip_grad`` and ``loss_scale`` are what ``unscale_and_clip_grads``
+        receives and reads; they fix the factor the optimizer's gradient is divided by.
+        """
         if not self.measuring or group_index in self._observed:
             return
+        self._accumulate(group_index, flat_grad)
+        self._applied_scale = combined_scale(scaled_total_norm, clip_grad, loss_scale)
+
+    def _accumulate(self, group_index: int, flat_grad: torch.Tensor) -> None:
         slices = self.slices[group_index]
         accumulate_runs(self._stats, slices.views(flat_grad), slices.buckets)
         self._observed.add(group_index)
-        self._loss_scale = loss_scale
-        self._clip_coef = clip_coefficient(scaled_total_norm, clip_grad, loss_scale)
-
-    def observe_overflow(self, flat_grads: Dict[int, torch.Tensor], loss_scale: float) -> None:
-        """Measure a step the loss scaler is about to skip; ``flat_grads`` maps group to flat partition."""
-        if not self.measuring:
-            return
-        for group_index, flat_grad in flat_grads.items():
-            slices = self.slices[group_index]
-            accumulate_runs(self._stats, slices.views(flat_grad.float()), slices.buckets)
-            self._observed.add(group_index)
-        self._loss_scale = loss_scale
-        self._overflow = True
 
     def end_step(self) -> None:
         """Reduce this step's statistics across data-parallel ranks and publish them."""
@@ -88,14 +100,15 @@ class LayerGradNormTracker:
         stats = reduce_stats(self._stats, self.dp_group)
         self._stats = None
         keys = self.layer_map.keys
-        pre_clip = bucket_results(stats, keys, self.selected, 1.0 / self._loss_scale)
-        post_clip = None
+        pre_clip = bucket_results(stats, keys, self.selected, 1.0 / self._gradient_scale)
+        clip_coef = post_clip = None
         if not self._overflow:
-            post_clip = bucket_results(stats, keys, self.selected, self._clip_coef / self._loss_scale)
+            clip_coef = self._gradient_scale / self._applied_scale
+            post_clip = bucket_results(stats, keys, self.selected, 1.0 / self._applied_scale)
         self.result = {
             "step": self.steps,
             "overflow": self._overflow,
-            "clip_coef": None if self._overflow else self._clip_coef,
+            "clip_coef": clip_coef,
             "pre_clip": pre_clip,
             "post_clip": post_clip,
         }

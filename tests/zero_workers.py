@@ -29,6 +29,7 @@ DEFAULT_CASE: Dict[str, Any] = {
     "tie": False,
     "layers": 4,
     "zero": {},  # extra zero_optimization keys
+    "top": {},  # extra top-level ds_config keys
     "block": {},  # extra layer_grad_norms keys
     "overflow_step": None,  # fp16: blow up the loss of this step
     "compare_off": False,  # also train with the feature off and compare bit for bit
@@ -53,6 +54,7 @@ def ds_config(case: Dict[str, Any], enabled: bool) -> Dict[str, Any]:
         "zero_optimization": {"stage": case["stage"], **case["zero"]},
         "zero_allow_untested_optimizer": True,
         "steps_per_print": 10**9,
+        **case["top"],
     }
     if case["dtype"] == "bf16":
         config["bf16"] = {"enabled": True}
@@ -98,9 +100,10 @@ def train(case: Dict[str, Any], enabled: bool) -> Dict[str, Any]:
     optimizer = torch.optim.SGD(params, lr=1.0)
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config(case, enabled))
 
-    record = {"losses": [], "measured": [], "global_norm": [], "reference": [], "applied": []}
+    record = {"losses": [], "measured": [], "global_norm": [], "reference": [], "applied": [], "loss_scales": []}
     for step in range(1, case["steps"] + 1):
         before = {name: p.detach().float().clone() for name, p in engine.module.named_parameters()}
+        scale_before = engine.optimizer.loss_scale
         for batch in batches_of_step(case, step, world_size, rank):
             loss = engine(batch)
             record["losses"].append(loss.item())
@@ -109,6 +112,7 @@ def train(case: Dict[str, Any], enabled: bool) -> Dict[str, Any]:
             engine.backward(loss)
             engine.step()
         after = {name: p.detach().float() for name, p in engine.module.named_parameters()}
+        record["loss_scales"].append((float(scale_before), float(engine.optimizer.loss_scale)))
         # SGD with lr=1: the update is the gradient the optimizer consumed, after clipping.
         record["applied"].append(bucket_stats({n: before[n] - after[n] for n, _ in trainable}))
         record["measured"].append(engine.get_layer_grad_norms())

@@ -9,6 +9,7 @@ from collections import defaultdict
 from typing import Dict, Hashable, Iterable
 
 import torch
+
 from megatron_integration.tiny_gpt import TinyGPT, TinyGPTConfig
 
 LAYER_NAME = re.compile(r"(?:^|\.)layers\.(\d+)\.")

@@ -9,6 +9,7 @@ from functools import lru_cache
 
 import pytest
 import torch
+
 from harness import launch
 from zero_workers import run_cases
 
@@ -31,6 +32,7 @@ CASES = {
         "z1_fp32_gas3_clip": {"stage": 1, "gas": 3, "clip": 0.2},
         "z2_bf16_clip": {"stage": 2, "dtype": "bf16", "clip": 0.1, "compare_off": True},
         "z1_bf16_bf16accum": {"stage": 1, "dtype": "bf16", "grad_accum_dtype": "bf16"},
+        "z2_bf16_fp32accum_gas2": {"stage": 2, "dtype": "bf16", "grad_accum_dtype": "fp32", "gas": 2, "clip": 0.1},
         "z1_fp16_overflow_gas2": {"stage": 1, "dtype": "fp16", "gas": 2, "overflow_step": 2, "clip": 0.1},
         "z2_fp16_clip": {"stage": 2, "dtype": "fp16", "clip": 0.1, "compare_off": True},
         "z2_small_buckets_overlap": {"stage": 2, "zero": {"reduce_bucket_size": 300, "overlap_comm": True}},
@@ -129,7 +131,8 @@ def test_post_clip_is_what_the_optimizer_applied(world_size, name):
             assert_close_stats(measured["post_clip"], layers, 3e-2, stats=("norm", ))
 
 
-@pytest.mark.parametrize("world_size,name", [(w, n) for w, n in ALL_CASES if "layers" not in CASES[w][n].get("block", {})])
+@pytest.mark.parametrize("world_size,name",
+                         [(w, n) for w, n in ALL_CASES if "layers" not in CASES[w][n].get("block", {})])
 def test_bucket_norms_add_up_to_global_norm(world_size, name):
     record, _ = case_result(world_size, name)
     for index, measured, _ in measured_steps(record):

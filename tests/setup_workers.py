@@ -1,0 +1,139 @@
+"""What each rank runs for the set-up tests: config errors, refused set-ups, warnings, collectives."""
+
+import logging
+from typing import Any, Dict, List
+
+import torch
+
+import deepspeed_patch
+from megatron_integration.tiny_gpt import TinyGPT, TinyGPTConfig, synthetic_batch
+from zero_workers import force_fp16_on_cpu
+
+COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor", "reduce_scatter",
+               "broadcast", "reduce", "all_to_all_single", "barrier", "all_reduce_coalesced")
+
+
+def base_config(**overrides: Any) -> Dict[str, Any]:
+    config = {
+        "train_micro_batch_size_per_gpu": 2,
+        "zero_optimization": {"stage": 2},
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 10**9,
+    }
+    config.update(overrides)
+    return config
+
+
+def initialize(config: Dict[str, Any], model: torch.nn.Module = None):
+    import deepspeed
+
+    torch.manual_seed(0)
+    model = model or TinyGPT(TinyGPTConfig())
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+    return engine
+
+
+def initialize_error(config: Dict[str, Any]) -> str:
+    """The error ``deepspeed.initialize`` raises for ``config``, as ``Type: message``; '' if none."""
+    try:
+        initialize(config).destroy()
+    except Exception as err:
+        return f"{type(err).__name__}: {err}"
+    return ""
+
+
+class _Records(logging.Handler):
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: List[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+def no_match_warning() -> Dict[str, Any]:
+    """Train one step with a layer pattern that matches nothing; return the warnings and the keys."""
+    handler = _Records()
+    logging.getLogger("deepspeed_patch").addHandler(handler)
+    engine = initialize(base_config(layer_grad_norms={"enabled": True, "layer_pattern": r"decoder\.(\d+)\."}))
+    engine.backward(engine(synthetic_batch(TinyGPTConfig(), 2, seed=0)))
+    engine.step()
+    keys = list(engine.get_layer_grad_norms()["pre_clip"])
+    engine.destroy()
+    logging.getLogger("deepspeed_patch").removeHandler(handler)
+    return {"warnings": handler.messages, "keys": keys}
+
+
+def collectives_per_step(block: Dict[str, Any], steps: int) -> List[int]:
+    """Collective calls made inside each ``engine.step()`` of a run with ``block`` as the config block."""
+    from deepspeed import comm
+
+    engine = initialize(base_config(layer_grad_norms=block) if block else base_config())
+    counts = []
+    calls = [0]
+    originals = {name: getattr(comm, name) for name in COLLECTIVES if hasattr(comm, name)}
+
+    def counting(original):
+
+        def wrapper(*args, **kwargs):
+            calls[0] += 1
+            return original(*args, **kwargs)
+
+        return wrapper
+
+    for step in range(steps):
+        engine.backward(engine(synthetic_batch(TinyGPTConfig(), 2, seed=step)))
+        calls[0] = 0
+        for name, original in originals.items():
+            setattr(comm, name, counting(original))
+        try:
+            engine.step()
+        finally:
+            for name, original in originals.items():
+                setattr(comm, name, original)
+        counts.append(calls[0])
+    engine.destroy()
+    return counts
+
+
+BAD_BLOCKS = {
+    "unknown_key": {"enabled": True, "intervl": 2},
+    "bad_layer_spec": {"enabled": True, "layers": "0,first,-1"},
+    "bool_layer": {"enabled": True, "layers": [0, True]},
+    "layer_out_of_range": {"enabled": True, "layers": [0, 7]},
+    "negative_out_of_range": {"enabled": True, "layers": "-9"},
+    "invalid_regex": {"enabled": True, "layer_pattern": "layers.(\\d+"},
+    "regex_without_group": {"enabled": True, "layer_pattern": "layers\\.\\d+"},
+    "interval_zero": {"enabled": True, "interval": 0},
+    "interval_text": {"enabled": True, "interval": "often"},
+}
+
+UNSUPPORTED = {
+    "stage0": base_config(zero_optimization={"stage": 0}, layer_grad_norms={"enabled": True}),
+    "stage3": base_config(zero_optimization={"stage": 3}, layer_grad_norms={"enabled": True}),
+    "bf16_zero1_bf16_optimizer": base_config(zero_optimization={"stage": 1}, bf16={"enabled": True},
+                                             data_types={"grad_accum_dtype": "fp32"},
+                                             layer_grad_norms={"enabled": True}),
+}
+
+
+def run_setup_checks(collectives_only: bool) -> Dict[str, Any]:
+    deepspeed_patch.install()
+    force_fp16_on_cpu()
+    logging.getLogger("DeepSpeed").setLevel(logging.ERROR)
+    results: Dict[str, Any] = {
+        "collectives": {
+            "off": collectives_per_step({}, 4),
+            "interval2": collectives_per_step({"enabled": True, "interval": 2}, 4),
+        }
+    }
+    if collectives_only:
+        return results
+    results["bad_blocks"] = {name: initialize_error(base_config(layer_grad_norms=block))
+                             for name, block in BAD_BLOCKS.items()}
+    results["unsupported"] = {name: initialize_error(config) for name, config in UNSUPPORTED.items()}
+    results["disabled_block_ok"] = initialize_error(base_config(layer_grad_norms={"enabled": False}))
+    results["no_match"] = no_match_warning()
+    return results

@@ -1,0 +1,73 @@
+"""Config validation, refused set-ups, the no-match warning and the collective count, in real launches."""
+
+from functools import lru_cache
+
+import pytest
+
+from harness import launch
+from setup_workers import BAD_BLOCKS, UNSUPPORTED, run_setup_checks
+
+
+@lru_cache(maxsize=None)
+def single_rank():
+    return launch(run_setup_checks, 1, False)[0]
+
+
+@lru_cache(maxsize=None)
+def two_ranks():
+    return launch(run_setup_checks, 2, True)
+
+
+EXPECTED_ERRORS = {
+    "unknown_key": ["layer_grad_norms.intervl=2", "unknown key"],
+    "bad_layer_spec": ["layer_grad_norms.layers='0,first,-1'", "'first'"],
+    "bool_layer": ["layer_grad_norms.layers=[0, True]"],
+    "layer_out_of_range": ["layer_grad_norms.layers=[0, 7]", "layer 7 is out of range", "4 transformer layers"],
+    "negative_out_of_range": ["layer_grad_norms.layers=[-9]", "layer -9 is out of range"],
+    "invalid_regex": ["layer_grad_norms.layer_pattern='layers.(\\\\d+'", "not a valid regular expression"],
+    "regex_without_group": ["layer_grad_norms.layer_pattern", "exactly one capture group"],
+    "interval_zero": ["layer_grad_norms.interval=0", "greater than or equal to 1"],
+    "interval_text": ["layer_grad_norms.interval='often'"],
+}
+
+
+@pytest.mark.parametrize("name", sorted(BAD_BLOCKS))
+def test_bad_block_fails_at_initialize_naming_key_and_value(name):
+    error = single_rank()["bad_blocks"][name]
+    assert error.startswith("LayerGradNormsConfigError"), error
+    for fragment in EXPECTED_ERRORS[name]:
+        assert fragment in error, error
+
+
+@pytest.mark.parametrize("name", sorted(UNSUPPORTED))
+def test_unsupported_setup_fails_at_initialize(name):
+    error = single_rank()["unsupported"][name]
+    assert error.startswith("UnsupportedSetupError"), error
+    assert "ZeRO stage 1 or 2" in error
+
+
+def test_bf16_zero1_error_names_bf16_optimizer():
+    assert "BF16_Optimizer" in single_rank()["unsupported"]["bf16_zero1_bf16_optimizer"]
+
+
+def test_disabled_block_is_accepted():
+    assert single_rank()["disabled_block_ok"] == ""
+
+
+def test_pattern_matching_nothing_warns_with_examples_and_uses_named_buckets():
+    no_match = single_rank()["no_match"]
+    warning = next(message for message in no_match["warnings"] if "no parameter name matches" in message)
+    assert "layers.0.input_layernorm.weight" in warning
+    assert all(isinstance(key, str) for key in no_match["keys"])
+    assert "layers.0.query_key_value" in no_match["keys"]
+
+
+@pytest.mark.parametrize("ranks", ["single", "two"])
+def test_one_extra_collective_on_measured_steps_none_in_between(ranks):
+    results = [single_rank()] if ranks == "single" else two_ranks()
+    for result in results:
+        off, on = result["collectives"]["off"], result["collectives"]["interval2"]
+        # steps 1 and 3 are not measured, 2 and 4 are
+        assert on[0] == off[0] and on[2] == off[2]
+        extra = 0 if ranks == "single" else 1  # one rank needs no collective to combine its own table
+        assert on[1] == off[1] + extra and on[3] == off[3] + extra

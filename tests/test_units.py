@@ -1,0 +1,81 @@
+"""The pure pieces: layer specs, bucket keys, partition runs, the clip factor."""
+
+import math
+import re
+
+import pytest
+
+from deepspeed_patch.config import LayerGradNormsConfig, parse_layer_spec
+from deepspeed_patch.layer_map import DEFAULT_LAYER_PATTERN, bucket_key, build_layer_map, resolve_layers
+from deepspeed_patch.partition_slices import partition_runs
+from deepspeed_patch.statistics import combined_scale
+
+
+@pytest.mark.parametrize("spec,expected", [
+    ("all", None),
+    ("ALL", None),
+    (None, None),
+    ("0,1,mid,-2,-1", (0, 1, "mid", -2, -1)),
+    ([0, 1, "mid", -2, -1], (0, 1, "mid", -2, -1)),
+    (" 3 , mid ", (3, "mid")),
+])
+def test_layer_spec_forms(spec, expected):
+    assert parse_layer_spec(spec) == expected
+
+
+@pytest.mark.parametrize("spec", ["", "0,,1", "first", [1.5], [True], 3])
+def test_bad_layer_specs(spec):
+    with pytest.raises(ValueError):
+        parse_layer_spec(spec)
+
+
+def test_default_selection_of_the_normformer_paper():
+    assert resolve_layers(parse_layer_spec("0,1,mid,-2,-1"), 24) == [0, 1, 12, 22, 23]
+
+
+@pytest.mark.parametrize("name,key", [
+    ("layers.3.mlp.weight", 3),
+    ("language_model.encoder.layers.11.self_attention.query_key_value.weight", 11),
+    ("transformer.h.7.attn.c_attn.weight", 7),
+    ("blocks.0.norm1.bias", 0),
+    ("encoder.layer.5.output.dense.weight", 5),
+    ("language_model.embedding.word_embeddings.weight", "language_model.embedding.word_embeddings"),
+    ("transformer.ln_f.weight", "transformer.ln_f"),
+    ("scale", "scale"),
+    ("sublayers.2.weight", "sublayers.2"),  # "layers" must be a whole name component
+])
+def test_default_pattern(name, key):
+    assert bucket_key(name, re.compile(DEFAULT_LAYER_PATTERN)) == key
+
+
+def test_layer_count_includes_frozen_layers():
+    trainable = [("layers.0.w", object()), ("head.w", object())]
+    layer_map = build_layer_map(trainable, ["layers.0.w", "layers.1.w", "layers.2.w", "head.w"])
+    assert layer_map.num_layers == 3
+    assert layer_map.keys == (0, "head")
+    assert layer_map.select(parse_layer_spec("0,-1")) == (0, "head")  # layer 2 is frozen: nothing to report
+
+
+def test_runs_cut_parameters_at_partition_boundaries_and_skip_padding():
+    # three parameters: [0, 10) bucket 0, [12, 20) bucket 0 after 2 padding, [20, 30) bucket 1
+    ranges = [(0, 10, 0), (12, 8, 0), (20, 10, 1)]
+    assert partition_runs(ranges, 0, 15) == [(0, 10, 0), (12, 3, 0)]
+    assert partition_runs(ranges, 15, 15) == [(0, 5, 0), (5, 10, 1)]
+    assert partition_runs(ranges, 30, 15) == []
+
+
+def test_runs_merge_neighbours_of_one_bucket():
+    assert partition_runs([(0, 4, 2), (4, 4, 2), (8, 4, 3)], 0, 12) == [(0, 8, 2), (8, 4, 3)]
+
+
+def test_combined_scale_mirrors_deepspeed_clipping():
+    assert combined_scale(None, 1.0, 8.0) == 8.0
+    assert combined_scale(16.0, 0.0, 8.0) == 8.0
+    assert combined_scale(8.0, 2.0, 8.0) == 8.0  # norm 1 under the clip value 2: no clipping
+    assert combined_scale(32.0, 2.0, 8.0) == pytest.approx(16.0)  # norm 4 clipped to 2
+    assert combined_scale(-1.0, 2.0, 8.0) == math.inf  # DeepSpeed's invalid-norm sentinel
+
+
+def test_config_defaults():
+    config = LayerGradNormsConfig()
+    assert (config.enabled, config.layers, config.interval, config.layer_pattern) == (False, None, 1, None)

@@ -4,7 +4,7 @@ from functools import lru_cache
 
 import pytest
 
-from harness import launch
+from megatron_integration.cpu_launch import launch
 from setup_workers import BAD_BLOCKS, UNSUPPORTED, run_setup_checks
 
 

@@ -10,7 +10,7 @@ from functools import lru_cache
 import pytest
 import torch
 
-from harness import launch
+from megatron_integration.cpu_launch import launch
 from zero_workers import run_cases
 
 STATS = ("norm", "min", "max", "abs_min", "abs_max")

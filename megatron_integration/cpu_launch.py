@@ -1,4 +1,7 @@
-"""Run a function on N CPU ranks (gloo) in fresh processes and collect what each rank returns."""
+"""Run a function on N CPU ranks (gloo) in fresh processes and collect what each rank returns.
+
+Used by the demo and the tests: no launcher, no hostfile, a free loopback port per launch.
+"""
 
 import os
 import pickle

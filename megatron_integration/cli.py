@@ -1,0 +1,54 @@
+"""The ``layer-grad-norms`` command."""
+
+import argparse
+from typing import List, Optional
+
+from deepspeed_patch.config import LAYER_SPEC_FORMS, parse_layer_spec
+
+from .demo import DemoOptions, run_demo
+
+
+def _layer_spec(value: str) -> str:
+    try:
+        parse_layer_spec(value)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(f"{value!r}: {err}") from None
+    return value
+
+
+def _positive(value: str) -> int:
+    if not value.isdigit() or int(value) < 1:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a positive integer")
+    return int(value)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="layer-grad-norms",
+                                     description="Per-layer gradient statistics for DeepSpeed ZeRO-1/2.")
+    commands = parser.add_subparsers(dest="command", required=True)
+    demo = commands.add_parser("demo", help="train a tiny GPT under ZeRO on CPU ranks and show per-layer grad norms")
+    defaults = DemoOptions()
+    demo.add_argument("--steps", type=_positive, default=defaults.steps)
+    demo.add_argument("--num-layers", type=_positive, default=defaults.num_layers)
+    demo.add_argument("--hidden", type=_positive, default=defaults.hidden, help="a multiple of 4 (attention heads)")
+    demo.add_argument("--zero-stage", type=int, choices=(1, 2), default=defaults.zero_stage)
+    demo.add_argument("--world-size", type=_positive, default=defaults.world_size)
+    demo.add_argument("--arch", choices=("preln", "postln"), default=defaults.arch)
+    demo.add_argument("--layers", type=_layer_spec, default=defaults.layers,
+                      help=f"layers to report: {LAYER_SPEC_FORMS}")
+    demo.add_argument("--out", default=defaults.out, help="directory for the per-step statistics")
+    return parser
+
+
+def main(argv: Optional[List[str]] = None) -> None:
+    args = build_parser().parse_args(argv)
+    if args.hidden % 4:
+        build_parser().error(f"--hidden {args.hidden}: must be a multiple of 4 (the number of attention heads)")
+    options = DemoOptions(steps=args.steps, num_layers=args.num_layers, hidden=args.hidden,
+                          zero_stage=args.zero_stage, world_size=args.world_size, arch=args.arch,
+                          layers=args.layers, out=args.out)
+    print(run_demo(options))
+
+
+if __name__ == "__main__":
+    main()

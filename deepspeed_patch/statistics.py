@@ -15,6 +15,8 @@ from deepspeed import comm as dist
 SUMSQ, NONFINITE, MAX, NEG_MIN, NEG_ABS_MIN = range(5)
 NUM_SUMMED = 2  # columns before this one add up; the others take the maximum
 NUM_COLUMNS = 5
+# abs_min needs |x|: taken chunk by chunk, so the temporary stays small whatever the bucket's size.
+ABS_CHUNK = 1 << 22
 
 
 def empty_stats(num_buckets: int, device) -> torch.Tensor:
@@ -28,13 +30,13 @@ def accumulate_runs(stats: torch.Tensor, runs: Sequence[torch.Tensor], buckets: 
     """Fold the statistics of ``runs`` (1-D gradient slices) into their ``buckets`` rows of ``stats``.
 
     One host synchronisation per call: non-finite elements are counted only when a run's min or max
-    says there are some, which keeps the common case to three reads of the gradient.
+    says there are some, which keeps the common case to three reductions over the gradient.
     """
     if not runs:
         return
     sumsq = torch.stack(torch._foreach_norm(runs, 2.0)).double().square()
     min_max = torch.stack([torch.stack(torch.aminmax(run)) for run in runs]).double()
-    abs_min = torch.stack([torch.linalg.vector_norm(run, -math.inf) for run in runs]).double()
+    abs_min = torch.stack([_abs_min(run) for run in runs]).double()
     per_run = torch.stack([sumsq, torch.zeros_like(sumsq), min_max[:, 1], -min_max[:, 0], -abs_min], dim=1)
     if not bool(torch.isfinite(min_max).all()):
         per_run[:, NONFINITE] = torch.stack([torch.count_nonzero(~torch.isfinite(run)) for run in runs]).double()
@@ -42,6 +44,11 @@ def accumulate_runs(stats: torch.Tensor, runs: Sequence[torch.Tensor], buckets: 
     stats[:, :NUM_SUMMED].scatter_add_(0, index, per_run[:, :NUM_SUMMED])
     index = buckets.unsqueeze(1).expand(-1, NUM_COLUMNS - NUM_SUMMED)
     stats[:, NUM_SUMMED:].scatter_reduce_(0, index, per_run[:, NUM_SUMMED:], reduce="amax")
+
+
+def _abs_min(run: torch.Tensor) -> torch.Tensor:
+    # torch.linalg.vector_norm(run, -inf) would need no temporary, but is ~15x slower on CPU.
+    return torch.stack([chunk.abs().amin() for chunk in run.split(ABS_CHUNK)]).amin()
 
 
 def reduce_stats(stats: torch.Tensor, group=None) -> torch.Tensor:

@@ -1,21 +1,27 @@
 """The call sites inside DeepSpeed, applied at run time by ``install()``.
 
-Each wrapper adds one call into ``LayerGradNormTracker`` around an existing method of
-``DeepSpeedEngine`` or ``DeepSpeedZeroOptimizer``; the logic itself lives in the tracker.
+Each wrapper adds a call or two into ``LayerGradNormTracker`` around an existing method of
+``DeepSpeedEngine``, ``DeepSpeedZeroOptimizer`` or ``BF16_Optimizer``; the logic itself lives in the
+tracker and the modules it uses.
 """
 
 import functools
 import logging
-from typing import Callable, Dict, Optional
+from typing import Callable, Dict, List, Optional
 
 import torch
+from deepspeed import comm as dist
+from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
 from deepspeed.runtime.engine import DeepSpeedEngine
 from deepspeed.runtime.pipe.module import PipelineModule
+from deepspeed.runtime.utils import is_model_parallel_parameter
 from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+from deepspeed.utils.bwc import bwc_tensor_model_parallel_rank, bwc_tensor_model_parallel_world_size
 
 from .config import CONFIG_KEY, LayerGradNormsConfig, load_config
-from .layer_map import build_layer_map
-from .partition_slices import zero_partition_slices
+from .layer_map import LayerMap, build_layer_map, build_pipeline_layer_map
+from .partition_slices import bf16_partition_slices, zero_partition_slices
+from .statistics import bf16_clip_divisor, zero_unscale_divisor
 from .tracker import LayerGradNormTracker
 
 logger = logging.getLogger(__name__)
@@ -33,36 +39,67 @@ def engine_config(engine: DeepSpeedEngine) -> LayerGradNormsConfig:
     return load_config(engine._config._param_dict)
 
 
-def attach_tracker(engine: DeepSpeedEngine, optimizer: DeepSpeedZeroOptimizer) -> None:
-    """Build the layer map and partition slices once, at start-up, if the config asks for it."""
+def attach_tracker(engine: DeepSpeedEngine, optimizer, param_groups: List[List[torch.nn.Parameter]],
+                   build_slices: Callable, device) -> None:
+    """Build the layer map and partition slices once, at start-up, if the config asks for it.
+
+    ``param_groups`` are the optimizer's trainable parameters in flat-buffer order, one list per
+    group; ``build_slices(optimizer, group_index, bucket_of, device)`` lays out one group.
+    """
     config = engine_config(engine)
     if not config.enabled:
         return
     _check_supported(engine, optimizer)
     names = optimizer.param_names
-    trainable = [(names[param], param) for group in optimizer.bit16_groups for param in group]
-    layer_map = build_layer_map(trainable, names.values(), config.layer_pattern)
+    trainable = [(names[param], param) for group in param_groups for param in group]
+    layer_map = _layer_map(engine, config, trainable, names.values())
+    tensor_rank = bwc_tensor_model_parallel_rank(engine.mpu)
+
+    def bucket_of(param) -> Optional[int]:
+        # DeepSpeed's global-norm rule: a pipeline-tied copy, and a tensor-parallel replica off
+        # TP rank 0, are counted on another rank.
+        counted_elsewhere = getattr(param, "ds_pipe_replicated", False) or (
+            tensor_rank != 0 and not is_model_parallel_parameter(param))
+        return None if counted_elsewhere else layer_map.bucket_of(param)
+
+    slices = [build_slices(optimizer, index, bucket_of, device) for index in range(len(param_groups))]
+    tracker = LayerGradNormTracker(config, layer_map, slices, _stats_group(engine, optimizer), device)
+    setattr(optimizer, TRACKER_ATTR, tracker)
+
+
+def _layer_map(engine: DeepSpeedEngine, config: LayerGradNormsConfig, trainable, all_names) -> LayerMap:
+    if isinstance(engine.module, PipelineModule):
+        if config.layer_pattern:
+            logger.warning("%s.layer_pattern=%r is ignored for a PipelineModule: its layers come from its specs",
+                           CONFIG_KEY, config.layer_pattern)
+        return build_pipeline_layer_map(engine.module._layer_specs, trainable)
+    layer_map = build_layer_map(trainable, all_names, config.layer_pattern)
     if layer_map.num_layers == 0:
         examples = ", ".join(name for name, _ in trainable[:5])
         logger.warning(
             "%s: no parameter name matches the layer pattern %r (examples: %s); every parameter is "
             "reported in a bucket named after its module", CONFIG_KEY, config.layer_pattern or "default", examples)
-    device = optimizer.single_partition_of_fp32_groups[0].device
-    slices = [
-        zero_partition_slices(optimizer, index, layer_map.bucket_of, device)
-        for index in range(len(optimizer.bit16_groups))
-    ]
-    tracker = LayerGradNormTracker(config, layer_map, slices, optimizer.dp_process_group, device)
-    setattr(optimizer, TRACKER_ATTR, tracker)
+    return layer_map
 
 
-def _check_supported(engine: DeepSpeedEngine, optimizer: DeepSpeedZeroOptimizer) -> None:
+def _stats_group(engine: DeepSpeedEngine, optimizer):
+    """The ranks whose partitions make up the whole model: the data-parallel group, or all ranks
+    when pipeline or tensor parallelism splits the model further."""
+    if engine.mpu is None or engine.mpu.get_model_parallel_world_size() == 1:
+        return optimizer.dp_process_group
+    covered = dist.get_world_size(group=optimizer.dp_process_group) * engine.mpu.get_model_parallel_world_size()
+    if covered != dist.get_world_size():
+        raise UnsupportedSetupError(f"{CONFIG_KEY}: data x model parallel ranks ({covered}) are not all "
+                                    f"{dist.get_world_size()} ranks (sequence or expert parallelism?); not supported")
+    return None
+
+
+def _check_supported(engine: DeepSpeedEngine, optimizer) -> None:
     refusals = {
-        "pipeline parallelism (PipelineModule)": isinstance(engine.module, PipelineModule),
-        "tensor/model parallelism (mpu)": engine.mpu is not None and engine.mpu.get_model_parallel_world_size() > 1,
+        "tensor parallelism": bwc_tensor_model_parallel_world_size(engine.mpu) > 1,
         "MoE expert parameter groups": optimizer.has_moe_layers,
         "ZenFlow": bool(getattr(optimizer, "zenflow", False)),
-        "torch autocast": optimizer.torch_autocast_gradscaler is not None,
+        "torch autocast": getattr(optimizer, "torch_autocast_gradscaler", None) is not None,
         "the Muon optimizer": "muon" in type(optimizer.optimizer).__name__.lower(),
     }
     refused = [what for what, present in refusals.items() if present]
@@ -75,10 +112,10 @@ def check_engine(engine: DeepSpeedEngine) -> None:
     """Fail at initialize when the block is enabled but the engine has no ZeRO-1/2 optimizer to measure."""
     if engine_config(engine).enabled and getattr(engine.optimizer, TRACKER_ATTR, None) is None:
         raise UnsupportedSetupError(
-            f"{CONFIG_KEY} needs the ZeRO stage 1 or 2 optimizer (DeepSpeedZeroOptimizer); this engine uses "
-            f"{type(engine.optimizer).__name__} (zero_optimization.stage={engine.zero_optimization_stage()}, "
-            f"bf16={engine.bfloat16_enabled()}, fp16={engine.fp16_enabled()}). bf16 under ZeRO-1 with fp32 "
-            "gradient accumulation selects BF16_Optimizer, which is not supported yet")
+            f"{CONFIG_KEY} needs the ZeRO stage 1 or 2 optimizer (DeepSpeedZeroOptimizer) or BF16_Optimizer; "
+            f"this engine uses {type(engine.optimizer).__name__} "
+            f"(zero_optimization.stage={engine.zero_optimization_stage()}, bf16={engine.bfloat16_enabled()}, "
+            f"fp16={engine.fp16_enabled()})")
 
 
 def _tracker(optimizer) -> Optional[LayerGradNormTracker]:
@@ -119,7 +156,19 @@ def _configure_zero_optimizer(original):
     def wrapper(self, *args, **kwargs):
         optimizer = original(self, *args, **kwargs)
         if isinstance(optimizer, DeepSpeedZeroOptimizer):
-            attach_tracker(self, optimizer)
+            attach_tracker(self, optimizer, optimizer.bit16_groups, zero_partition_slices,
+                           optimizer.single_partition_of_fp32_groups[0].device)
+        return optimizer
+
+    return wrapper
+
+
+def _configure_bf16_optimizer(original):
+
+    def wrapper(self, *args, **kwargs):
+        optimizer = original(self, *args, **kwargs)
+        attach_tracker(self, optimizer, optimizer.bf16_groups, bf16_partition_slices,
+                       optimizer.fp32_groups_gradients_flat[0].device)
         return optimizer
 
     return wrapper
@@ -134,7 +183,7 @@ def _engine_init(original):
     return wrapper
 
 
-def _step(original):
+def _zero_step(original):
 
     def wrapper(self, *args, **kwargs):
         tracker = _tracker(self)
@@ -142,32 +191,56 @@ def _step(original):
             return original(self, *args, **kwargs)
         tracker.begin_step()
         result = original(self, *args, **kwargs)
-        tracker.end_step()
+        tracker.end_step(self.overflow)
         return result
 
     return wrapper
 
 
-def _unscale_and_clip_grads(original):
+def _zero_unscale_and_clip_grads(original):
+    """ZeRO calls this once per group on the flat fp32 partition, before the optimizer steps on it."""
 
     def wrapper(self, grad_groups_flat, total_norm):
         tracker = _tracker(self)
         if tracker is not None and tracker.measuring:
             flat_grad = grad_groups_flat[0]
-            tracker.observe_partition(_group_of(self, flat_grad), flat_grad, total_norm, self.clip_grad,
-                                      self.loss_scale)
+            tracker.observe(_group_of(self, flat_grad), flat_grad)
+            tracker.set_applied_scale(zero_unscale_divisor(total_norm, self.clip_grad, self.loss_scale))
         return original(self, grad_groups_flat, total_norm)
 
     return wrapper
 
 
-def _update_scale(original):
+def _zero_update_scale(original):
+    """ZeRO calls this once per step, before the loss scale changes and before a skipped step's
+    gradients are dropped."""
 
     def wrapper(self, has_overflow=False):
         tracker = _tracker(self)
         if tracker is not None and tracker.measuring:
-            tracker.observe_loss_scale(self.loss_scale, overflow_partitions(self) if has_overflow else None)
+            tracker.set_gradient_scale(self.loss_scale)
+            if has_overflow:
+                for index, flat_grad in overflow_partitions(self).items():
+                    tracker.observe(index, flat_grad.float())
         return original(self, has_overflow)
+
+    return wrapper
+
+
+def _bf16_step(original):
+    """BF16_Optimizer holds the reduced fp32 gradient when step() starts; it clips it in place."""
+
+    def wrapper(self, *args, **kwargs):
+        tracker = _tracker(self)
+        if tracker is None or not tracker.begin_step():
+            return original(self, *args, **kwargs)
+        for index, flat_grad in enumerate(self.fp32_groups_gradient_flat_partition):
+            tracker.observe(index, flat_grad)
+        result = original(self, *args, **kwargs)
+        if not self.overflow:
+            tracker.set_applied_scale(bf16_clip_divisor(self._global_grad_norm, self.clip_grad))
+        tracker.end_step(self.overflow)
+        return result
 
     return wrapper
 
@@ -190,10 +263,13 @@ def apply() -> bool:
         return False
     _wrap(DeepSpeedEngine, "__init__", _engine_init)
     _wrap(DeepSpeedEngine, "_configure_zero_optimizer", _configure_zero_optimizer)
-    _wrap(DeepSpeedZeroOptimizer, "step", _step)
-    _wrap(DeepSpeedZeroOptimizer, "unscale_and_clip_grads", _unscale_and_clip_grads)
-    _wrap(DeepSpeedZeroOptimizer, "_update_scale", _update_scale)
+    _wrap(DeepSpeedEngine, "_configure_bf16_optimizer", _configure_bf16_optimizer)
+    _wrap(DeepSpeedZeroOptimizer, "step", _zero_step)
+    _wrap(DeepSpeedZeroOptimizer, "unscale_and_clip_grads", _zero_unscale_and_clip_grads)
+    _wrap(DeepSpeedZeroOptimizer, "_update_scale", _zero_update_scale)
+    _wrap(BF16_Optimizer, "step", _bf16_step)
     DeepSpeedZeroOptimizer.get_layer_grad_norms = get_layer_grad_norms
+    BF16_Optimizer.get_layer_grad_norms = get_layer_grad_norms
     DeepSpeedEngine.get_layer_grad_norms = engine_get_layer_grad_norms
     setattr(DeepSpeedZeroOptimizer, _INSTALLED_ATTR, True)
     return True

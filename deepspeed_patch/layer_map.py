@@ -3,11 +3,18 @@
 Built once at start-up from the names DeepSpeed's engine hands its optimizer. A parameter whose
 name carries a transformer-layer index goes to the bucket of that ``int`` index; any other goes to a
 bucket named after the module it belongs to (``"embed"`` for ``embed.weight``).
+
+A ``PipelineModule`` names parameters by spec index (``5.self_attention.dense.weight``) and each
+stage holds only some of them, so its buckets come from the layer specs, the same on every stage:
+the specs of the repeated layer class are the transformer layers, numbered in order.
 """
 
 import re
+from collections import Counter
 from dataclasses import dataclass
 from typing import Dict, Hashable, Iterable, List, Optional, Sequence, Tuple
+
+from torch import nn
 
 from .config import CONFIG_KEY, LayerGradNormsConfigError, LayerToken
 
@@ -92,3 +99,45 @@ def build_layer_map(named_params: Iterable[Tuple[str, object]],
                     param_bucket={pid: index_of[key]
                                   for pid, key in param_key.items()},
                     num_layers=max(model_layers) + 1 if model_layers else 0)
+
+
+def build_pipeline_layer_map(specs: Sequence[object], named_params: Iterable[Tuple[str, object]]) -> LayerMap:
+    """Buckets of a DeepSpeed ``PipelineModule`` from its layer ``specs``; identical on every stage.
+
+    Transformer layers are the specs of the layer class that repeats most; other specs become named
+    buckets: a ``TiedLayerSpec`` by its tie key, any other by its class name.
+    """
+    from deepspeed.runtime.pipe.module import LayerSpec, TiedLayerSpec
+
+    def spec_class(spec) -> Optional[type]:
+        """The module class a spec builds; ``None`` for tied specs and plain functions."""
+        if isinstance(spec, TiedLayerSpec):
+            return None
+        if isinstance(spec, LayerSpec):
+            return spec.typename
+        return type(spec) if isinstance(spec, nn.Module) else None
+
+    classes = Counter(spec_class(spec) for spec in specs if spec_class(spec) is not None)
+    repeated = [cls for cls, count in classes.most_common(1) if count > 1]
+    layer_of_spec = {index: layer for layer, index in enumerate(
+        index for index, spec in enumerate(specs) if repeated and spec_class(spec) is repeated[0])}
+    named_of_spec = {}
+    for index, spec in enumerate(specs):
+        cls = spec_class(spec)
+        if cls is not None and index not in layer_of_spec:
+            named_of_spec[index] = cls.__name__ if classes[cls] == 1 else f"{cls.__name__}.{index}"
+    tied_keys = [spec.key for spec in specs if isinstance(spec, TiedLayerSpec)]
+    keys = tuple(range(len(layer_of_spec))) + tuple(dict.fromkeys(list(named_of_spec.values()) + tied_keys))
+    index_of = {key: position for position, key in enumerate(keys)}
+
+    def key_of(name: str) -> BucketKey:
+        head, _, rest = name.partition(".")
+        if head == "tied_modules":
+            return rest.partition(".")[0]
+        return layer_of_spec.get(int(head), named_of_spec.get(int(head)))
+
+    return LayerMap(keys=keys,
+                    index_of=index_of,
+                    param_bucket={id(param): index_of[key_of(name)]
+                                  for name, param in named_params},
+                    num_layers=len(layer_of_spec))

@@ -1,6 +1,6 @@
 """Which slice of this rank's flat gradient partition belongs to which bucket.
 
-ZeRO-1/2 lays each parameter group out as one flat buffer (parameters back to back, with optional
+ZeRO-1/2 (and BF16_Optimizer) lays each parameter group out as one flat buffer (parameters back to back, with optional
 alignment padding) and gives every data-parallel rank one contiguous partition of it. The flat fp32
 gradient partition the optimizer steps on has exactly that layout, so a parameter's gradient on this
 rank is the intersection of its range in the flat buffer with this rank's partition. Parameters cut
@@ -8,7 +8,7 @@ by a partition boundary contribute their local part; padding belongs to no slice
 """
 
 from dataclasses import dataclass
-from typing import List, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 from deepspeed import comm as dist
@@ -28,18 +28,19 @@ class PartitionSlices:
         return [flat_partition.narrow(0, start, length) for start, length in zip(self.starts, self.lengths)]
 
 
-def partition_runs(param_ranges: Sequence[Tuple[int, int, int]], partition_start: int,
+def partition_runs(param_ranges: Sequence[Tuple[int, int, Optional[int]]], partition_start: int,
                    partition_size: int) -> List[Tuple[int, int, int]]:
     """Runs ``(local_start, length, bucket)`` of one partition.
 
-    ``param_ranges`` holds ``(offset, numel, bucket)`` of each parameter in the flat group buffer.
-    Neighbouring parameters of the same bucket with no padding between them form one run.
+    ``param_ranges`` holds ``(offset, numel, bucket)`` of each parameter in the flat group buffer;
+    a bucket of ``None`` leaves the parameter out (another rank counts it). Neighbouring parameters
+    of the same bucket with no padding between them form one run.
     """
     partition_end = partition_start + partition_size
     runs: List[Tuple[int, int, int]] = []
     for offset, numel, bucket in param_ranges:
         start, end = max(offset, partition_start), min(offset + numel, partition_end)
-        if start >= end:
+        if bucket is None or start >= end:
             continue
         local_start = start - partition_start
         if runs and runs[-1][2] == bucket and runs[-1][0] + runs[-1][1] == local_start:
@@ -64,7 +65,26 @@ def zero_partition_slices(optimizer, group_index: int, bucket_of, device) -> Par
     rank = dist.get_rank(group=optimizer.real_dp_process_group[group_index])
     partition_start = sum(part.numel() for part in partitions[:rank])
     ranges = [(offset, size, bucket_of(param)) for param, offset, size in zip(params, offsets, sizes)]
-    runs = partition_runs(ranges, partition_start, partitions[rank].numel())
+    return _slices(partition_runs(ranges, partition_start, partitions[rank].numel()), device)
+
+
+def bf16_partition_slices(optimizer, group_index: int, bucket_of, device) -> PartitionSlices:
+    """The runs of ``BF16_Optimizer`` group ``group_index`` on this rank.
+
+    Its flat buffer holds the parameters back to back (padding only at the end) and splits into
+    equal data-parallel partitions.
+    """
+    group = optimizer.real_dp_process_group[group_index]
+    partition_size = optimizer.bf16_groups_flat[group_index].numel() // dist.get_world_size(group=group)
+    ranges, offset = [], 0
+    for param in optimizer.bf16_groups[group_index]:
+        ranges.append((offset, param.numel(), bucket_of(param)))
+        offset += param.numel()
+    partition_start = dist.get_rank(group=group) * partition_size
+    return _slices(partition_runs(ranges, partition_start, partition_size), device)
+
+
+def _slices(runs: List[Tuple[int, int, int]], device) -> PartitionSlices:
     return PartitionSlices(starts=tuple(run[0] for run in runs),
                            lengths=tuple(run[1] for run in runs),
                            buckets=torch.tensor([run[2] for run in runs], dtype=torch.int64, device=device))

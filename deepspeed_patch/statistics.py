@@ -11,6 +11,7 @@ from typing import Dict, Hashable, List, Optional, Sequence
 
 import torch
 from deepspeed import comm as dist
+from deepspeed.accelerator import get_accelerator
 
 SUMSQ, NONFINITE, MAX, NEG_MIN, NEG_ABS_MIN = range(5)
 NUM_SUMMED = 2  # columns before this one add up; the others take the maximum
@@ -56,6 +57,8 @@ def reduce_stats(stats: torch.Tensor, group=None) -> torch.Tensor:
     world_size = dist.get_world_size(group=group)
     if world_size == 1:
         return stats
+    # Offloaded partitions live in host memory; the communication backend wants accelerator tensors.
+    stats = stats.to(get_accelerator().current_device_name())
     gathered = [torch.empty_like(stats) for _ in range(world_size)]
     dist.all_gather(gathered, stats, group=group)
     stacked = torch.stack(gathered)
@@ -74,6 +77,8 @@ def bucket_results(stats: torch.Tensor, keys: Sequence[Hashable], selected: Sequ
     results = {}
     for key in selected:
         row = rows[position[key]]
+        if row[MAX] == -math.inf and row[NEG_MIN] == -math.inf:
+            continue  # no element anywhere: a frozen layer, or a pipeline spec without parameters
         results[key] = {
             "norm": math.sqrt(row[SUMSQ]) * scale,
             "min": -row[NEG_MIN] * scale,
@@ -85,7 +90,7 @@ def bucket_results(stats: torch.Tensor, keys: Sequence[Hashable], selected: Sequ
     return results
 
 
-def combined_scale(scaled_total_norm: Optional[torch.Tensor], clip_grad: float, loss_scale: float) -> float:
+def zero_unscale_divisor(scaled_total_norm: Optional[torch.Tensor], clip_grad: float, loss_scale: float) -> float:
     """What ZeRO's ``unscale_and_clip_grads`` divides the flat gradient by: loss scale times clip factor.
 
     Mirrors DeepSpeed 0.19.8, including its use of the loss scale as updated for the next step.
@@ -96,3 +101,11 @@ def combined_scale(scaled_total_norm: Optional[torch.Tensor], clip_grad: float, 
     if not math.isfinite(total_norm) or total_norm < 0:  # DeepSpeed's sentinel for an invalid norm
         return math.inf
     return max(((total_norm / loss_scale) + 1e-6) / clip_grad, 1.0) * loss_scale
+
+
+def bf16_clip_divisor(total_norm: torch.Tensor, clip_grad: float) -> float:
+    """What ``BF16_Optimizer`` divides the gradient by: 1, or the inverse of its clip coefficient."""
+    if clip_grad <= 0.0:
+        return 1.0
+    clip_coef = clip_grad / (float(total_norm) + 1e-6)
+    return 1.0 / clip_coef if clip_coef < 1 else 1.0

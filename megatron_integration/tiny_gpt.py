@@ -86,3 +86,48 @@ def synthetic_batch(config: TinyGPTConfig, batch_size: int, seed: int) -> torch.
     tokens = (start + step * torch.arange(config.seq_len + 1)) % config.vocab_size
     noise = torch.rand(tokens.shape, generator=generator) < 0.1
     return torch.where(noise, torch.randint_like(tokens, config.vocab_size, generator=generator), tokens)
+
+
+class EmbeddingPipe(nn.Module):
+    """Token and position embedding as a pipeline stage: tokens in, hidden states out."""
+
+    def __init__(self, config: TinyGPTConfig) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(config.vocab_size, config.hidden)
+        self.pos_embed = nn.Embedding(config.seq_len, config.hidden)
+
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        return self.embed(inputs) + self.pos_embed(torch.arange(inputs.shape[1], device=inputs.device))
+
+
+def _identity(x: torch.Tensor) -> torch.Tensor:
+    return x
+
+
+def _lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1))
+
+
+def tiny_gpt_pipe_specs(config: TinyGPTConfig, first_layer_index: int = 3) -> list:
+    """Layer specs laid out like Megatron-DeepSpeed's ``GPTModelPipe``.
+
+    Functions pad the front so that the first transformer layer sits at spec index
+    ``first_layer_index``: 3 as in the BigScience fork, 2 as in the Microsoft fork.
+    """
+    from deepspeed.pipe import LayerSpec
+
+    if first_layer_index not in (2, 3):
+        raise ValueError(f"first_layer_index={first_layer_index}: expected 2 or 3")
+    specs = [_identity, LayerSpec(EmbeddingPipe, config)] + [_identity] * (first_layer_index - 2)
+    specs += [LayerSpec(TransformerLayer, config) for _ in range(config.num_layers)]
+    specs += [LayerSpec(nn.LayerNorm, config.hidden),
+              LayerSpec(nn.Linear, config.hidden, config.vocab_size, bias=False)]
+    return specs
+
+
+def tiny_gpt_pipe(config: TinyGPTConfig, num_stages: int, first_layer_index: int = 3):
+    """The tiny GPT as a DeepSpeed ``PipelineModule``; feed it ``(tokens[:, :-1], tokens[:, 1:])``."""
+    from deepspeed.pipe import PipelineModule
+
+    return PipelineModule(layers=tiny_gpt_pipe_specs(config, first_layer_index), loss_fn=_lm_loss,
+                          num_stages=num_stages, partition_method="uniform")

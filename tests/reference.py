@@ -12,6 +12,11 @@ import torch
 
 from megatron_integration.tiny_gpt import TinyGPT, TinyGPTConfig
 
+STATS = ("norm", "min", "max", "abs_min", "abs_max")
+# Worst relative error allowed against the reference (see assert_close_stats).
+# Low-precision runs reduce across ranks in their own dtype, the reference in float64.
+TOLERANCE = {"fp32": 1e-5, "bf16": 2e-2, "fp16": 2e-3}
+
 LAYER_NAME = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 
@@ -66,3 +71,12 @@ def averaged_gradients(weights: Dict[str, torch.Tensor], config: TinyGPTConfig, 
                 total[name] = total[name] + grad if name in total else grad
         count += 1
     return {name: grad / count for name, grad in total.items()}
+
+
+def assert_close_stats(measured, reference, tolerance, stats=STATS):
+    """Relative error: of the norm to the norm, of the elementwise stats to the largest |element|."""
+    for key, ref in reference.items():
+        for stat in stats:
+            scale = max(ref["norm" if stat == "norm" else "abs_max"], 1e-30)
+            error = abs(measured[key][stat] - ref[stat]) / scale
+            assert error <= tolerance, f"bucket {key!r} {stat}: {measured[key][stat]} vs reference {ref[stat]}"

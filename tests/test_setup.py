@@ -46,8 +46,8 @@ def test_unsupported_setup_fails_at_initialize(name):
     assert "ZeRO stage 1 or 2" in error
 
 
-def test_bf16_zero1_error_names_bf16_optimizer():
-    assert "BF16_Optimizer" in single_rank()["unsupported"]["bf16_zero1_bf16_optimizer"]
+def test_unsupported_error_names_the_optimizer_in_use():
+    assert "this engine uses FP16_UnfusedOptimizer" in single_rank()["unsupported"]["fp16_stage0_fp16_optimizer"]
 
 
 def test_disabled_block_is_accepted():

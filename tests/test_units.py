@@ -8,7 +8,7 @@ import pytest
 from deepspeed_patch.config import LayerGradNormsConfig, parse_layer_spec
 from deepspeed_patch.layer_map import DEFAULT_LAYER_PATTERN, bucket_key, build_layer_map, resolve_layers
 from deepspeed_patch.partition_slices import partition_runs
-from deepspeed_patch.statistics import combined_scale
+from deepspeed_patch.statistics import bf16_clip_divisor, zero_unscale_divisor
 
 
 @pytest.mark.parametrize("spec,expected", [
@@ -68,12 +68,18 @@ def test_runs_merge_neighbours_of_one_bucket():
     assert partition_runs([(0, 4, 2), (4, 4, 2), (8, 4, 3)], 0, 12) == [(0, 8, 2), (8, 4, 3)]
 
 
-def test_combined_scale_mirrors_deepspeed_clipping():
-    assert combined_scale(None, 1.0, 8.0) == 8.0
-    assert combined_scale(16.0, 0.0, 8.0) == 8.0
-    assert combined_scale(8.0, 2.0, 8.0) == 8.0  # norm 1 under the clip value 2: no clipping
-    assert combined_scale(32.0, 2.0, 8.0) == pytest.approx(16.0)  # norm 4 clipped to 2
-    assert combined_scale(-1.0, 2.0, 8.0) == math.inf  # DeepSpeed's invalid-norm sentinel
+def test_zero_unscale_divisor_mirrors_deepspeed_clipping():
+    assert zero_unscale_divisor(None, 1.0, 8.0) == 8.0
+    assert zero_unscale_divisor(16.0, 0.0, 8.0) == 8.0
+    assert zero_unscale_divisor(8.0, 2.0, 8.0) == 8.0  # norm 1 under the clip value 2: no clipping
+    assert zero_unscale_divisor(32.0, 2.0, 8.0) == pytest.approx(16.0)  # norm 4 clipped to 2
+    assert zero_unscale_divisor(-1.0, 2.0, 8.0) == math.inf  # DeepSpeed's invalid-norm sentinel
+
+
+def test_bf16_clip_divisor_mirrors_bf16_optimizer():
+    assert bf16_clip_divisor(4.0, 0.0) == 1.0
+    assert bf16_clip_divisor(1.0, 2.0) == 1.0
+    assert bf16_clip_divisor(4.0, 2.0) == pytest.approx(2.0)
 
 
 def test_config_defaults():

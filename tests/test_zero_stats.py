@@ -11,12 +11,8 @@ import pytest
 import torch
 
 from megatron_integration.cpu_launch import launch
+from reference import STATS, TOLERANCE, assert_close_stats
 from zero_workers import run_cases
-
-STATS = ("norm", "min", "max", "abs_min", "abs_max")
-# Worst relative error allowed against the reference (see assert_close_stats).
-# Low-precision runs reduce across ranks in their own dtype, the reference in float64.
-TOLERANCE = {"fp32": 1e-5, "bf16": 2e-2, "fp16": 2e-3}
 
 OFFLOAD = {"offload_optimizer": {"device": "cpu"}}
 
@@ -32,6 +28,8 @@ CASES = {
         "z1_fp32_gas3_clip": {"stage": 1, "gas": 3, "clip": 0.2},
         "z2_bf16_clip": {"stage": 2, "dtype": "bf16", "clip": 0.1, "compare_off": True},
         "z1_bf16_bf16accum": {"stage": 1, "dtype": "bf16", "grad_accum_dtype": "bf16"},
+        "z1_bf16_optimizer_clip_gas2": {"stage": 1, "dtype": "bf16", "grad_accum_dtype": "fp32", "gas": 2,
+                                        "clip": 0.1, "compare_off": True},
         "z2_bf16_fp32accum_gas2": {"stage": 2, "dtype": "bf16", "grad_accum_dtype": "fp32", "gas": 2, "clip": 0.1},
         "z1_fp16_overflow_gas2": {"stage": 1, "dtype": "fp16", "gas": 2, "overflow_step": 2, "clip": 0.1},
         "z2_fp16_clip": {"stage": 2, "dtype": "fp16", "clip": 0.1, "compare_off": True},
@@ -51,6 +49,8 @@ CASES = {
         "z2_bf16": {"stage": 2, "dtype": "bf16", "layers": 5},
         "z1_fp16_overflow": {"stage": 1, "dtype": "fp16", "overflow_step": 2, "layers": 5},
         "z2_round_robin": {"stage": 2, "layers": 5, "zero": {"round_robin_gradients": True}},
+        "z1_bf16_optimizer_groups": {"stage": 1, "dtype": "bf16", "grad_accum_dtype": "fp32", "layers": 5,
+                                     "groups": True},
     },
 }
 
@@ -76,15 +76,6 @@ def measured_steps(record):
     for index, (measured, reference) in enumerate(zip(on["measured"], on["reference"])):
         if measured is not None and measured["step"] == index + 1 and not measured["overflow"]:
             yield index, measured, reference
-
-
-def assert_close_stats(measured, reference, tolerance, stats=STATS):
-    """Relative error: of the norm to the norm, of the elementwise stats to the largest |element|."""
-    for key, ref in reference.items():
-        for stat in stats:
-            scale = max(ref["norm" if stat == "norm" else "abs_max"], 1e-30)
-            error = abs(measured[key][stat] - ref[stat]) / scale
-            assert error <= tolerance, f"bucket {key!r} {stat}: {measured[key][stat]} vs reference {ref[stat]}"
 
 
 @pytest.mark.parametrize("world_size,name", ALL_CASES)
@@ -204,8 +195,8 @@ def test_frozen_parameters_excluded_and_tied_weight_counted_once():
     assert record["on"]["reference"][-1].keys() == measured.keys()
 
 
-def test_uses_the_zero_optimizer():
-    for world_size, cases in CASES.items():
-        for name in cases:
-            record, _ = case_result(world_size, name)
-            assert record["on"]["optimizer"] == "DeepSpeedZeroOptimizer", name
+def test_each_case_exercises_the_intended_optimizer():
+    for world_size, name in ALL_CASES:
+        record, _ = case_result(world_size, name)
+        expected = "BF16_Optimizer" if "bf16_optimizer" in name else "DeepSpeedZeroOptimizer"
+        assert record["on"]["optimizer"] == expected, name

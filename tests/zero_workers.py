@@ -103,7 +103,7 @@ def train(case: Dict[str, Any], enabled: bool) -> Dict[str, Any]:
     record = {"losses": [], "measured": [], "global_norm": [], "reference": [], "applied": [], "loss_scales": []}
     for step in range(1, case["steps"] + 1):
         before = {name: p.detach().float().clone() for name, p in engine.module.named_parameters()}
-        scale_before = engine.optimizer.loss_scale
+        scale_before = getattr(engine.optimizer, "loss_scale", 1.0)  # BF16_Optimizer has none
         for batch in batches_of_step(case, step, world_size, rank):
             loss = engine(batch)
             record["losses"].append(loss.item())
@@ -112,7 +112,7 @@ def train(case: Dict[str, Any], enabled: bool) -> Dict[str, Any]:
             engine.backward(loss)
             engine.step()
         after = {name: p.detach().float() for name, p in engine.module.named_parameters()}
-        record["loss_scales"].append((float(scale_before), float(engine.optimizer.loss_scale)))
+        record["loss_scales"].append((float(scale_before), float(getattr(engine.optimizer, "loss_scale", 1.0))))
         # SGD with lr=1: the update is the gradient the optimizer consumed, after clipping.
         record["applied"].append(bucket_stats({n: before[n] - after[n] for n, _ in trainable}))
         record["measured"].append(engine.get_layer_grad_norms())

@@ -1,0 +1,94 @@
+"""What each rank runs in the pipeline tests: the tiny GPT as a 2-stage PipelineModule.
+
+The reference is the same network as an ordinary TinyGPT with the same weights (gathered from
+all stages before each step), run in plain PyTorch on the same micro-batches.
+"""
+
+import logging
+from typing import Any, Dict
+
+import torch
+
+import deepspeed_patch
+from megatron_integration.tiny_gpt import TinyGPT, TinyGPTConfig, synthetic_batch, tiny_gpt_pipe
+from reference import averaged_gradients, bucket_stats
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+MICRO_BATCH = 2
+
+DEFAULT_CASE: Dict[str, Any] = {"first_layer_index": 3, "dtype": "fp32", "gas": 2, "clip": 0.0, "steps": 3,
+                                "layers": 4}
+
+
+def plain_name(pipe_name: str, first_layer_index: int, num_layers: int) -> str:
+    """The TinyGPT name of a parameter of the pipelined tiny GPT (spec index first)."""
+    index, _, rest = pipe_name.partition(".")
+    index = int(index)
+    if index == 1:
+        return rest  # EmbeddingPipe holds embed and pos_embed
+    if first_layer_index <= index < first_layer_index + num_layers:
+        return f"layers.{index - first_layer_index}.{rest}"
+    return f"{'final_layernorm' if index == first_layer_index + num_layers else 'head'}.{rest}"
+
+
+def full_weights(engine, case) -> Dict[str, torch.Tensor]:
+    """Every stage's weights, under TinyGPT names, on every rank."""
+    from deepspeed import comm as dist
+
+    local = {plain_name(name, case["first_layer_index"], case["layers"]): p.detach().float().clone()
+             for name, p in engine.module.named_parameters()}
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, local)
+    return {name: weight for part in gathered for name, weight in part.items()}
+
+
+def train_pipe(case: Dict[str, Any]) -> Dict[str, Any]:
+    import deepspeed
+    from deepspeed import comm as dist
+
+    config = TinyGPTConfig(num_layers=case["layers"])
+    torch.manual_seed(0)
+    plain = dict(TinyGPT(config).named_parameters())
+    pipe = tiny_gpt_pipe(config, num_stages=dist.get_world_size(), first_layer_index=case["first_layer_index"])
+    with torch.no_grad():
+        for name, param in pipe.named_parameters():
+            param.copy_(plain[plain_name(name, case["first_layer_index"], case["layers"])])
+    ds_config = {
+        "train_micro_batch_size_per_gpu": MICRO_BATCH,
+        "gradient_accumulation_steps": case["gas"],
+        "gradient_clipping": case["clip"],
+        "zero_optimization": {"stage": 1},
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 10**9,
+        "layer_grad_norms": {"enabled": True},
+    }
+    if case["dtype"] == "bf16":
+        ds_config.update(bf16={"enabled": True}, data_types={"grad_accum_dtype": "fp32"})
+    engine, *_ = deepspeed.initialize(model=pipe, model_parameters=[p for p in pipe.parameters()],
+                                      optimizer=lambda params: torch.optim.SGD(params, lr=1.0), config=ds_config)
+    record = {"measured": [], "global_norm": [], "reference": [], "optimizer": type(engine.optimizer).__name__}
+    for step in range(1, case["steps"] + 1):
+        batches = [synthetic_batch(config, MICRO_BATCH, seed=100 * step + micro) for micro in range(case["gas"])]
+        before = full_weights(engine, case)
+        engine.train_batch(data_iter=iter([(batch[:, :-1], batch[:, 1:]) for batch in batches]))
+        record["measured"].append(engine.get_layer_grad_norms())
+        record["global_norm"].append(float(engine.get_global_grad_norm()))
+        grads = averaged_gradients(before, config, DTYPES[case["dtype"]], batches)
+        record["reference"].append(bucket_stats(grads))
+    engine.destroy()
+    return record
+
+
+def run_pipeline_cases(cases: Dict[str, Dict[str, Any]]) -> Dict[str, Any]:
+    import traceback
+
+    deepspeed_patch.install()
+    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+    results = {}
+    for name, overrides in cases.items():
+        case = {**DEFAULT_CASE, **overrides}
+        try:
+            results[name] = {"on": train_pipe(case), "case": case}
+        except Exception:
+            results[name] = {"error": traceback.format_exc(), "case": case}
+    return results

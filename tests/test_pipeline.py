@@ -1,0 +1,74 @@
+"""Per-layer statistics under pipeline parallelism: 2 stages on 2 CPU ranks, both spec offsets.
+
+Layer keys come from the specs (never from a hard-coded offset), every rank reports every layer,
+and the values match the same network run as an ordinary module.
+"""
+
+import math
+from functools import lru_cache
+
+import pytest
+
+from megatron_integration.cpu_launch import launch
+from pipeline_workers import run_pipeline_cases
+from reference import TOLERANCE, assert_close_stats
+
+CASES = {
+    "offset3_zero1_fp32_clip": {"first_layer_index": 3, "clip": 0.1},
+    "offset2_zero1_fp32": {"first_layer_index": 2},
+    "offset3_bf16_optimizer_clip": {"first_layer_index": 3, "dtype": "bf16", "clip": 0.1},
+    "offset2_bf16_optimizer": {"first_layer_index": 2, "dtype": "bf16", "layers": 5},
+}
+# Named buckets of the pipelined model (spec class or tie key) and the TinyGPT modules they hold.
+NAMED = {"EmbeddingPipe": ("embed", "pos_embed"), "LayerNorm": ("final_layernorm", ), "Linear": ("head", )}
+
+
+@lru_cache(maxsize=None)
+def two_stages():
+    return launch(run_pipeline_cases, 2, CASES)
+
+
+def records(name):
+    by_rank = [ranks[name] for ranks in two_stages()]
+    if "error" in by_rank[0]:
+        pytest.fail(by_rank[0]["error"])
+    return [rank["on"] for rank in by_rank]
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_layers_match_the_plain_module(name):
+    record = records(name)[0]
+    tolerance = TOLERANCE[CASES[name].get("dtype", "fp32")]
+    layers = CASES[name].get("layers", 4)
+    for measured, reference in zip(record["measured"], record["reference"]):
+        assert sorted(key for key in measured["pre_clip"] if isinstance(key, int)) == list(range(layers))
+        assert_close_stats(measured["pre_clip"], {k: v for k, v in reference.items() if isinstance(k, int)},
+                           tolerance)
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_named_buckets_hold_embedding_norm_and_head(name):
+    record = records(name)[0]
+    tolerance = TOLERANCE[CASES[name].get("dtype", "fp32")]
+    for measured, reference in zip(record["measured"], record["reference"]):
+        assert set(NAMED) == {key for key in measured["pre_clip"] if isinstance(key, str)}
+        for key, modules in NAMED.items():
+            expected = math.sqrt(sum(reference[module]["norm"]**2 for module in modules))
+            assert measured["pre_clip"][key]["norm"] == pytest.approx(expected, rel=tolerance)
+            assert measured["pre_clip"][key]["max"] == pytest.approx(max(reference[m]["max"] for m in modules),
+                                                                     rel=tolerance)
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_norms_add_up_to_global_norm_and_ranks_agree(name):
+    first, second = records(name)
+    assert repr(first["measured"]) == repr(second["measured"])
+    for measured, global_norm in zip(first["measured"], first["global_norm"]):
+        combined = math.sqrt(sum(stats["norm"]**2 for stats in measured["pre_clip"].values()))
+        assert combined == pytest.approx(global_norm, rel=1e-5)
+
+
+def test_bf16_cases_use_bf16_optimizer():
+    for name, case in CASES.items():
+        expected = "BF16_Optimizer" if case.get("dtype") == "bf16" else "DeepSpeedZeroOptimizer"
+        assert records(name)[0]["optimizer"] == expected

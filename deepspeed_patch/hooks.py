@@ -16,7 +16,7 @@ from deepspeed.runtime.engine import DeepSpeedEngine
 from deepspeed.runtime.pipe.module import PipelineModule
 from deepspeed.runtime.utils import is_model_parallel_parameter
 from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
-from deepspeed.utils.bwc import bwc_tensor_model_parallel_rank, bwc_tensor_model_parallel_world_size
+from deepspeed.utils.bwc import bwc_tensor_model_parallel_rank
 
 from .config import CONFIG_KEY, LayerGradNormsConfig, load_config
 from .layer_map import LayerMap, build_layer_map, build_pipeline_layer_map
@@ -96,7 +96,6 @@ def _stats_group(engine: DeepSpeedEngine, optimizer):
 
 def _check_supported(engine: DeepSpeedEngine, optimizer) -> None:
     refusals = {
-        "tensor parallelism": bwc_tensor_model_parallel_world_size(engine.mpu) > 1,
         "MoE expert parameter groups": optimizer.has_moe_layers,
         "ZenFlow": bool(getattr(optimizer, "zenflow", False)),
         "torch autocast": getattr(optimizer, "torch_autocast_gradscaler", None) is not None,

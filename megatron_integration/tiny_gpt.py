@@ -104,6 +104,10 @@ def _identity(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+def _tied_logits(embedding: EmbeddingPipe, hidden: torch.Tensor) -> torch.Tensor:
+    return F.linear(hidden, embedding.embed.weight)
+
+
 def _lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1))
 
@@ -112,17 +116,23 @@ def tiny_gpt_pipe_specs(config: TinyGPTConfig, first_layer_index: int = 3) -> li
     """Layer specs laid out like Megatron-DeepSpeed's ``GPTModelPipe``.
 
     Functions pad the front so that the first transformer layer sits at spec index
-    ``first_layer_index``: 3 as in the BigScience fork, 2 as in the Microsoft fork.
+    ``first_layer_index``: 3 as in the BigScience fork, 2 as in the Microsoft fork. With
+    ``config.tie_embeddings`` the head reuses the embedding through ``TiedLayerSpec``s, as there.
     """
-    from deepspeed.pipe import LayerSpec
+    from deepspeed.pipe import LayerSpec, TiedLayerSpec
 
     if first_layer_index not in (2, 3):
         raise ValueError(f"first_layer_index={first_layer_index}: expected 2 or 3")
-    specs = [_identity, LayerSpec(EmbeddingPipe, config)] + [_identity] * (first_layer_index - 2)
+    if config.tie_embeddings:
+        embedding = TiedLayerSpec("embed", EmbeddingPipe, config, tied_weight_attr=["embed.weight"])
+        head = TiedLayerSpec("embed", EmbeddingPipe, config, forward_fn=_tied_logits,
+                             tied_weight_attr=["embed.weight"])
+    else:
+        embedding = LayerSpec(EmbeddingPipe, config)
+        head = LayerSpec(nn.Linear, config.hidden, config.vocab_size, bias=False)
+    specs = [_identity, embedding] + [_identity] * (first_layer_index - 2)
     specs += [LayerSpec(TransformerLayer, config) for _ in range(config.num_layers)]
-    specs += [LayerSpec(nn.LayerNorm, config.hidden),
-              LayerSpec(nn.Linear, config.hidden, config.vocab_size, bias=False)]
-    return specs
+    return specs + [LayerSpec(nn.LayerNorm, config.hidden), head]
 
 
 def tiny_gpt_pipe(config: TinyGPTConfig, num_stages: int, first_layer_index: int = 3):

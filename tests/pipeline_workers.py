@@ -17,12 +17,14 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 MICRO_BATCH = 2
 
 DEFAULT_CASE: Dict[str, Any] = {"first_layer_index": 3, "dtype": "fp32", "gas": 2, "clip": 0.0, "steps": 3,
-                                "layers": 4}
+                                "layers": 4, "tie": False}
 
 
 def plain_name(pipe_name: str, first_layer_index: int, num_layers: int) -> str:
-    """The TinyGPT name of a parameter of the pipelined tiny GPT (spec index first)."""
+    """The TinyGPT name of a parameter of the pipelined tiny GPT (spec index, or the tie key, first)."""
     index, _, rest = pipe_name.partition(".")
+    if index == "tied_modules":
+        return rest.partition(".")[2]  # tied_modules.embed.<EmbeddingPipe parameter>
     index = int(index)
     if index == 1:
         return rest  # EmbeddingPipe holds embed and pos_embed
@@ -32,21 +34,23 @@ def plain_name(pipe_name: str, first_layer_index: int, num_layers: int) -> str:
 
 
 def full_weights(engine, case) -> Dict[str, torch.Tensor]:
-    """Every stage's weights, under TinyGPT names, on every rank."""
+    """Every stage's weights, under TinyGPT names, on every rank; the first stage's copy of tied ones."""
     from deepspeed import comm as dist
 
     local = {plain_name(name, case["first_layer_index"], case["layers"]): p.detach().float().clone()
              for name, p in engine.module.named_parameters()}
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, local)
-    return {name: weight for part in gathered for name, weight in part.items()}
+    # A tied module's copy on a later stage is only used for its tied weight (the head); the
+    # first stage's copy is the one whose other parameters (pos_embed) the model really uses.
+    return {name: weight for part in reversed(gathered) for name, weight in part.items()}
 
 
 def train_pipe(case: Dict[str, Any]) -> Dict[str, Any]:
     import deepspeed
     from deepspeed import comm as dist
 
-    config = TinyGPTConfig(num_layers=case["layers"])
+    config = TinyGPTConfig(num_layers=case["layers"], tie_embeddings=case["tie"])
     torch.manual_seed(0)
     plain = dict(TinyGPT(config).named_parameters())
     pipe = tiny_gpt_pipe(config, num_stages=dist.get_world_size(), first_layer_index=case["first_layer_index"])

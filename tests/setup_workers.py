@@ -118,6 +118,32 @@ UNSUPPORTED = {
 }
 
 
+class MoEModel(torch.nn.Module):
+    """One linear layer, then a 2-expert DeepSpeed MoE layer."""
+
+    def __init__(self) -> None:
+        from deepspeed.moe.layer import MoE
+
+        super().__init__()
+        self.inp = torch.nn.Linear(8, 8)
+        self.moe = MoE(hidden_size=8, expert=torch.nn.Linear(8, 8), num_experts=2, k=1)
+
+
+def moe_error() -> str:
+    """The error for a model with MoE expert parameter groups, as ``Type: message``."""
+    import deepspeed
+    from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
+
+    model = MoEModel()
+    groups = split_params_into_different_moe_groups_for_optimizer([{"params": list(model.parameters()), "name": "p"}])
+    try:
+        deepspeed.initialize(model=model, optimizer=torch.optim.SGD(groups, lr=0.1),
+                             config=base_config(layer_grad_norms={"enabled": True}))
+    except Exception as err:
+        return f"{type(err).__name__}: {err}"
+    return ""
+
+
 def run_setup_checks(collectives_only: bool) -> Dict[str, Any]:
     deepspeed_patch.install()
     force_fp16_on_cpu()
@@ -135,4 +161,5 @@ def run_setup_checks(collectives_only: bool) -> Dict[str, Any]:
     results["unsupported"] = {name: initialize_error(config) for name, config in UNSUPPORTED.items()}
     results["disabled_block_ok"] = initialize_error(base_config(layer_grad_norms={"enabled": False}))
     results["no_match"] = no_match_warning()
+    results["moe"] = moe_error()
     return results

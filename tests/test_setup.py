@@ -50,6 +50,10 @@ def test_unsupported_error_names_the_optimizer_in_use():
     assert "this engine uses FP16_UnfusedOptimizer" in single_rank()["unsupported"]["fp16_stage0_fp16_optimizer"]
 
 
+def test_moe_is_refused_at_initialize_naming_it():
+    assert single_rank()["moe"].startswith("UnsupportedSetupError: layer_grad_norms does not support MoE")
+
+
 def test_disabled_block_is_accepted():
     assert single_rank()["disabled_block_ok"] == ""
 

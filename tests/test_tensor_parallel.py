@@ -1,0 +1,43 @@
+"""Per-layer statistics under tensor parallelism (TP=2 on 2 CPU ranks, Megatron-style mpu).
+
+Column-parallel shards count on every TP rank, replicated parameters (layer norms, the row-parallel
+bias, embedding, head) once; the reference is the unsharded model rebuilt from both ranks' shards.
+"""
+
+import math
+from functools import lru_cache
+
+import pytest
+
+from megatron_integration.cpu_launch import launch
+from reference import TOLERANCE, assert_close_stats
+from tp_workers import run_tensor_parallel
+
+
+@lru_cache(maxsize=None)
+def tp2():
+    return launch(run_tensor_parallel, 2, 0.5)
+
+
+def test_every_bucket_matches_the_unsharded_reference():
+    record = tp2()[0]
+    for measured, reference in zip(record["measured"], record["reference"]):
+        assert set(measured["pre_clip"]) == set(reference)
+        assert_close_stats(measured["pre_clip"], reference, TOLERANCE["fp32"])
+
+
+def test_norms_add_up_to_global_norm_and_tensor_parallel_ranks_agree():
+    first, second = tp2()
+    assert repr(first["measured"]) == repr(second["measured"])
+    for measured, global_norm in zip(first["measured"], first["global_norm"]):
+        combined = math.sqrt(sum(stats["norm"]**2 for stats in measured["pre_clip"].values()))
+        assert combined == pytest.approx(global_norm, rel=1e-5)
+
+
+def test_clipping_applies_one_factor():
+    record = tp2()[0]
+    clipped = [m for m in record["measured"] if m["clip_coef"] < 1]
+    assert clipped, "the clip value should clip at least one step"
+    for measured in clipped:
+        for key, stats in measured["pre_clip"].items():
+            assert measured["post_clip"][key]["norm"] == pytest.approx(stats["norm"] * measured["clip_coef"])

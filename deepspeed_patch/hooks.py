@@ -7,6 +7,7 @@ tracker and the modules it uses.
 
 import functools
 import logging
+import weakref
 from typing import Callable, Dict, List, Optional
 
 import torch
@@ -63,7 +64,9 @@ def attach_tracker(engine: DeepSpeedEngine, optimizer, param_groups: List[List[t
         return None if counted_elsewhere else layer_map.bucket_of(param)
 
     slices = [build_slices(optimizer, index, bucket_of, device) for index in range(len(param_groups))]
-    tracker = LayerGradNormTracker(config, layer_map, slices, _stats_group(engine, optimizer), device)
+    engine_ref = weakref.ref(engine)
+    tracker = LayerGradNormTracker(config, layer_map, slices, _stats_group(engine, optimizer), device,
+                                   completed_steps=lambda: engine_ref().global_steps)
     setattr(optimizer, TRACKER_ATTR, tracker)
 
 

@@ -10,11 +10,11 @@ The optimizer's ``step()`` drives it:
   clipping together; not called on a step the loss scaler skips.
 - ``end_step(overflow)`` once at the end: one collective, then the result dict.
 
-Unmeasured steps cost a counter increment and a few attribute reads.
+Unmeasured steps cost one modulo and a few attribute reads.
 """
 
 import logging
-from typing import Dict, Hashable, List, Optional
+from typing import Callable, Dict, Hashable, List, Optional
 
 import torch
 
@@ -30,14 +30,17 @@ class LayerGradNormTracker:
     """Per-layer gradient statistics for one ZeRO-1/2 optimizer."""
 
     def __init__(self, config: LayerGradNormsConfig, layer_map: LayerMap, slices: List[PartitionSlices],
-                 dp_group, device) -> None:
+                 group, device, completed_steps: Callable[[], int]) -> None:
+        """``group``: the ranks to combine over; ``completed_steps()``: the engine's optimizer steps so far
+        (restored from a checkpoint), so that ``step`` and the interval follow the training iteration."""
         self.interval = config.interval
         self.layer_map = layer_map
         self.selected = layer_map.select(config.layers)
         self.slices = slices
-        self.dp_group = dp_group
+        self.group = group
         self.device = device
-        self.steps = 0
+        self.completed_steps = completed_steps
+        self.step = 0
         self.measuring = False
         self.result: Optional[dict] = None
         self._stats: Optional[torch.Tensor] = None
@@ -46,9 +49,9 @@ class LayerGradNormTracker:
         self._applied_scale = 1.0
 
     def begin_step(self) -> bool:
-        """Count the optimizer step; measure it if it falls on the interval."""
-        self.steps += 1
-        self.measuring = self.steps % self.interval == 0
+        """Number this optimizer step; measure it if it falls on the interval."""
+        self.step = self.completed_steps() + 1
+        self.measuring = self.step % self.interval == 0
         if self.measuring:
             self._stats = empty_stats(len(self.layer_map.keys), self.device)
             self._observed = set()
@@ -80,10 +83,10 @@ class LayerGradNormTracker:
             return
         self.measuring = False
         if len(self._observed) != len(self.slices):
-            logger.warning("layer_grad_norms: step %d saw %d of %d parameter groups; not reported", self.steps,
+            logger.warning("layer_grad_norms: step %d saw %d of %d parameter groups; not reported", self.step,
                            len(self._observed), len(self.slices))
             return
-        stats = reduce_stats(self._stats, self.dp_group)
+        stats = reduce_stats(self._stats, self.group)
         self._stats = None
         keys = self.layer_map.keys
         pre_clip = bucket_results(stats, keys, self.selected, 1.0 / self._gradient_scale)
@@ -92,7 +95,7 @@ class LayerGradNormTracker:
             clip_coef = self._gradient_scale / self._applied_scale
             post_clip = bucket_results(stats, keys, self.selected, 1.0 / self._applied_scale)
         self.result = {
-            "step": self.steps,
+            "step": self.step,
             "overflow": bool(overflow),
             "clip_coef": clip_coef,
             "pre_clip": pre_clip,

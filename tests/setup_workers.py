@@ -1,7 +1,8 @@
 """What each rank runs for the set-up tests: config errors, refused set-ups, warnings, collectives."""
 
+import contextlib
 import logging
-from typing import Any, Dict, List
+from typing import Any, Dict, Iterator, List
 
 import torch
 
@@ -66,12 +67,11 @@ def no_match_warning() -> Dict[str, Any]:
     return {"warnings": handler.messages, "keys": keys}
 
 
-def collectives_per_step(block: Dict[str, Any], steps: int) -> List[int]:
-    """Collective calls made inside each ``engine.step()`` of a run with ``block`` as the config block."""
+@contextlib.contextmanager
+def counting_collectives() -> Iterator[List[int]]:
+    """Count calls to DeepSpeed's collectives inside the block, in the one-element list it yields."""
     from deepspeed import comm
 
-    engine = initialize(base_config(layer_grad_norms=block) if block else base_config())
-    counts = []
     calls = [0]
     originals = {name: getattr(comm, name) for name in COLLECTIVES if hasattr(comm, name)}
 
@@ -83,16 +83,23 @@ def collectives_per_step(block: Dict[str, Any], steps: int) -> List[int]:
 
         return wrapper
 
+    for name, original in originals.items():
+        setattr(comm, name, counting(original))
+    try:
+        yield calls
+    finally:
+        for name, original in originals.items():
+            setattr(comm, name, original)
+
+
+def collectives_per_step(block: Dict[str, Any], steps: int) -> List[int]:
+    """Collective calls made inside each ``engine.step()`` of a run with ``block`` as the config block."""
+    engine = initialize(base_config(layer_grad_norms=block) if block else base_config())
+    counts = []
     for step in range(steps):
         engine.backward(engine(synthetic_batch(TinyGPTConfig(), 2, seed=step)))
-        calls[0] = 0
-        for name, original in originals.items():
-            setattr(comm, name, counting(original))
-        try:
+        with counting_collectives() as calls:
             engine.step()
-        finally:
-            for name, original in originals.items():
-                setattr(comm, name, original)
         counts.append(calls[0])
     engine.destroy()
     return counts

@@ -1,0 +1,73 @@
+"""Megatron-style command-line flags for per-layer gradient norms, and the ds_config they fill.
+
+``add_layer_grad_norms_args`` works as an ``extra_args_provider`` or inside ``parse_args``;
+``layer_grad_norms_ds_config`` turns the flags into the ``layer_grad_norms`` block, so no JSON edit
+is needed. A block already in the user's ds_config wins, with a warning when the two disagree.
+"""
+
+import argparse
+import copy
+import json
+import logging
+from typing import Any, Dict, Optional, Union
+
+from deepspeed_patch.config import CONFIG_KEY, LAYER_SPEC_FORMS, parse_layer_spec
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_LAYERS = "0,1,mid,-2,-1"  # the five layers of the NormFormer paper's figure
+
+
+def add_layer_grad_norms_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add the "layer grad norms" argument group to a Megatron argument parser."""
+    group = parser.add_argument_group(title="layer grad norms")
+    group.add_argument("--log-layer-grad-norms", action="store_true",
+                       help="Log per-layer gradient norm, min and max (pre- and post-clip) to TensorBoard "
+                       "and the training log.")
+    group.add_argument("--layer-grad-norms-layers", type=str, default=DEFAULT_LAYERS,
+                       help=f"Layers to log: {LAYER_SPEC_FORMS} (default: {DEFAULT_LAYERS}).")
+    group.add_argument("--layer-grad-norms-interval", type=int, default=None,
+                       help="Measure every N iterations (default: --tensorboard-log-interval).")
+    return parser
+
+
+def layer_grad_norms_interval(args: argparse.Namespace) -> int:
+    """The measuring interval: the flag, else the TensorBoard log interval, else every iteration."""
+    return args.layer_grad_norms_interval or getattr(args, "tensorboard_log_interval", None) or 1
+
+
+def layer_grad_norms_block(args: argparse.Namespace) -> Optional[Dict[str, Any]]:
+    """The ``layer_grad_norms`` ds_config block the flags ask for; ``None`` without the flag."""
+    if not getattr(args, "log_layer_grad_norms", False):
+        return None
+    try:
+        parse_layer_spec(args.layer_grad_norms_layers)
+    except ValueError as err:
+        raise ValueError(f"--layer-grad-norms-layers={args.layer_grad_norms_layers!r}: {err}") from None
+    if args.layer_grad_norms_interval is not None and args.layer_grad_norms_interval < 1:
+        raise ValueError(f"--layer-grad-norms-interval={args.layer_grad_norms_interval}: must be 1 or more")
+    return {"enabled": True, "layers": args.layer_grad_norms_layers, "interval": layer_grad_norms_interval(args)}
+
+
+def layer_grad_norms_ds_config(args: argparse.Namespace,
+                               ds_config: Union[Dict[str, Any], str, None] = None) -> Optional[Dict[str, Any]]:
+    """The ds_config to initialize DeepSpeed with, its ``layer_grad_norms`` block filled from the flags.
+
+    ``ds_config`` is a dict, a path to the JSON file, or ``None`` for ``args.deepspeed_config``.
+    Without ``--log-layer-grad-norms`` the config comes back unchanged (a dict, or the path as given).
+    """
+    if ds_config is None:
+        ds_config = getattr(args, "deepspeed_config_dict", None) or getattr(args, "deepspeed_config", None)
+    block = layer_grad_norms_block(args)
+    if block is None:
+        return ds_config
+    if isinstance(ds_config, str):
+        with open(ds_config) as config_file:
+            ds_config = json.load(config_file)
+    config = copy.deepcopy(ds_config) if ds_config else {}
+    existing = config.get(CONFIG_KEY)
+    if existing is None:
+        config[CONFIG_KEY] = block
+    elif any(key in existing and existing[key] != value for key, value in block.items()):
+        logger.warning("the ds_config block %s=%s wins over the command-line flags (%s)", CONFIG_KEY, existing, block)
+    return config

@@ -1,11 +1,16 @@
 """The ``layer-grad-norms`` command."""
 
 import argparse
+import json
+import os
 from typing import List, Optional
 
 from deepspeed_patch.config import LAYER_SPEC_FORMS, parse_layer_spec
 
 from .demo import DemoOptions, run_demo
+from .plot import plot_layer_norms
+from .report import format_report, summarize
+from .tensorboard_reader import NoLayerDataError, read_layer_series
 
 
 def _layer_spec(value: str) -> str:
@@ -36,14 +41,36 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--arch", choices=("preln", "postln"), default=defaults.arch)
     demo.add_argument("--layers", type=_layer_spec, default=defaults.layers,
                       help=f"layers to report: {LAYER_SPEC_FORMS}")
-    demo.add_argument("--out", default=defaults.out, help="directory for the per-step statistics")
+    demo.add_argument("--out", default=defaults.out, help="directory for TensorBoard, the figure and the report")
+    plot = commands.add_parser("plot", help="draw the per-layer gradient-norm figure of a TensorBoard directory")
+    plot.add_argument("logdir")
+    plot.add_argument("-o", "--output", help="PNG or SVG file (default: LOGDIR/layer_grad_norms.png)")
+    report = commands.add_parser("report", help="per-layer medians, early/late ratio, clipping, overflow")
+    report.add_argument("logdir")
+    report.add_argument("--json", action="store_true", help="print the report as JSON")
     return parser
 
 
 def main(argv: Optional[List[str]] = None) -> None:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "plot":
+            output = args.output or os.path.join(args.logdir, "layer_grad_norms.png")
+            plot_layer_norms(read_layer_series(args.logdir), output)
+            print(f"figure: {output}")
+        elif args.command == "report":
+            summary = summarize(read_layer_series(args.logdir))
+            print(json.dumps(summary, indent=2) if args.json else format_report(summary))
+        else:
+            run_demo_command(parser, args)
+    except NoLayerDataError as err:
+        parser.exit(2, f"layer-grad-norms {args.command}: {err}\n")
+
+
+def run_demo_command(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if args.hidden % 4:
-        build_parser().error(f"--hidden {args.hidden}: must be a multiple of 4 (the number of attention heads)")
+        parser.error(f"--hidden {args.hidden}: must be a multiple of 4 (the number of attention heads)")
     options = DemoOptions(steps=args.steps, num_layers=args.num_layers, hidden=args.hidden,
                           zero_stage=args.zero_stage, world_size=args.world_size, arch=args.arch,
                           layers=args.layers, out=args.out)

@@ -12,13 +12,17 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_demo_end_to_end(tmp_path, capsys):
-    main(["demo", "--steps", "6", "--num-layers", "4", "--hidden", "16", "--out", str(tmp_path)])
+    main(["demo", "--steps", "6", "--num-layers", "5", "--hidden", "16", "--layers", "0,1,mid,-2,-1",
+          "--out", str(tmp_path)])
     output = capsys.readouterr().out
-    assert "early/late ratio (layers 0,1 vs -2,-1)" in output
-    records = [json.loads(line) for line in (tmp_path / "layer_grad_norms.jsonl").read_text().splitlines()]
-    assert [record["step"] for record in records] == list(range(1, 7))
-    # 4 layers: 0, 1, mid = 2, -2 = 2, -1 = 3
-    assert sorted(key for key in records[-1]["pre_clip"] if key.isdigit()) == ["0", "1", "2", "3"]
+    assert "early/late ratio: " in output
+    assert f"figure: {tmp_path / 'layer_grad_norms.png'}" in output
+    assert (tmp_path / "layer_grad_norms.png").read_bytes()[:4] == b"\x89PNG"
+    assert "in this run early layers' gradients (layers 0, 1)" in (tmp_path / "report.txt").read_text()
+    main(["report", str(tmp_path / "tensorboard"), "--json"])
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["steps"] == [1, 6]
+    assert list(summary["median_norm"]) == ["0", "1", "2", "3", "4"]  # 0, 1, mid = 2, -2 = 3, -1 = 4
 
 
 def test_demo_rejects_a_bad_layer_spec(capsys):

@@ -120,3 +120,22 @@ def test_args_are_an_extra_args_provider():
 
     parser = argparse.ArgumentParser()
     assert add_layer_grad_norms_args(parser) is parser
+
+
+@pytest.mark.parametrize("fork", ["bigscience", "microsoft"])
+def test_fork_patches_call_only_what_the_package_exports(fork):
+    """The patches cannot be applied here (no fork checkout, no network); their calls into this package can be
+    checked: every name they import exists, and each patches the arguments, the ds_config and training_log."""
+    import re
+    from pathlib import Path
+
+    import megatron_integration
+
+    patch = (Path(megatron_integration.__file__).parent / "patches" / f"{fork}.patch").read_text()
+    imported = re.findall(r"^\+from megatron_integration import (.+)$", patch, flags=re.MULTILINE)
+    names = {name.strip() for line in imported for name in line.split(",")}
+    assert names == {"add_layer_grad_norms_args", "layer_grad_norms_ds_config", "log_layer_grad_norms"}
+    assert names <= set(megatron_integration.__all__)
+    for call in ("add_layer_grad_norms_args(parser)", "layer_grad_norms_ds_config(args,", "log_layer_grad_norms("):
+        assert call in patch
+    assert {"a/megatron/arguments.py", "a/megatron/training.py"} == set(re.findall(r"^--- (\S+)$", patch, re.M))

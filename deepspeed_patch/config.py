@@ -8,7 +8,7 @@ import re
 from typing import Any, List, Optional, Tuple, Union
 
 from deepspeed.runtime.config_utils import DeepSpeedConfigModel
-from pydantic import Field, ValidationError, field_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 
 CONFIG_KEY = "layer_grad_norms"
 
@@ -16,6 +16,10 @@ CONFIG_KEY = "layer_grad_norms"
 LayerToken = Union[int, str]
 
 LAYER_SPEC_FORMS = '"all", a list such as [0, 1, "mid", -2, -1], or the string "0,1,mid,-2,-1"'
+
+GRANULARITIES = ("layer", "param", "group_by")
+# Statistics beyond norm, min, max, abs_min, abs_max and nonfinite, which are always reported.
+EXTRA_STATISTICS = ("l1", "mean", "zeros", "numel")
 
 
 class LayerGradNormsConfigError(ValueError):
@@ -71,6 +75,18 @@ class LayerGradNormsConfig(DeepSpeedConfigModel):
     layer_pattern: Optional[str] = None
     """Regex with one capture group, the layer index; ``None`` recognises the common layouts."""
 
+    granularity: str = "layer"
+    """One bucket per transformer layer (``layer``), per parameter (``param``, keyed by its name), or
+    per match of ``group_by`` (``group_by``)."""
+
+    group_by: Optional[str] = None
+    """With ``granularity: group_by``: a regex whose capture groups, joined by ``.``, form the bucket
+    key; parameters it does not match are not measured."""
+
+    statistics: Tuple[str, ...] = ()
+    """Extra statistics, computed in the same pass: ``l1`` (sum of absolute values), ``mean``,
+    ``zeros`` (count of exact zeros), ``numel``."""
+
     @field_validator("layers", mode="before")
     @classmethod
     def _validate_layers(cls, value: Any) -> Optional[Tuple[LayerToken, ...]]:
@@ -89,6 +105,43 @@ class LayerGradNormsConfig(DeepSpeedConfigModel):
             raise ValueError(f"needs exactly one capture group (the layer index), found {compiled.groups}")
         return value
 
+    @field_validator("granularity")
+    @classmethod
+    def _validate_granularity(cls, value: str) -> str:
+        if value not in GRANULARITIES:
+            raise ValueError(f"expected one of {list(GRANULARITIES)}")
+        return value
+
+    @field_validator("group_by")
+    @classmethod
+    def _validate_group_by(cls, value: Optional[str]) -> Optional[str]:
+        if value is None:
+            return None
+        try:
+            compiled = re.compile(value)
+        except re.error as err:
+            raise ValueError(f"not a valid regular expression: {err}") from err
+        if compiled.groups == 0:
+            raise ValueError("needs at least one capture group (the groups form the bucket key)")
+        return value
+
+    @field_validator("statistics", mode="before")
+    @classmethod
+    def _validate_statistics(cls, value: Any) -> Tuple[str, ...]:
+        if isinstance(value, str) or not isinstance(value, (list, tuple)):
+            raise ValueError(f"expected a list of statistics from {list(EXTRA_STATISTICS)}")
+        unknown = [name for name in value if name not in EXTRA_STATISTICS]
+        if unknown:
+            raise ValueError(f"unknown statistic {unknown[0]!r}; known: {list(EXTRA_STATISTICS)}")
+        return tuple(value)
+
+    @model_validator(mode="after")
+    def _group_by_goes_with_its_granularity(self) -> "LayerGradNormsConfig":
+        if (self.granularity == "group_by") != (self.group_by is not None):
+            raise ValueError(f"granularity={self.granularity!r} with group_by={self.group_by!r}: "
+                             "'group_by' is needed with, and only with, granularity 'group_by'")
+        return self
+
 
 def load_config(param_dict: dict) -> LayerGradNormsConfig:
     """Read the ``layer_grad_norms`` block of a ds_config dict; absent means disabled."""
@@ -104,7 +157,10 @@ def load_config(param_dict: dict) -> LayerGradNormsConfig:
 def _describe(err: ValidationError, block: dict) -> str:
     lines = []
     for problem in err.errors():
-        key = str(problem["loc"][0]) if problem["loc"] else "?"
+        if not problem["loc"]:  # a check across keys: its message names them
+            lines.append(f"{CONFIG_KEY}: {problem['msg'].removeprefix('Value error, ')}")
+            continue
+        key = str(problem["loc"][0])
         value = block.get(key, problem.get("input"))
         reason = problem["msg"].removeprefix("Value error, ")
         if problem["type"] == "extra_forbidden":

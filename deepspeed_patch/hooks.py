@@ -19,7 +19,7 @@ from deepspeed.runtime.utils import is_model_parallel_parameter
 from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 from deepspeed.utils.bwc import bwc_tensor_model_parallel_rank
 
-from .config import CONFIG_KEY, LayerGradNormsConfig, load_config
+from .config import CONFIG_KEY, LayerGradNormsConfig, LayerGradNormsConfigError, load_config
 from .layer_map import LayerMap, build_layer_map, build_pipeline_layer_map
 from .partition_slices import bf16_partition_slices, zero_partition_slices
 from .statistics import bf16_clip_divisor, zero_unscale_divisor
@@ -72,11 +72,17 @@ def attach_tracker(engine: DeepSpeedEngine, optimizer, param_groups: List[List[t
 
 def _layer_map(engine: DeepSpeedEngine, config: LayerGradNormsConfig, trainable, all_names) -> LayerMap:
     if isinstance(engine.module, PipelineModule):
+        if config.granularity != "layer":
+            raise UnsupportedSetupError(f"{CONFIG_KEY}.granularity={config.granularity!r}: a PipelineModule is "
+                                        "measured per layer only (its stages do not know each other's parameters)")
         if config.layer_pattern:
             logger.warning("%s.layer_pattern=%r is ignored for a PipelineModule: its layers come from its specs",
                            CONFIG_KEY, config.layer_pattern)
         return build_pipeline_layer_map(engine.module._layer_specs, trainable)
-    layer_map = build_layer_map(trainable, all_names, config.layer_pattern)
+    layer_map = build_layer_map(trainable, all_names, config.layer_pattern, config.granularity, config.group_by)
+    if config.granularity == "group_by" and not layer_map.keys:
+        raise LayerGradNormsConfigError(f"{CONFIG_KEY}.group_by={config.group_by!r} matches no trainable parameter "
+                                        f"(examples: {', '.join(name for name, _ in trainable[:5])})")
     if layer_map.num_layers == 0:
         examples = ", ".join(name for name, _ in trainable[:5])
         logger.warning(

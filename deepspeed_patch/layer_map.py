@@ -36,32 +36,26 @@ def bucket_key(name: str, pattern: "re.Pattern[str]") -> BucketKey:
 
 @dataclass(frozen=True)
 class LayerMap:
-    """Which bucket each parameter belongs to.
-
-    ``keys`` lists the buckets (layers first, in order, then named buckets in order of first
-    appearance); ``index_of`` gives a bucket's position in ``keys``.
-    """
+    """Which bucket each parameter belongs to, and which transformer layer each bucket is in."""
 
     keys: Tuple[BucketKey, ...]
-    index_of: Dict[BucketKey, int]
-    param_bucket: Dict[int, int]
-    """``id(param)`` to bucket position."""
+    """The buckets, in reporting order."""
+    layer_of: Tuple[Optional[int], ...]
+    """The transformer layer of each bucket; ``None`` for buckets outside the layers."""
+    param_bucket: Dict[int, Optional[int]]
+    """``id(param)`` to bucket position; ``None`` for a parameter no bucket measures."""
     num_layers: int
     """Transformer layers in the model, frozen ones included: what ``-1`` and ``"mid"`` refer to."""
 
-    def bucket_of(self, param) -> int:
+    def bucket_of(self, param) -> Optional[int]:
         return self.param_bucket[id(param)]
 
     def select(self, layers: Optional[Sequence[LayerToken]]) -> Tuple[BucketKey, ...]:
-        """The bucket keys to report: the selected layers (all for ``None``) and every named bucket."""
-        named = tuple(key for key in self.keys if not isinstance(key, int))
+        """The bucket keys to report: those in the selected layers (all for ``None``) and those outside."""
         if layers is None:
-            return tuple(key for key in self.keys if isinstance(key, int)) + named
-        chosen = []
-        for index in resolve_layers(layers, self.num_layers):
-            if index in self.index_of and index not in chosen:
-                chosen.append(index)
-        return tuple(chosen) + named
+            return self.keys
+        chosen = set(resolve_layers(layers, self.num_layers))
+        return tuple(key for key, layer in zip(self.keys, self.layer_of) if layer is None or layer in chosen)
 
 
 def resolve_layers(layers: Sequence[LayerToken], num_layers: int) -> List[int]:
@@ -81,22 +75,47 @@ def resolve_layers(layers: Sequence[LayerToken], num_layers: int) -> List[int]:
 
 def build_layer_map(named_params: Iterable[Tuple[str, object]],
                     all_names: Iterable[str],
-                    layer_pattern: Optional[str] = None) -> LayerMap:
+                    layer_pattern: Optional[str] = None,
+                    granularity: str = "layer",
+                    group_by: Optional[str] = None) -> LayerMap:
     """Assign every trainable (name, parameter) pair to a bucket.
 
-    ``all_names`` are the names of all the model's parameters, frozen ones included; they fix the
-    number of layers that negative indices and ``"mid"`` count from.
+    ``granularity``: ``layer`` (the layer index, or the module for parameters outside the layers),
+    ``param`` (the parameter's name) or ``group_by`` (the capture groups of ``group_by``, joined by
+    ``.``; unmatched parameters are not measured). ``all_names`` are the names of all the model's
+    parameters, frozen ones included; they fix the number of layers that ``-1`` and ``"mid"`` count from.
     """
+    named_params = list(named_params)
     pattern = re.compile(layer_pattern or DEFAULT_LAYER_PATTERN)
-    param_key = {id(param): bucket_key(name, pattern) for name, param in named_params}
-    model_layers = [key for key in map(lambda name: bucket_key(name, pattern), all_names) if isinstance(key, int)]
-    layers = sorted({key for key in param_key.values() if isinstance(key, int)})
-    named = list(dict.fromkeys(key for key in param_key.values() if not isinstance(key, int)))
-    keys = tuple(layers) + tuple(named)
-    index_of = {key: position for position, key in enumerate(keys)}
-    return LayerMap(keys=keys,
-                    index_of=index_of,
-                    param_bucket={pid: index_of[key]
+
+    def layer_of_name(name: str) -> Optional[int]:
+        key = bucket_key(name, pattern)
+        return key if isinstance(key, int) else None
+
+    grouping = re.compile(group_by) if group_by else None
+
+    def key_of(name: str) -> Optional[BucketKey]:
+        if granularity == "param":
+            return name
+        if granularity == "group_by":
+            match = grouping.search(name)
+            return ".".join(match.groups()) if match else None
+        return bucket_key(name, pattern)
+
+    param_key = {id(param): key_of(name) for name, param in named_params}
+    key_layers: Dict[BucketKey, set] = {}
+    for name, param in named_params:
+        if param_key[id(param)] is not None:
+            key_layers.setdefault(param_key[id(param)], set()).add(layer_of_name(name))
+    keys = list(key_layers)
+    if granularity == "layer":
+        keys = sorted(key for key in keys if isinstance(key, int)) + [key for key in keys if not isinstance(key, int)]
+    position = {key: index for index, key in enumerate(keys)}
+    model_layers = [layer for layer in map(layer_of_name, all_names) if layer is not None]
+    return LayerMap(keys=tuple(keys),
+                    layer_of=tuple(next(iter(key_layers[key])) if len(key_layers[key]) == 1 else None
+                                   for key in keys),
+                    param_bucket={pid: None if key is None else position[key]
                                   for pid, key in param_key.items()},
                     num_layers=max(model_layers) + 1 if model_layers else 0)
 
@@ -128,7 +147,7 @@ def build_pipeline_layer_map(specs: Sequence[object], named_params: Iterable[Tup
             named_of_spec[index] = cls.__name__ if classes[cls] == 1 else f"{cls.__name__}.{index}"
     tied_keys = [spec.key for spec in specs if isinstance(spec, TiedLayerSpec)]
     keys = tuple(range(len(layer_of_spec))) + tuple(dict.fromkeys(list(named_of_spec.values()) + tied_keys))
-    index_of = {key: position for position, key in enumerate(keys)}
+    position = {key: index for index, key in enumerate(keys)}
 
     def key_of(name: str) -> BucketKey:
         head, _, rest = name.partition(".")
@@ -137,7 +156,7 @@ def build_pipeline_layer_map(specs: Sequence[object], named_params: Iterable[Tup
         return layer_of_spec.get(int(head), named_of_spec.get(int(head)))
 
     return LayerMap(keys=keys,
-                    index_of=index_of,
-                    param_bucket={id(param): index_of[key_of(name)]
+                    layer_of=tuple(key if isinstance(key, int) else None for key in keys),
+                    param_bucket={id(param): position[key_of(name)]
                                   for name, param in named_params},
                     num_layers=len(layer_of_spec))

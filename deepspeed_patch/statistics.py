@@ -1,21 +1,22 @@
 """Per-bucket gradient statistics: local partial results, their reduction, the reported dict.
 
-Each rank folds the runs of its local gradient partition into one small ``(buckets, 5)`` float64
-table. Sums (squared norm, non-finite count) and maxima (max, -min, -abs_min) combine the same way
-across runs, parameter groups and ranks, so one all-gather of that table, reduced identically on
-every rank, gives the statistics of the full gradient whatever the number of layers.
+Each rank folds the runs of its local gradient partition into one small ``(buckets, 9)`` float64
+table. Sums (squared norm, non-finite count, L1, sum, zeros, element count) and maxima (max, -min,
+-abs_min) combine the same way across runs, parameter groups and ranks, so one all-gather of that
+table, reduced identically on every rank, gives the statistics of the full gradient whatever the
+number of buckets. The extra statistics (L1, sum, zeros) are computed only when asked for.
 """
 
 import math
-from typing import Dict, Hashable, List, Optional, Sequence
+from typing import Collection, Dict, Hashable, List, Optional, Sequence
 
 import torch
 from deepspeed import comm as dist
 from deepspeed.accelerator import get_accelerator
 
-SUMSQ, NONFINITE, MAX, NEG_MIN, NEG_ABS_MIN = range(5)
-NUM_SUMMED = 2  # columns before this one add up; the others take the maximum
-NUM_COLUMNS = 5
+SUMSQ, NONFINITE, L1, SUM, ZEROS, NUMEL, MAX, NEG_MIN, NEG_ABS_MIN = range(9)
+NUM_SUMMED = 6  # columns before this one add up; the others take the maximum
+NUM_COLUMNS = 9
 # abs_min needs |x|: taken chunk by chunk, so the temporary stays small whatever the bucket's size.
 ABS_CHUNK = 1 << 22
 
@@ -27,18 +28,28 @@ def empty_stats(num_buckets: int, device) -> torch.Tensor:
     return stats
 
 
-def accumulate_runs(stats: torch.Tensor, runs: Sequence[torch.Tensor], buckets: torch.Tensor) -> None:
+def accumulate_runs(stats: torch.Tensor, runs: Sequence[torch.Tensor], buckets: torch.Tensor,
+                    extra: Collection[str] = ()) -> None:
     """Fold the statistics of ``runs`` (1-D gradient slices) into their ``buckets`` rows of ``stats``.
 
-    One host synchronisation per call: non-finite elements are counted only when a run's min or max
-    says there are some, which keeps the common case to three reductions over the gradient.
+    ``extra`` names the statistics of ``EXTRA_STATISTICS`` to compute as well. One host
+    synchronisation per call: non-finite elements are counted only when a run's min or max says
+    there are some, which keeps the common case to three reductions over the gradient.
     """
     if not runs:
         return
-    sumsq = torch.stack(torch._foreach_norm(runs, 2.0)).double().square()
+    per_run = torch.zeros((len(runs), NUM_COLUMNS), dtype=torch.float64, device=stats.device)
+    per_run[:, SUMSQ] = torch.stack(torch._foreach_norm(runs, 2.0)).double().square()
     min_max = torch.stack([torch.stack(torch.aminmax(run)) for run in runs]).double()
-    abs_min = torch.stack([_abs_min(run) for run in runs]).double()
-    per_run = torch.stack([sumsq, torch.zeros_like(sumsq), min_max[:, 1], -min_max[:, 0], -abs_min], dim=1)
+    per_run[:, MAX], per_run[:, NEG_MIN] = min_max[:, 1], -min_max[:, 0]
+    per_run[:, NEG_ABS_MIN] = -torch.stack([_abs_min(run) for run in runs]).double()
+    per_run[:, NUMEL] = torch.tensor([run.numel() for run in runs], dtype=torch.float64)
+    if "l1" in extra:
+        per_run[:, L1] = torch.stack(torch._foreach_norm(runs, 1.0)).double()
+    if "mean" in extra:
+        per_run[:, SUM] = torch.stack([run.sum(dtype=torch.float64) for run in runs])
+    if "zeros" in extra:
+        per_run[:, ZEROS] = per_run[:, NUMEL] - torch.stack([torch.count_nonzero(run) for run in runs]).double()
     if not bool(torch.isfinite(min_max).all()):
         per_run[:, NONFINITE] = torch.stack([torch.count_nonzero(~torch.isfinite(run)) for run in runs]).double()
     index = buckets.unsqueeze(1).expand(-1, NUM_SUMMED)
@@ -65,21 +76,21 @@ def reduce_stats(stats: torch.Tensor, group=None) -> torch.Tensor:
     return torch.cat([stacked[:, :, :NUM_SUMMED].sum(0), stacked[:, :, NUM_SUMMED:].amax(0)], dim=1)
 
 
-def bucket_results(stats: torch.Tensor, keys: Sequence[Hashable], selected: Sequence[Hashable],
-                   scale: float) -> Dict[Hashable, Dict[str, float]]:
+def bucket_results(stats: torch.Tensor, keys: Sequence[Hashable], selected: Sequence[Hashable], scale: float,
+                   extra: Collection[str] = ()) -> Dict[Hashable, Dict[str, float]]:
     """The reported statistics of the ``selected`` buckets, each value multiplied by ``scale``.
 
     ``scale`` is ``1 / loss_scale`` before clipping; clipping multiplies every gradient by one positive
-    factor, so the post-clip statistics are the same table times that factor.
+    factor, so the post-clip statistics are the same table times that factor (counts do not scale).
     """
     rows: List[List[float]] = stats.tolist()
     position = {key: index for index, key in enumerate(keys)}
     results = {}
     for key in selected:
         row = rows[position[key]]
-        if row[MAX] == -math.inf and row[NEG_MIN] == -math.inf:
+        if row[NUMEL] == 0:
             continue  # no element anywhere: a frozen layer, or a pipeline spec without parameters
-        results[key] = {
+        result = {
             "norm": math.sqrt(row[SUMSQ]) * scale,
             "min": -row[NEG_MIN] * scale,
             "max": row[MAX] * scale,
@@ -87,6 +98,10 @@ def bucket_results(stats: torch.Tensor, keys: Sequence[Hashable], selected: Sequ
             "abs_max": max(row[MAX], row[NEG_MIN]) * scale,
             "nonfinite": int(row[NONFINITE]),
         }
+        optional = {"l1": row[L1] * scale, "mean": row[SUM] / row[NUMEL] * scale, "zeros": int(row[ZEROS]),
+                    "numel": int(row[NUMEL])}
+        result.update((name, optional[name]) for name in extra)
+        results[key] = result
     return results
 
 

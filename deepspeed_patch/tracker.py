@@ -34,6 +34,7 @@ class LayerGradNormTracker:
         """``group``: the ranks to combine over; ``completed_steps()``: the engine's optimizer steps so far
         (restored from a checkpoint), so that ``step`` and the interval follow the training iteration."""
         self.interval = config.interval
+        self.extra = config.statistics
         self.layer_map = layer_map
         self.selected = layer_map.select(config.layers)
         self.slices = slices
@@ -63,7 +64,7 @@ class LayerGradNormTracker:
         if not self.measuring or group_index in self._observed:
             return
         slices = self.slices[group_index]
-        accumulate_runs(self._stats, slices.views(flat_grad), slices.buckets)
+        accumulate_runs(self._stats, slices.views(flat_grad), slices.buckets, self.extra)
         self._observed.add(group_index)
 
     def set_gradient_scale(self, loss_scale: float) -> None:
@@ -89,11 +90,11 @@ class LayerGradNormTracker:
         stats = reduce_stats(self._stats, self.group)
         self._stats = None
         keys = self.layer_map.keys
-        pre_clip = bucket_results(stats, keys, self.selected, 1.0 / self._gradient_scale)
+        pre_clip = bucket_results(stats, keys, self.selected, 1.0 / self._gradient_scale, self.extra)
         clip_coef = post_clip = None
         if not overflow:
             clip_coef = self._gradient_scale / self._applied_scale
-            post_clip = bucket_results(stats, keys, self.selected, 1.0 / self._applied_scale)
+            post_clip = bucket_results(stats, keys, self.selected, 1.0 / self._applied_scale, self.extra)
         self.result = {
             "step": self.step,
             "overflow": bool(overflow),

@@ -8,7 +8,8 @@ On other iterations it returns at once: no collective, no work.
 """
 
 import argparse
-from typing import Dict, Hashable, List
+import re
+from typing import Dict, Hashable, Iterable, List, Optional
 
 from .arguments import layer_grad_norms_interval
 
@@ -26,21 +27,33 @@ def scalar_tag(phase: str, statistic: str, key: Hashable) -> str:
     return f"{TAG_ROOT}/{phase.replace('_', '-')}/{statistic}/{bucket_label(key)}"
 
 
-def custom_scalars_layout() -> Dict[str, Dict[str, List]]:
-    """One multi-line chart per phase and statistic: the selected layers share it (NormFormer's figure)."""
-    return {
-        f"{TAG_ROOT} {phase.replace('_', '-')}": {
-            statistic: ["Multiline", [rf"^{TAG_ROOT}/{phase.replace('_', '-')}/{statistic}/layer\d+$"]]
-            for statistic in STATISTICS
+def parameter_family(key: Hashable) -> Optional[str]:
+    """What a finer bucket is, whatever its layer: ``mlp.fc2.weight`` for ``layers.3.mlp.fc2.weight``."""
+    match = re.search(r"(?:^|\.)\d+\.(.+)$", key) if isinstance(key, str) else None
+    return match.group(1) if match else None
+
+
+def custom_scalars_layout(keys: Iterable[Hashable] = ()) -> Dict[str, Dict[str, List]]:
+    """One multi-line chart per phase and statistic where the selected layers share it (NormFormer's
+    figure); with per-parameter or group_by buckets, one more chart per parameter family."""
+    layout = {}
+    for phase in PHASES:
+        tag_phase = phase.replace("_", "-")
+        layout[f"{TAG_ROOT} {tag_phase}"] = {
+            statistic: ["Multiline", [rf"^{TAG_ROOT}/{tag_phase}/{statistic}/layer\d+$"]] for statistic in STATISTICS
         }
-        for phase in PHASES
-    }
+        for family in sorted({parameter_family(key) for key in keys} - {None}):
+            layout[f"{TAG_ROOT} {tag_phase}: {family}"] = {
+                statistic: ["Multiline", [rf"^{TAG_ROOT}/{tag_phase}/{statistic}/(.*\.)?\d+\.{re.escape(family)}$"]]
+                for statistic in STATISTICS
+            }
+    return layout
 
 
 def write_tensorboard(writer, stats: Dict, iteration: int, args: argparse.Namespace) -> None:
     """Every selected bucket's statistics, against iteration, samples and (where counted) tokens."""
     if not getattr(writer, "_layer_grad_norms_layout", False):
-        writer.add_custom_scalars(custom_scalars_layout())
+        writer.add_custom_scalars(custom_scalars_layout(stats["pre_clip"]))
         writer._layer_grad_norms_layout = True
     axes = [("", iteration)]
     if getattr(args, "consumed_train_samples", None) is not None:

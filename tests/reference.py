@@ -6,7 +6,7 @@ layer N; any other parameter goes to the bucket named after its module).
 
 import re
 from collections import defaultdict
-from typing import Dict, Hashable, Iterable
+from typing import Callable, Dict, Hashable, Iterable, Optional
 
 import torch
 
@@ -25,11 +25,28 @@ def reference_bucket(name: str) -> Hashable:
     return int(match.group(1)) if match else name.rpartition(".")[0] or name
 
 
-def bucket_stats(named_grads: Dict[str, torch.Tensor]) -> Dict[Hashable, Dict[str, float]]:
-    """norm, min, max, abs_min, abs_max and non-finite count of each bucket's concatenated gradient."""
+def reference_key_of(block: Dict) -> Callable[[str], Optional[Hashable]]:
+    """The documented bucket of a parameter name for a ``layer_grad_norms`` block's granularity."""
+    if block.get("granularity") == "param":
+        return lambda name: name
+    if block.get("granularity") == "group_by":
+        grouping = re.compile(block["group_by"])
+
+        def group_key(name: str) -> Optional[str]:
+            match = grouping.search(name)
+            return ".".join(match.groups()) if match else None
+
+        return group_key
+    return reference_bucket
+
+
+def bucket_stats(named_grads: Dict[str, torch.Tensor],
+                 key_of: Callable[[str], Optional[Hashable]] = reference_bucket) -> Dict[Hashable, Dict[str, float]]:
+    """Every statistic of each bucket's concatenated gradient; ``key_of(name)`` None leaves a parameter out."""
     pieces = defaultdict(list)
     for name, grad in named_grads.items():
-        pieces[reference_bucket(name)].append(grad.double().reshape(-1))
+        if key_of(name) is not None:
+            pieces[key_of(name)].append(grad.double().reshape(-1))
     stats = {}
     for key, tensors in pieces.items():
         flat = torch.cat(tensors)
@@ -40,6 +57,10 @@ def bucket_stats(named_grads: Dict[str, torch.Tensor]) -> Dict[Hashable, Dict[st
             "abs_min": flat.abs().min().item(),
             "abs_max": flat.abs().max().item(),
             "nonfinite": int((~torch.isfinite(flat)).sum()),
+            "l1": flat.abs().sum().item(),
+            "mean": flat.mean().item(),
+            "zeros": int((flat == 0).sum()),
+            "numel": flat.numel(),
         }
     return stats
 

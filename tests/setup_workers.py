@@ -115,6 +115,11 @@ BAD_BLOCKS = {
     "regex_without_group": {"enabled": True, "layer_pattern": "layers\\.\\d+"},
     "interval_zero": {"enabled": True, "interval": 0},
     "interval_text": {"enabled": True, "interval": "often"},
+    "granularity_typo": {"enabled": True, "granularity": "params"},
+    "group_by_without_capture_group": {"enabled": True, "granularity": "group_by", "group_by": "dense_4h_to_h"},
+    "group_by_without_its_granularity": {"enabled": True, "group_by": "layers\\.(\\d+)"},
+    "unknown_statistic": {"enabled": True, "statistics": ["l1", "l2"]},
+    "group_by_matching_nothing": {"enabled": True, "granularity": "group_by", "group_by": "decoder\\.(\\d+)"},
 }
 
 UNSUPPORTED = {

@@ -84,3 +84,34 @@ def test_directory_without_layer_data_says_what_it_found(tmp_path, capsys):
     assert "no per-layer gradient statistics" in err and "found: lm loss" in err
     with pytest.raises(NoLayerDataError):
         read_layer_series(str(tmp_path))
+
+
+def test_per_parameter_logs_are_combined_into_layers(tmp_path, capsys):
+    """A ``granularity: param`` run logs one tag per parameter; plot and report rebuild the layers."""
+    writer = SummaryWriter(str(tmp_path))
+    for step in (1, 2):
+        for layer in range(4):
+            for part, share in (("mlp.fc2.weight", 0.6), ("mlp.fc2.bias", 0.8)):
+                writer.add_scalar(scalar_tag("pre_clip", "norm", f"layers.{layer}.{part}"), share * (4 - layer), step)
+                writer.add_scalar(scalar_tag("post_clip", "norm", f"layers.{layer}.{part}"), share * (4 - layer), step)
+    writer.close()
+    series = read_layer_series(str(tmp_path))
+    assert series.layers() == [0, 1, 2, 3]
+    assert series.series("pre-clip", "norm", 0) == [(1, pytest.approx(4.0)), (2, pytest.approx(4.0))]
+    main(["report", str(tmp_path), "--json"])
+    assert json.loads(capsys.readouterr().out)["early_late_ratio"] == pytest.approx((4 + 3) / (2 + 1))
+
+
+def test_layout_has_a_chart_per_parameter_family():
+    import re
+
+    from megatron_integration.training_log import custom_scalars_layout
+
+    layout = custom_scalars_layout(["layers.0.mlp.fc2.weight", "layers.1.mlp.fc2.weight", "embed.weight",
+                                    "0.dense_4h_to_h"])
+    assert set(layout) == {"layer-grad-norms pre-clip", "layer-grad-norms post-clip",
+                           "layer-grad-norms pre-clip: mlp.fc2.weight", "layer-grad-norms post-clip: mlp.fc2.weight",
+                           "layer-grad-norms pre-clip: dense_4h_to_h", "layer-grad-norms post-clip: dense_4h_to_h"}
+    pattern = layout["layer-grad-norms pre-clip: mlp.fc2.weight"]["norm"][1][0]
+    assert re.match(pattern, scalar_tag("pre_clip", "norm", "layers.7.mlp.fc2.weight"))
+    assert not re.match(pattern, scalar_tag("pre_clip", "norm", "layers.7.mlp.fc1.weight"))

@@ -28,6 +28,12 @@ EXPECTED_ERRORS = {
     "regex_without_group": ["layer_grad_norms.layer_pattern", "exactly one capture group"],
     "interval_zero": ["layer_grad_norms.interval=0", "greater than or equal to 1"],
     "interval_text": ["layer_grad_norms.interval='often'"],
+    "granularity_typo": ["layer_grad_norms.granularity='params'", "expected one of ['layer', 'param', 'group_by']"],
+    "group_by_without_capture_group": ["layer_grad_norms.group_by='dense_4h_to_h'", "at least one capture group"],
+    "group_by_without_its_granularity": ["granularity='layer' with group_by=", "only with, granularity 'group_by'"],
+    "unknown_statistic": ["layer_grad_norms.statistics=['l1', 'l2']", "unknown statistic 'l2'"],
+    "group_by_matching_nothing": ["layer_grad_norms.group_by=", "matches no trainable parameter",
+                                  "layers.0.input_layernorm.weight"],
 }
 
 

@@ -11,10 +11,12 @@ import pytest
 import torch
 
 from megatron_integration.cpu_launch import launch
-from reference import STATS, TOLERANCE, assert_close_stats
+from reference import STATS, TOLERANCE, assert_close_stats, reference_bucket
 from zero_workers import run_cases
 
 OFFLOAD = {"offload_optimizer": {"device": "cpu"}}
+ALL_EXTRA = ["l1", "mean", "zeros", "numel"]
+FC2 = r"layers\.(\d+)\.(dense_4h_to_h)\."  # per-layer buckets of the MLP's second weight, as in NormFormer
 
 CASES = {
     1: {
@@ -41,6 +43,8 @@ CASES = {
         "z2_offload_clip": {"stage": 2, "clip": 0.1, "zero": OFFLOAD, "top": {"zero_force_ds_cpu_optimizer": False}},
         "z1_offload_fp16_overflow": {"stage": 1, "dtype": "fp16", "overflow_step": 2, "zero": OFFLOAD,
                                      "top": {"zero_force_ds_cpu_optimizer": False}, "compare_off": True},
+        "z2_param_granularity_extras": {"stage": 2, "clip": 0.1,
+                                        "block": {"granularity": "param", "statistics": ALL_EXTRA}},
         "z2_interval2_selection": {"stage": 2, "steps": 4, "block": {"interval": 2, "layers": "0,mid,-1"}},
     },
     3: {
@@ -49,6 +53,10 @@ CASES = {
         "z2_bf16": {"stage": 2, "dtype": "bf16", "layers": 5},
         "z1_fp16_overflow": {"stage": 1, "dtype": "fp16", "overflow_step": 2, "layers": 5},
         "z2_round_robin": {"stage": 2, "layers": 5, "zero": {"round_robin_gradients": True}},
+        "z1_group_by_fc2_selection": {"stage": 1, "layers": 5, "groups": True,
+                                      "block": {"granularity": "group_by", "group_by": FC2, "layers": "0,-1",
+                                                "statistics": ["l1", "zeros"]}},
+        "z2_param_granularity_mid": {"stage": 2, "layers": 5, "block": {"granularity": "param", "layers": "mid"}},
         "z1_bf16_optimizer_groups": {"stage": 1, "dtype": "bf16", "grad_accum_dtype": "fp32", "layers": 5,
                                      "groups": True},
     },
@@ -122,8 +130,12 @@ def test_post_clip_is_what_the_optimizer_applied(world_size, name):
             assert_close_stats(measured["post_clip"], layers, 3e-2, stats=("norm", ))
 
 
+def covers_all_parameters(block) -> bool:
+    return "layers" not in block and block.get("granularity") != "group_by"
+
+
 @pytest.mark.parametrize("world_size,name",
-                         [(w, n) for w, n in ALL_CASES if "layers" not in CASES[w][n].get("block", {})])
+                         [(w, n) for w, n in ALL_CASES if covers_all_parameters(CASES[w][n].get("block", {}))])
 def test_bucket_norms_add_up_to_global_norm(world_size, name):
     record, _ = case_result(world_size, name)
     for index, measured, _ in measured_steps(record):
@@ -200,3 +212,58 @@ def test_each_case_exercises_the_intended_optimizer():
         record, _ = case_result(world_size, name)
         expected = "BF16_Optimizer" if "bf16_optimizer" in name else "DeepSpeedZeroOptimizer"
         assert record["on"]["optimizer"] == expected, name
+
+
+EXTRA_CASES = [(w, n) for w, n in ALL_CASES if CASES[w][n].get("block", {}).get("statistics")]
+GRANULAR_CASES = [(w, n) for w, n in ALL_CASES if CASES[w][n].get("block", {}).get("granularity")]
+
+
+@pytest.mark.parametrize("world_size,name", EXTRA_CASES)
+def test_extra_statistics_match_reference(world_size, name):
+    record, _ = case_result(world_size, name)
+    extra = record["case"]["block"]["statistics"]
+    for _, measured, reference in measured_steps(record):
+        for key, stats in measured["pre_clip"].items():
+            ref = reference[key]
+            assert set(extra) <= set(stats)
+            if "l1" in extra:
+                assert stats["l1"] == pytest.approx(ref["l1"], rel=1e-5)
+                assert measured["post_clip"][key]["l1"] == pytest.approx(ref["l1"] * measured["clip_coef"], rel=1e-5)
+            if "mean" in extra:
+                assert abs(stats["mean"] - ref["mean"]) <= 1e-6 * ref["abs_max"]
+            if "zeros" in extra:
+                assert stats["zeros"] == ref["zeros"]
+            if "numel" in extra:
+                assert stats["numel"] == ref["numel"]
+
+
+@pytest.mark.parametrize("world_size,name", GRANULAR_CASES)
+def test_finer_buckets_add_up_to_their_layer(world_size, name):
+    """Squared per-parameter (or per-group) norms within a layer sum to at most the layer's squared norm,
+    exactly to it when the buckets cover the whole layer."""
+    record, _ = case_result(world_size, name)
+    covering = record["case"]["block"]["granularity"] == "param"
+    checked = 0
+    for index, measured, _ in measured_steps(record):
+        layers = record["on"]["layer_reference"][index]
+        by_layer = {}
+        for key, stats in measured["pre_clip"].items():
+            # a parameter name, or "<layer>.dense_4h_to_h" from the group_by regex
+            layer = reference_bucket(key) if covering else int(key.split(".")[0])
+            by_layer[layer] = by_layer.get(layer, 0.0) + stats["norm"]**2
+        for layer, squared in by_layer.items():
+            if isinstance(layer, int):
+                expected = layers[layer]["norm"]**2
+                assert squared == pytest.approx(expected, rel=1e-5) if covering else squared < expected
+                checked += 1
+    assert checked > 0
+
+
+def test_selection_keeps_the_selected_layers_buckets():
+    record, _ = case_result(3, "z2_param_granularity_mid")
+    keys = record["on"]["measured"][-1]["pre_clip"]
+    assert {key for key in keys if key.startswith("layers.")} == {
+        name for name in record["on"]["final"] if name.startswith("layers.2.")}
+    assert "embed.weight" in keys and "head.weight" in keys
+    record, _ = case_result(3, "z1_group_by_fc2_selection")
+    assert set(record["on"]["measured"][-1]["pre_clip"]) == {"0.dense_4h_to_h", "4.dense_4h_to_h"}

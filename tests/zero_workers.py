@@ -12,7 +12,7 @@ import torch
 
 import deepspeed_patch
 from megatron_integration.tiny_gpt import TinyGPT, TinyGPTConfig, synthetic_batch
-from reference import averaged_gradients, bucket_stats
+from reference import averaged_gradients, bucket_stats, reference_key_of
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 FP16_INITIAL_SCALE_POWER = 8
@@ -100,7 +100,8 @@ def train(case: Dict[str, Any], enabled: bool) -> Dict[str, Any]:
     optimizer = torch.optim.SGD(params, lr=1.0)
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config(case, enabled))
 
-    record = {"losses": [], "measured": [], "global_norm": [], "reference": [], "applied": [], "loss_scales": []}
+    record = {"losses": [], "measured": [], "global_norm": [], "reference": [], "applied": [], "loss_scales": [],
+              "layer_reference": []}
     for step in range(1, case["steps"] + 1):
         before = {name: p.detach().float().clone() for name, p in engine.module.named_parameters()}
         scale_before = getattr(engine.optimizer, "loss_scale", 1.0)  # BF16_Optimizer has none
@@ -114,14 +115,16 @@ def train(case: Dict[str, Any], enabled: bool) -> Dict[str, Any]:
         after = {name: p.detach().float() for name, p in engine.module.named_parameters()}
         record["loss_scales"].append((float(scale_before), float(getattr(engine.optimizer, "loss_scale", 1.0))))
         # SGD with lr=1: the update is the gradient the optimizer consumed, after clipping.
-        record["applied"].append(bucket_stats({n: before[n] - after[n] for n, _ in trainable}))
+        key_of = reference_key_of(case["block"])
+        record["applied"].append(bucket_stats({n: before[n] - after[n] for n, _ in trainable}, key_of))
         record["measured"].append(engine.get_layer_grad_norms())
         record["global_norm"].append(engine.get_global_grad_norm())
         if rank == 0 and enabled:
             scale = 2.0**FP16_INITIAL_SCALE_POWER if case["dtype"] == "fp16" else 1.0
             grads = averaged_gradients(before, model_config(case), DTYPES[case["dtype"]],
                                        batches_of_step(case, step, world_size), case["frozen"], scale)
-            record["reference"].append(bucket_stats(grads))
+            record["reference"].append(bucket_stats(grads, key_of))
+            record["layer_reference"].append(bucket_stats(grads))
     record["final"] = {name: p.detach().clone() for name, p in engine.module.named_parameters()}
     record["optimizer"] = type(engine.optimizer).__name__
     engine.destroy()

@@ -1,8 +1,9 @@
 """Cost of per-layer statistics: step-time ratios measured in one run, and the statistics alone.
 
-    python benchmarks/overhead.py [--quick]
+    python benchmarks/overhead.py [--quick] [--only steps|stats]
 
-Writes benchmarks/results/overhead.md. Timings on a shared machine are noisy, so every figure is a
+Writes benchmarks/results/overhead.md (step time) and benchmarks/results/statistics_alone.md.
+Timings on a shared machine are noisy, so every figure is a
 ratio of interleaved iterations of the same run (measured vs unmeasured with ``interval: 2``;
 with vs without a ``safe_get_full_grad`` loop), reported as median and interquartile range.
 """
@@ -129,23 +130,22 @@ def stats_alone(num_elements: int, num_runs: int, repeats: int = 20) -> Dict[str
             times.append(time.perf_counter() - start)
         return statistics.median(times)
 
+    param_buckets = torch.arange(len(per_param))
     return {
         "one_read": best(lambda: torch.linalg.vector_norm(flat).item()),
         "deepspeed_norm": best(lambda: torch.stack(torch._foreach_norm(per_param, 2.0)).sum().item()),
         "layer_stats": best(lambda: accumulate_runs(empty_stats(num_runs, "cpu"), runs, buckets)),
+        "param_stats": best(lambda: accumulate_runs(empty_stats(len(per_param), "cpu"), per_param, param_buckets)),
     }
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="few steps, small model only")
-    args = parser.parse_args()
-    steps = 10 if args.quick else 40
+def step_time_table(quick: bool) -> List[str]:
+    steps = 10 if quick else 40
     specs = [Spec(12, 256, stage, steps) for stage in (1, 2)]
-    if not args.quick:
+    if not quick:
         specs += [Spec(24, 512, stage, steps // 2) for stage in (1, 2)]
     lines = [
-        "# Cost of per-layer gradient statistics", "",
+        "# Cost of per-layer gradient statistics: step time", "",
         f"Machine: {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, CPU (gloo), 2 ranks. "
         "Each figure is the median (and interquartile range) of per-iteration ratios within one run.", "",
         "| model | ZeRO | params | step time | per-layer stats (all layers, pre+post clip) "
@@ -160,20 +160,39 @@ def main() -> None:
                f"| {summarize(paired_ratios(timings['full_grad_loop']))} |")
         print(row, flush=True)
         lines.append(row)
-    lines += ["", "Statistics alone on one flat fp32 partition (14 buckets), against one read of it "
-              "(`torch.linalg.vector_norm`) and DeepSpeed's per-parameter norm:", "",
-              "| elements | one read | DeepSpeed-style norm | per-layer stats | stats / one read |",
-              "| --- | --- | --- | --- | --- |"]
-    for num_elements in (1_000_000, 5_000_000) if args.quick else (1_000_000, 5_000_000, 25_000_000):
+    return lines
+
+
+def statistics_table(quick: bool) -> List[str]:
+    lines = ["# Cost of per-layer gradient statistics: the computation alone", "",
+             f"Machine: {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}. One flat fp32 "
+             "partition in 14 buckets (224 parameters), median of 20 runs: one read of it "
+             "(`torch.linalg.vector_norm`), DeepSpeed's per-parameter norm, the per-layer statistics, and the "
+             "statistics at `granularity: param` (224 buckets).", "",
+             "| elements | one read | DeepSpeed-style norm | per-layer stats | stats / one read "
+             "| per-param stats | per-param / one read |", "| --- | --- | --- | --- | --- | --- | --- |"]
+    for num_elements in (1_000_000, 5_000_000) if quick else (1_000_000, 5_000_000, 25_000_000):
         timing = stats_alone(num_elements, 14)
         row = (f"| {num_elements / 1e6:.0f}M | {timing['one_read'] * 1e3:.2f} ms "
                f"| {timing['deepspeed_norm'] * 1e3:.2f} ms | {timing['layer_stats'] * 1e3:.2f} ms "
-               f"| {timing['layer_stats'] / timing['one_read']:.1f}x |")
+               f"| {timing['layer_stats'] / timing['one_read']:.1f}x | {timing['param_stats'] * 1e3:.2f} ms "
+               f"| {timing['param_stats'] / timing['one_read']:.1f}x |")
         print(row, flush=True)
         lines.append(row)
+    return lines
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="few steps, small model only")
+    parser.add_argument("--only", choices=("steps", "stats"), help="run one of the two tables")
+    args = parser.parse_args()
     os.makedirs(RESULTS, exist_ok=True)
-    with open(os.path.join(RESULTS, "overhead.md"), "w") as out:
-        out.write("\n".join(lines) + "\n")
+    tables = {"steps": ("overhead.md", step_time_table), "stats": ("statistics_alone.md", statistics_table)}
+    for name, (filename, table) in tables.items():
+        if args.only in (None, name):
+            with open(os.path.join(RESULTS, filename), "w") as out:
+                out.write("\n".join(table(args.quick)) + "\n")
 
 
 if __name__ == "__main__":

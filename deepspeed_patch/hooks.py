@@ -211,9 +211,10 @@ def _zero_unscale_and_clip_grads(original):
     def wrapper(self, grad_groups_flat, total_norm):
         tracker = _tracker(self)
         if tracker is not None and tracker.measuring:
-            flat_grad = grad_groups_flat[0]
-            tracker.observe(_group_of(self, flat_grad), flat_grad)
-            tracker.set_applied_scale(zero_unscale_divisor(total_norm, self.clip_grad, self.loss_scale))
+            with tracker.guarded("reading the clipped partition"):
+                flat_grad = grad_groups_flat[0]
+                tracker.observe(_group_of(self, flat_grad), flat_grad)
+                tracker.set_applied_scale(zero_unscale_divisor(total_norm, self.clip_grad, self.loss_scale))
         return original(self, grad_groups_flat, total_norm)
 
     return wrapper
@@ -226,10 +227,11 @@ def _zero_update_scale(original):
     def wrapper(self, has_overflow=False):
         tracker = _tracker(self)
         if tracker is not None and tracker.measuring:
-            tracker.set_gradient_scale(self.loss_scale)
-            if has_overflow:
-                for index, flat_grad in overflow_partitions(self).items():
-                    tracker.observe(index, flat_grad.float())
+            with tracker.guarded("reading a skipped step's gradients"):
+                tracker.set_gradient_scale(self.loss_scale)
+                if has_overflow:
+                    for index, flat_grad in overflow_partitions(self).items():
+                        tracker.observe(index, flat_grad.float())
         return original(self, has_overflow)
 
     return wrapper
@@ -246,7 +248,8 @@ def _bf16_step(original):
             tracker.observe(index, flat_grad)
         result = original(self, *args, **kwargs)
         if not self.overflow:
-            tracker.set_applied_scale(bf16_clip_divisor(self._global_grad_norm, self.clip_grad))
+            with tracker.guarded("reading the clip factor"):
+                tracker.set_applied_scale(bf16_clip_divisor(self._global_grad_norm, self.clip_grad))
         tracker.end_step(self.overflow)
         return result
 

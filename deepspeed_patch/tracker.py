@@ -10,9 +10,14 @@ The optimizer's ``step()`` drives it:
   clipping together; not called on a step the loss scaler skips.
 - ``end_step(overflow)`` once at the end: one collective, then the result dict.
 
+An error in any of this (a bug, an unforeseen layout) must not stop the training run: it is
+logged, the step's table carries a failure flag through the same collective, and every rank then
+switches the statistics off together, so no rank is left waiting in a collective the others skip.
+
 Unmeasured steps cost one modulo and a few attribute reads.
 """
 
+import contextlib
 import logging
 from typing import Callable, Dict, Hashable, List, Optional
 
@@ -21,7 +26,7 @@ import torch
 from .config import LayerGradNormsConfig
 from .layer_map import LayerMap
 from .partition_slices import PartitionSlices
-from .statistics import accumulate_runs, bucket_results, empty_stats, reduce_stats
+from .statistics import NUMEL, accumulate_runs, bucket_results, empty_stats, reduce_stats
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +48,8 @@ class LayerGradNormTracker:
         self.completed_steps = completed_steps
         self.step = 0
         self.measuring = False
+        self.disabled = False
+        self._failed = False
         self.result: Optional[dict] = None
         self._stats: Optional[torch.Tensor] = None
         self._observed = set()
@@ -52,20 +59,31 @@ class LayerGradNormTracker:
     def begin_step(self) -> bool:
         """Number this optimizer step; measure it if it falls on the interval."""
         self.step = self.completed_steps() + 1
-        self.measuring = self.step % self.interval == 0
+        self.measuring = not self.disabled and self.step % self.interval == 0
         if self.measuring:
             self._stats = empty_stats(len(self.layer_map.keys), self.device)
             self._observed = set()
             self._gradient_scale = self._applied_scale = 1.0
         return self.measuring
 
+    @contextlib.contextmanager
+    def guarded(self, what: str):
+        """Run measuring work; an error is logged and flags the step instead of reaching training."""
+        try:
+            yield
+        except Exception:
+            logger.exception("layer_grad_norms: %s failed at step %d; per-layer statistics are switched off "
+                             "on all ranks after this step, training goes on", what, self.step)
+            self._failed = True
+
     def observe(self, group_index: int, flat_grad: torch.Tensor) -> None:
         """Fold one group's flat gradient partition in (once per group and step)."""
         if not self.measuring or group_index in self._observed:
             return
-        slices = self.slices[group_index]
-        accumulate_runs(self._stats, slices.views(flat_grad), slices.buckets, self.extra)
-        self._observed.add(group_index)
+        with self.guarded(f"measuring parameter group {group_index}"):
+            slices = self.slices[group_index]
+            accumulate_runs(self._stats, slices.views(flat_grad), slices.buckets, self.extra)
+            self._observed.add(group_index)
 
     def set_gradient_scale(self, loss_scale: float) -> None:
         """The loss scale this step's gradients carry; the pre-clip statistics are divided by it."""
@@ -76,26 +94,34 @@ class LayerGradNormTracker:
         self._applied_scale = float(divisor)
 
     def end_step(self, overflow: bool) -> None:
-        """Reduce this step's statistics across data-parallel ranks and publish them.
+        """Reduce this step's statistics across the ranks and publish them.
 
         ``overflow``: the loss scaler skipped the step; pre-clip statistics only.
         """
         if not self.measuring:
             return
         self.measuring = False
-        if len(self._observed) != len(self.slices):
-            logger.warning("layer_grad_norms: step %d saw %d of %d parameter groups; not reported", self.step,
-                           len(self._observed), len(self.slices))
-            return
-        stats = reduce_stats(self._stats, self.group)
+        complete = not self._failed and len(self._observed) == len(self.slices)
+        status = torch.zeros((1, self._stats.shape[1]), dtype=self._stats.dtype, device=self._stats.device)
+        status[0, NUMEL] = 0.0 if complete else 1.0
+        stats = reduce_stats(torch.cat([self._stats, status]), self.group)
         self._stats = None
+        if stats[-1, NUMEL].item() > 0:
+            logger.error("layer_grad_norms: a rank could not measure step %d (see its log); per-layer statistics "
+                         "are switched off", self.step)
+            self.disabled, self.result = True, None
+            return
+        with self.guarded("building the result"):
+            self.result = self._result(stats[:-1], overflow)
+
+    def _result(self, stats: torch.Tensor, overflow: bool) -> dict:
         keys = self.layer_map.keys
         pre_clip = bucket_results(stats, keys, self.selected, 1.0 / self._gradient_scale, self.extra)
         clip_coef = post_clip = None
         if not overflow:
             clip_coef = self._gradient_scale / self._applied_scale
             post_clip = bucket_results(stats, keys, self.selected, 1.0 / self._applied_scale, self.extra)
-        self.result = {
+        return {
             "step": self.step,
             "overflow": bool(overflow),
             "clip_coef": clip_coef,

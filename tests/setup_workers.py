@@ -105,6 +105,42 @@ def collectives_per_step(block: Dict[str, Any], steps: int) -> List[int]:
     return counts
 
 
+class BrokenSlices:
+    """Stands in for one rank's partition slices and fails from the second measured step on."""
+
+    def __init__(self, slices) -> None:
+        self.slices, self.calls = slices, 0
+
+    def views(self, flat_partition):
+        self.calls += 1
+        if self.calls > 1:
+            raise RuntimeError("injected failure")
+        return self.slices.views(flat_partition)
+
+    @property
+    def buckets(self):
+        return self.slices.buckets
+
+
+def failure_on_one_rank(steps: int) -> Dict[str, Any]:
+    """Break the measurement on the last rank only; training must go on, every rank switching it off."""
+    from deepspeed import comm as dist
+
+    engine = initialize(base_config(layer_grad_norms={"enabled": True}))
+    tracker = engine.optimizer.layer_grad_norm_tracker
+    if dist.get_rank() == dist.get_world_size() - 1:
+        tracker.slices[0] = BrokenSlices(tracker.slices[0])
+    record = {"losses": [], "measured": []}
+    for step in range(steps):
+        loss = engine(synthetic_batch(TinyGPTConfig(), 2, seed=step))
+        engine.backward(loss)
+        engine.step()
+        record["losses"].append(loss.item())
+        record["measured"].append(engine.get_layer_grad_norms())
+    engine.destroy()
+    return record
+
+
 BAD_BLOCKS = {
     "unknown_key": {"enabled": True, "intervl": 2},
     "bad_layer_spec": {"enabled": True, "layers": "0,first,-1"},
@@ -156,7 +192,7 @@ def moe_error() -> str:
     return ""
 
 
-def run_setup_checks(collectives_only: bool) -> Dict[str, Any]:
+def run_setup_checks(multi_rank: bool) -> Dict[str, Any]:
     deepspeed_patch.install()
     force_fp16_on_cpu()
     logging.getLogger("DeepSpeed").setLevel(logging.ERROR)
@@ -166,7 +202,8 @@ def run_setup_checks(collectives_only: bool) -> Dict[str, Any]:
             "interval2": collectives_per_step({"enabled": True, "interval": 2}, 4),
         }
     }
-    if collectives_only:
+    if multi_rank:
+        results["failure"] = failure_on_one_rank(4)
         return results
     results["bad_blocks"] = {name: initialize_error(base_config(layer_grad_norms=block))
                              for name, block in BAD_BLOCKS.items()}

@@ -52,6 +52,14 @@ def test_unsupported_setup_fails_at_initialize(name):
     assert "ZeRO stage 1 or 2" in error
 
 
+def test_a_failure_on_one_rank_switches_the_statistics_off_everywhere_and_training_goes_on():
+    first, second = (result["failure"] for result in two_ranks())
+    assert len(first["losses"]) == len(second["losses"]) == 4  # no hang, no crash
+    for record in (first, second):
+        assert record["measured"][0]["step"] == 1
+        assert record["measured"][1:] == [None, None, None]
+
+
 def test_unsupported_error_names_the_optimizer_in_use():
     assert "this engine uses FP16_UnfusedOptimizer" in single_rank()["unsupported"]["fp16_stage0_fp16_optimizer"]
 

@@ -85,3 +85,18 @@ def test_bf16_clip_divisor_mirrors_bf16_optimizer():
 def test_config_defaults():
     config = LayerGradNormsConfig()
     assert (config.enabled, config.layers, config.interval, config.layer_pattern) == (False, None, 1, None)
+
+
+def test_install_is_idempotent_and_checks_the_deepspeed_version(monkeypatch):
+    import deepspeed
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    import deepspeed_patch
+
+    deepspeed_patch.install()
+    step = DeepSpeedZeroOptimizer.step
+    deepspeed_patch.install()
+    assert DeepSpeedZeroOptimizer.step is step  # not wrapped twice
+    monkeypatch.setattr(deepspeed, "__version__", "0.18.0")
+    with pytest.raises(RuntimeError, match="supports DeepSpeed 0.19.8; found 0.18.0"):
+        deepspeed_patch.install()

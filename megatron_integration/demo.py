@@ -10,6 +10,7 @@ import os
 from dataclasses import dataclass
 
 import torch
+from tqdm import tqdm
 
 from .arguments import layer_grad_norms_ds_config
 from .cpu_launch import launch
@@ -64,15 +65,20 @@ def train_rank(options: DemoOptions) -> None:
     })
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
-    writer = SummaryWriter(os.path.join(options.out, "tensorboard")) if rank == world_size - 1 else None
+    last_rank = rank == world_size - 1
+    writer = SummaryWriter(os.path.join(options.out, "tensorboard")) if last_rank else None
+    progress = tqdm(total=options.steps, desc="demo", unit="step", disable=not last_rank)
     for step in range(1, options.steps + 1):
         loss = engine(synthetic_batch(model_config, options.micro_batch, seed=step * world_size + rank))
         engine.backward(loss)
         engine.step()
         args.consumed_train_samples += options.micro_batch * world_size
         field = log_layer_grad_norms(engine, step, writer, args)
-        if writer is not None and field:
-            print(f"[demo] iteration {step:>5}/{options.steps} | loss {loss.item():.3f} |{field}", flush=True)
+        progress.update()
+        progress.set_postfix(loss=f"{loss.item():.3f}")
+        if last_rank and field:
+            progress.write(f"iteration {step:>5}/{options.steps} | loss {loss.item():.3f} |{field}")
+    progress.close()
     if writer is not None:
         writer.close()
     engine.destroy()

@@ -22,6 +22,7 @@ from deepspeed.utils.bwc import bwc_tensor_model_parallel_rank
 from .config import CONFIG_KEY, LayerGradNormsConfig, LayerGradNormsConfigError, load_config
 from .layer_map import LayerMap, build_layer_map, build_pipeline_layer_map
 from .partition_slices import bf16_partition_slices, zero_partition_slices
+from .plain import LayerGradNorms
 from .statistics import bf16_clip_divisor, zero_unscale_divisor
 from .tracker import LayerGradNormTracker
 
@@ -116,14 +117,29 @@ def _check_supported(engine: DeepSpeedEngine, optimizer) -> None:
                                     f"remove the '{CONFIG_KEY}' block or set enabled=false")
 
 
-def check_engine(engine: DeepSpeedEngine) -> None:
-    """Fail at initialize when the block is enabled but the engine has no ZeRO-1/2 optimizer to measure."""
-    if engine_config(engine).enabled and getattr(engine.optimizer, TRACKER_ATTR, None) is None:
-        raise UnsupportedSetupError(
-            f"{CONFIG_KEY} needs the ZeRO stage 1 or 2 optimizer (DeepSpeedZeroOptimizer) or BF16_Optimizer; "
-            f"this engine uses {type(engine.optimizer).__name__} "
-            f"(zero_optimization.stage={engine.zero_optimization_stage()}, bf16={engine.bfloat16_enabled()}, "
-            f"fp16={engine.fp16_enabled()})")
+def attach_engine_tracker(engine: DeepSpeedEngine) -> None:
+    """At the end of initialize: DeepSpeed without ZeRO (fp32, the engine clips) is measured from the
+    module's ``.grad``; any other engine without an optimizer tracker is refused."""
+    config = engine_config(engine)
+    if not config.enabled or getattr(engine.optimizer, TRACKER_ATTR, None) is not None:
+        return
+    if _plain_fp32(engine):
+        engine_ref = weakref.ref(engine)
+        block = config.model_dump(exclude={"enabled"})
+        setattr(engine, TRACKER_ATTR, LayerGradNorms(engine.module, lambda: engine_ref().global_steps, **block))
+        return
+    raise UnsupportedSetupError(
+        f"{CONFIG_KEY} needs the ZeRO stage 1 or 2 optimizer (DeepSpeedZeroOptimizer), BF16_Optimizer, or fp32 "
+        f"without ZeRO; this engine uses {type(engine.optimizer).__name__} "
+        f"(zero_optimization.stage={engine.zero_optimization_stage()}, bf16={engine.bfloat16_enabled()}, "
+        f"fp16={engine.fp16_enabled()})")
+
+
+def _plain_fp32(engine: DeepSpeedEngine) -> bool:
+    """fp32 without ZeRO, on one data-parallel group: every rank holds the averaged gradient in ``.grad``."""
+    return (engine.zero_optimization_stage() == 0 and not engine.fp16_enabled() and not engine.bfloat16_enabled()
+            and isinstance(engine.optimizer, torch.optim.Optimizer) and not isinstance(engine.module, PipelineModule)
+            and (engine.mpu is None or engine.mpu.get_model_parallel_world_size() == 1))
 
 
 def _tracker(optimizer) -> Optional[LayerGradNormTracker]:
@@ -186,7 +202,19 @@ def _engine_init(original):
 
     def wrapper(self, *args, **kwargs):
         original(self, *args, **kwargs)
-        check_engine(self)
+        attach_engine_tracker(self)
+
+    return wrapper
+
+
+def _engine_take_model_step(original):
+    """Without ZeRO the engine clips ``.grad`` in place here, then steps the optimizer."""
+
+    def wrapper(self, lr_kwargs):
+        plain = getattr(self, TRACKER_ATTR, None)
+        if plain is not None:
+            plain.measure_before_clipping(self.gradient_clipping())
+        return original(self, lr_kwargs)
 
     return wrapper
 
@@ -264,6 +292,9 @@ def get_layer_grad_norms(self) -> Optional[dict]:
 
 def engine_get_layer_grad_norms(self) -> Optional[dict]:
     """Per-layer gradient statistics of the last measured step, or ``None``; see DESIGN.md section 2."""
+    plain = getattr(self, TRACKER_ATTR, None)
+    if plain is not None:
+        return plain.tracker.get()
     getter = getattr(self.optimizer, "get_layer_grad_norms", None)
     return None if getter is None else getter()
 
@@ -275,6 +306,7 @@ def apply() -> bool:
     _wrap(DeepSpeedEngine, "__init__", _engine_init)
     _wrap(DeepSpeedEngine, "_configure_zero_optimizer", _configure_zero_optimizer)
     _wrap(DeepSpeedEngine, "_configure_bf16_optimizer", _configure_bf16_optimizer)
+    _wrap(DeepSpeedEngine, "_take_model_step", _engine_take_model_step)
     _wrap(DeepSpeedZeroOptimizer, "step", _zero_step)
     _wrap(DeepSpeedZeroOptimizer, "unscale_and_clip_grads", _zero_unscale_and_clip_grads)
     _wrap(DeepSpeedZeroOptimizer, "_update_scale", _zero_update_scale)

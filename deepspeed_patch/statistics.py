@@ -63,11 +63,16 @@ def _abs_min(run: torch.Tensor) -> torch.Tensor:
     return torch.stack([chunk.abs().amin() for chunk in run.split(ABS_CHUNK)]).amin()
 
 
+# The group of a tracker whose gradients are already complete and identical on every rank (plain
+# PyTorch, DistributedDataParallel, DeepSpeed without ZeRO): nothing to combine.
+REPLICATED = "replicated"
+
+
 def reduce_stats(stats: torch.Tensor, group=None) -> torch.Tensor:
     """Combine every rank's table in ``group`` with one collective; identical result on all ranks."""
-    world_size = dist.get_world_size(group=group)
-    if world_size == 1:
+    if group is REPLICATED or not dist.is_initialized() or dist.get_world_size(group=group) == 1:
         return stats
+    world_size = dist.get_world_size(group=group)
     # Offloaded partitions live in host memory; the communication backend wants accelerator tensors.
     stats = stats.to(get_accelerator().current_device_name())
     gathered = [torch.empty_like(stats) for _ in range(world_size)]
@@ -103,6 +108,16 @@ def bucket_results(stats: torch.Tensor, keys: Sequence[Hashable], selected: Sequ
         result.update((name, optional[name]) for name in extra)
         results[key] = result
     return results
+
+
+def total_norm(stats: torch.Tensor) -> float:
+    """The L2 norm of all the buckets of a reduced table together."""
+    return math.sqrt(stats[:, SUMSQ].sum().item())
+
+
+def torch_clip_divisor(total: float, max_norm: float) -> float:
+    """What ``torch.nn.utils.clip_grad_norm_`` (and DeepSpeed's ``clip_grad_norm_``) divide by."""
+    return 1.0 / min(1.0, max_norm / (total + 1e-6))
 
 
 def zero_unscale_divisor(scaled_total_norm: Optional[torch.Tensor], clip_grad: float, loss_scale: float) -> float:

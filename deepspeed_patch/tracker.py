@@ -7,7 +7,9 @@ The optimizer's ``step()`` drives it:
   before clipping (still multiplied by the loss scale, if any).
 - ``set_gradient_scale(scale)``: the loss scale the gradients carry (1 without fp16).
 - ``set_applied_scale(divisor)``: what the optimizer divides the gradient by, loss scale and
-  clipping together; not called on a step the loss scaler skips.
+  clipping together; not called on a step the loss scaler skips. Or ``set_clip_norm(max_norm)``
+  where clipping follows ``torch.nn.utils.clip_grad_norm_`` on the measured gradients: the factor
+  then comes from the statistics' own total norm, with no extra read.
 - ``end_step(overflow)`` once at the end: one collective, then the result dict.
 
 An error in any of this (a bug, an unforeseen layout) must not stop the training run: it is
@@ -26,7 +28,15 @@ import torch
 from .config import LayerGradNormsConfig
 from .layer_map import LayerMap
 from .partition_slices import PartitionSlices
-from .statistics import NUMEL, accumulate_runs, bucket_results, empty_stats, reduce_stats
+from .statistics import (
+    NUMEL,
+    accumulate_runs,
+    bucket_results,
+    empty_stats,
+    reduce_stats,
+    torch_clip_divisor,
+    total_norm,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -34,10 +44,12 @@ logger = logging.getLogger(__name__)
 class LayerGradNormTracker:
     """Per-layer gradient statistics for one ZeRO-1/2 optimizer."""
 
-    def __init__(self, config: LayerGradNormsConfig, layer_map: LayerMap, slices: List[PartitionSlices],
+    def __init__(self, config: LayerGradNormsConfig, layer_map: LayerMap, slices: List[Optional[PartitionSlices]],
                  group, device, completed_steps: Callable[[], int]) -> None:
-        """``group``: the ranks to combine over; ``completed_steps()``: the engine's optimizer steps so far
-        (restored from a checkpoint), so that ``step`` and the interval follow the training iteration."""
+        """``slices``: one per parameter group (``None`` for a group observed as separate tensors);
+        ``group``: the ranks to combine over, or ``REPLICATED``; ``completed_steps()``: the optimizer steps
+        so far (the engine's, restored from a checkpoint), so that ``step`` and the interval follow the
+        training iteration."""
         self.interval = config.interval
         self.extra = config.statistics
         self.layer_map = layer_map
@@ -55,6 +67,7 @@ class LayerGradNormTracker:
         self._observed = set()
         self._gradient_scale = 1.0
         self._applied_scale = 1.0
+        self._clip_norm: Optional[float] = None
 
     def begin_step(self) -> bool:
         """Number this optimizer step; measure it if it falls on the interval."""
@@ -64,6 +77,7 @@ class LayerGradNormTracker:
             self._stats = empty_stats(len(self.layer_map.keys), self.device)
             self._observed = set()
             self._gradient_scale = self._applied_scale = 1.0
+            self._clip_norm = None
         return self.measuring
 
     @contextlib.contextmanager
@@ -78,11 +92,15 @@ class LayerGradNormTracker:
 
     def observe(self, group_index: int, flat_grad: torch.Tensor) -> None:
         """Fold one group's flat gradient partition in (once per group and step)."""
+        slices = self.slices[group_index]
+        self.observe_runs(group_index, lambda: slices.views(flat_grad), slices.buckets)
+
+    def observe_runs(self, group_index: int, runs: Callable[[], List[torch.Tensor]], buckets: torch.Tensor) -> None:
+        """Fold one group's gradient in, given as 1-D tensors ``runs()`` in ``buckets``."""
         if not self.measuring or group_index in self._observed:
             return
         with self.guarded(f"measuring parameter group {group_index}"):
-            slices = self.slices[group_index]
-            accumulate_runs(self._stats, slices.views(flat_grad), slices.buckets, self.extra)
+            accumulate_runs(self._stats, runs(), buckets, self.extra)
             self._observed.add(group_index)
 
     def set_gradient_scale(self, loss_scale: float) -> None:
@@ -92,6 +110,10 @@ class LayerGradNormTracker:
     def set_applied_scale(self, divisor: float) -> None:
         """What the optimizer divides the observed gradient by: loss scale times clip factor."""
         self._applied_scale = float(divisor)
+
+    def set_clip_norm(self, max_norm: float) -> None:
+        """Clipping to ``max_norm`` the way ``torch.nn.utils.clip_grad_norm_`` does it."""
+        self._clip_norm = max_norm
 
     def end_step(self, overflow: bool) -> None:
         """Reduce this step's statistics across the ranks and publish them.
@@ -112,6 +134,8 @@ class LayerGradNormTracker:
             self.disabled, self.result = True, None
             return
         with self.guarded("building the result"):
+            if self._clip_norm:
+                self._applied_scale = torch_clip_divisor(total_norm(stats[:-1]), self._clip_norm)
             self.result = self._result(stats[:-1], overflow)
 
     def _result(self, stats: torch.Tensor, overflow: bool) -> dict:

@@ -1,0 +1,33 @@
+"""What each rank runs in the DistributedDataParallel test of the plain-PyTorch API."""
+
+from typing import Any, Dict
+
+import torch
+
+from deepspeed_patch.plain import LayerGradNorms
+from megatron_integration.tiny_gpt import TinyGPT, TinyGPTConfig, synthetic_batch
+from reference import averaged_gradients, bucket_stats
+from setup_workers import counting_collectives
+
+
+def ddp_measure(steps: int) -> Dict[str, Any]:
+    from deepspeed import comm as dist
+
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    config = TinyGPTConfig()
+    torch.manual_seed(0)
+    model = torch.nn.parallel.DistributedDataParallel(TinyGPT(config))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    norms = LayerGradNorms(model, layers="0,-1")
+    record = {"measured": [], "reference": [], "collectives": 0}
+    for step in range(steps):
+        weights = {name: p.detach().clone() for name, p in model.module.named_parameters()}
+        batches = [synthetic_batch(config, 2, seed=10 * step + r) for r in range(world_size)]
+        optimizer.zero_grad()
+        model(batches[rank]).backward()
+        with counting_collectives() as calls:
+            record["measured"].append(norms.clip_grad_norm_(0.5))
+        record["collectives"] += calls[0]
+        optimizer.step()
+        record["reference"].append(bucket_stats(averaged_gradients(weights, config, torch.float32, batches)))
+    return record

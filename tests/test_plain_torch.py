@@ -1,0 +1,61 @@
+"""The plain-PyTorch API: one process, and DistributedDataParallel on 2 CPU ranks."""
+
+import math
+
+import pytest
+import torch
+
+from deepspeed_patch import LayerGradNormsConfigError
+from deepspeed_patch.plain import LayerGradNorms
+from megatron_integration.cpu_launch import launch
+from megatron_integration.tiny_gpt import TinyGPT, TinyGPTConfig, synthetic_batch
+from plain_workers import ddp_measure
+from reference import TOLERANCE, assert_close_stats, bucket_stats
+
+
+def backward_once(model: torch.nn.Module, seed: int = 0) -> None:
+    model.zero_grad()
+    model(synthetic_batch(model.config, 4, seed=seed)).backward()
+
+
+def test_clip_grad_norm_reports_the_gradient_before_and_after_clipping():
+    torch.manual_seed(0)
+    model = TinyGPT(TinyGPTConfig())
+    norms = LayerGradNorms(model, statistics=["l1", "numel"])
+    backward_once(model)
+    before = bucket_stats({name: p.grad.clone() for name, p in model.named_parameters()})
+    result = norms.clip_grad_norm_(0.1)
+    after = bucket_stats({name: p.grad.clone() for name, p in model.named_parameters()})
+    assert result["step"] == 1 and result["overflow"] is False
+    assert_close_stats(result["pre_clip"], before, TOLERANCE["fp32"])
+    assert_close_stats(result["post_clip"], after, TOLERANCE["fp32"])
+    total = math.sqrt(sum(stats["norm"]**2 for stats in before.values()))
+    assert result["clip_coef"] == pytest.approx(0.1 / (total + 1e-6), rel=1e-6)  # torch adds 1e-6
+    assert result["pre_clip"][0]["numel"] == before[0]["numel"]
+
+
+def test_measure_follows_the_interval_and_the_selection():
+    torch.manual_seed(0)
+    model = TinyGPT(TinyGPTConfig(num_layers=6))
+    norms = LayerGradNorms(model, interval=2, layers="mid")
+    backward_once(model)
+    assert norms.measure() is None
+    backward_once(model, seed=1)
+    result = norms.measure()
+    assert result["step"] == 2 and result["clip_coef"] == 1.0
+    assert sorted(key for key in result["pre_clip"] if isinstance(key, int)) == [3]
+    assert result["post_clip"] == result["pre_clip"]
+
+
+def test_bad_options_name_the_key_and_value():
+    with pytest.raises(LayerGradNormsConfigError, match=r"layer_grad_norms.layers=\[0, 9\]: layer 9 is out of range"):
+        LayerGradNorms(TinyGPT(TinyGPTConfig()), layers=[0, 9])
+
+
+def test_ddp_two_ranks_match_the_averaged_gradient_without_any_collective():
+    first, second = launch(ddp_measure, 2, 3)
+    assert repr(first["measured"]) == repr(second["measured"])
+    assert first["collectives"] == second["collectives"] == 0
+    for measured, reference in zip(first["measured"], first["reference"]):
+        assert sorted(key for key in measured["pre_clip"] if isinstance(key, int)) == [0, 3]
+        assert_close_stats(measured["pre_clip"], {k: reference[k] for k in measured["pre_clip"]}, TOLERANCE["fp32"])

@@ -14,6 +14,7 @@ import torch
 from deepspeed import comm as dist
 from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
 from deepspeed.runtime.engine import DeepSpeedEngine
+from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
 from deepspeed.runtime.pipe.module import PipelineModule
 from deepspeed.runtime.utils import is_model_parallel_parameter
 from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
@@ -23,7 +24,7 @@ from .config import CONFIG_KEY, LayerGradNormsConfig, LayerGradNormsConfigError,
 from .layer_map import LayerMap, build_layer_map, build_pipeline_layer_map
 from .partition_slices import bf16_partition_slices, zero_partition_slices
 from .plain import LayerGradNorms
-from .statistics import bf16_clip_divisor, zero_unscale_divisor
+from .statistics import REPLICATED, bf16_clip_divisor, zero_unscale_divisor
 from .tracker import LayerGradNormTracker
 
 logger = logging.getLogger(__name__)
@@ -104,9 +105,40 @@ def _stats_group(engine: DeepSpeedEngine, optimizer):
     return None
 
 
+def attach_unfused_tracker(engine: DeepSpeedEngine, optimizer: FP16_UnfusedOptimizer) -> None:
+    """DeepSpeed without ZeRO in fp16 or bf16: per-parameter fp32 copies of the gradient, one group each."""
+    config = engine_config(engine)
+    if not config.enabled:
+        return
+    _check_supported(engine, optimizer)
+    names = engine.param_names
+    trainable = [(names[param], param) for group in optimizer.fp16_groups for param in group]
+    layer_map = _layer_map(engine, config, trainable, names.values())
+    device = trainable[0][1].device
+    members = []
+    for group in optimizer.fp16_groups:
+        measured = [index for index, param in enumerate(group) if layer_map.bucket_of(param) is not None]
+        buckets = torch.tensor([layer_map.bucket_of(group[index]) for index in measured], dtype=torch.int64,
+                               device=device)
+        members.append((measured, buckets))
+    engine_ref = weakref.ref(engine)
+    tracker = LayerGradNormTracker(config, layer_map, [None] * len(members), REPLICATED, device,
+                                   completed_steps=lambda: engine_ref().global_steps)
+    setattr(optimizer, TRACKER_ATTR, tracker)
+    optimizer._layer_grad_norm_members = members
+
+
+def _observe_unfused(optimizer: FP16_UnfusedOptimizer, groups: List[List[torch.nn.Parameter]]) -> None:
+    """Fold in the gradients of ``groups`` (the fp16 parameters, or their fp32 copies)."""
+    tracker = _tracker(optimizer)
+    for index, (group, (measured, buckets)) in enumerate(zip(groups, optimizer._layer_grad_norm_members)):
+        grads = [group[j].grad if group[j].grad is not None else torch.zeros_like(group[j]) for j in measured]
+        tracker.observe_runs(index, lambda grads=grads: [grad.float().reshape(-1) for grad in grads], buckets)
+
+
 def _check_supported(engine: DeepSpeedEngine, optimizer) -> None:
     refusals = {
-        "MoE expert parameter groups": optimizer.has_moe_layers,
+        "MoE expert parameter groups": getattr(optimizer, "has_moe_layers", False),
         "ZenFlow": bool(getattr(optimizer, "zenflow", False)),
         "torch autocast": getattr(optimizer, "torch_autocast_gradscaler", None) is not None,
         "the Muon optimizer": "muon" in type(optimizer.optimizer).__name__.lower(),
@@ -129,8 +161,8 @@ def attach_engine_tracker(engine: DeepSpeedEngine) -> None:
         setattr(engine, TRACKER_ATTR, LayerGradNorms(engine.module, lambda: engine_ref().global_steps, **block))
         return
     raise UnsupportedSetupError(
-        f"{CONFIG_KEY} needs the ZeRO stage 1 or 2 optimizer (DeepSpeedZeroOptimizer), BF16_Optimizer, or fp32 "
-        f"without ZeRO; this engine uses {type(engine.optimizer).__name__} "
+        f"{CONFIG_KEY} needs the ZeRO stage 1 or 2 optimizer (DeepSpeedZeroOptimizer), BF16_Optimizer, or no "
+        f"ZeRO (fp32, or FP16_UnfusedOptimizer for fp16/bf16); this engine uses {type(engine.optimizer).__name__} "
         f"(zero_optimization.stage={engine.zero_optimization_stage()}, bf16={engine.bfloat16_enabled()}, "
         f"fp16={engine.fp16_enabled()})")
 
@@ -219,7 +251,7 @@ def _engine_take_model_step(original):
     return wrapper
 
 
-def _zero_step(original):
+def _optimizer_step(original):
 
     def wrapper(self, *args, **kwargs):
         tracker = _tracker(self)
@@ -261,6 +293,53 @@ def _zero_update_scale(original):
                     for index, flat_grad in overflow_partitions(self).items():
                         tracker.observe(index, flat_grad.float())
         return original(self, has_overflow)
+
+    return wrapper
+
+
+def _configure_fp16_optimizer(original):
+
+    def wrapper(self, *args, **kwargs):
+        optimizer = original(self, *args, **kwargs)
+        if isinstance(optimizer, FP16_UnfusedOptimizer) and not optimizer.fused_lamb_legacy:
+            attach_unfused_tracker(self, optimizer)
+        return optimizer
+
+    return wrapper
+
+
+def _unfused_update_scale(original):
+    """Called once per step; on a skipped step, before the fp16 gradients are dropped (their fp32
+    copies may not exist yet).
+
+    The gradient scale stays 1: DeepSpeed 0.19.8's ``engine.backward`` scales the loss only for ZeRO
+    optimizers, so these gradients carry no loss scale, while ``unscale_and_clip_grads`` still divides
+    by it. ``post_clip`` and ``clip_coef`` (about 1 / loss scale) show what the optimizer consumes.
+    """
+
+    def wrapper(self, skip):
+        tracker = _tracker(self)
+        if skip and tracker is not None and tracker.measuring:
+            with tracker.guarded("reading a skipped step's gradients"):
+                _observe_unfused(self, self.fp16_groups)
+        return original(self, skip)
+
+    return wrapper
+
+
+def _unfused_unscale_and_clip_grads(original):
+    """Called on the fp32 gradient copies just before the optimizer steps; returns what it divided by."""
+
+    def wrapper(self, total_norm, apply_scale=True):
+        tracker = _tracker(self)
+        measuring = apply_scale and tracker is not None and tracker.measuring
+        if measuring:
+            with tracker.guarded("reading the fp32 gradients"):
+                _observe_unfused(self, self.fp32_groups)
+        combined_scale = original(self, total_norm, apply_scale)
+        if measuring:
+            tracker.set_applied_scale(combined_scale)
+        return combined_scale
 
     return wrapper
 
@@ -307,12 +386,17 @@ def apply() -> bool:
     _wrap(DeepSpeedEngine, "_configure_zero_optimizer", _configure_zero_optimizer)
     _wrap(DeepSpeedEngine, "_configure_bf16_optimizer", _configure_bf16_optimizer)
     _wrap(DeepSpeedEngine, "_take_model_step", _engine_take_model_step)
-    _wrap(DeepSpeedZeroOptimizer, "step", _zero_step)
+    _wrap(DeepSpeedZeroOptimizer, "step", _optimizer_step)
     _wrap(DeepSpeedZeroOptimizer, "unscale_and_clip_grads", _zero_unscale_and_clip_grads)
     _wrap(DeepSpeedZeroOptimizer, "_update_scale", _zero_update_scale)
     _wrap(BF16_Optimizer, "step", _bf16_step)
+    _wrap(DeepSpeedEngine, "_configure_fp16_optimizer", _configure_fp16_optimizer)
+    _wrap(FP16_UnfusedOptimizer, "step", _optimizer_step)
+    _wrap(FP16_UnfusedOptimizer, "_update_scale", _unfused_update_scale)
+    _wrap(FP16_UnfusedOptimizer, "unscale_and_clip_grads", _unfused_unscale_and_clip_grads)
     DeepSpeedZeroOptimizer.get_layer_grad_norms = get_layer_grad_norms
     BF16_Optimizer.get_layer_grad_norms = get_layer_grad_norms
+    FP16_UnfusedOptimizer.get_layer_grad_norms = get_layer_grad_norms
     DeepSpeedEngine.get_layer_grad_norms = engine_get_layer_grad_norms
     setattr(DeepSpeedZeroOptimizer, _INSTALLED_ATTR, True)
     return True

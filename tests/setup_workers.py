@@ -160,8 +160,6 @@ BAD_BLOCKS = {
 
 UNSUPPORTED = {
     "stage3": base_config(zero_optimization={"stage": 3}, layer_grad_norms={"enabled": True}),
-    "fp16_stage0_fp16_optimizer": base_config(zero_optimization={"stage": 0}, fp16={"enabled": True},
-                                              layer_grad_norms={"enabled": True}),
 }
 
 

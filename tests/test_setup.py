@@ -61,7 +61,7 @@ def test_a_failure_on_one_rank_switches_the_statistics_off_everywhere_and_traini
 
 
 def test_unsupported_error_names_the_optimizer_in_use():
-    assert "this engine uses FP16_UnfusedOptimizer" in single_rank()["unsupported"]["fp16_stage0_fp16_optimizer"]
+    assert "this engine uses DeepSpeedZeroOptimizer_Stage3" in single_rank()["unsupported"]["stage3"]
 
 
 def test_moe_is_refused_at_initialize_naming_it():

@@ -60,6 +60,13 @@ def _parse_layer_token(item: Any) -> LayerToken:
     raise ValueError(f"{item!r} is not a layer index or 'mid'; expected {LAYER_SPEC_FORMS}")
 
 
+def _compile(pattern: str) -> "re.Pattern[str]":
+    try:
+        return re.compile(pattern)
+    except re.error as err:
+        raise ValueError(f"not a valid regular expression: {err}") from err
+
+
 class LayerGradNormsConfig(DeepSpeedConfigModel):
     """Per-layer gradient statistics inside the ZeRO-1/2 optimizer."""
 
@@ -95,14 +102,8 @@ class LayerGradNormsConfig(DeepSpeedConfigModel):
     @field_validator("layer_pattern")
     @classmethod
     def _validate_layer_pattern(cls, value: Optional[str]) -> Optional[str]:
-        if value is None:
-            return None
-        try:
-            compiled = re.compile(value)
-        except re.error as err:
-            raise ValueError(f"not a valid regular expression: {err}") from err
-        if compiled.groups != 1:
-            raise ValueError(f"needs exactly one capture group (the layer index), found {compiled.groups}")
+        if value is not None and _compile(value).groups != 1:
+            raise ValueError(f"needs exactly one capture group (the layer index), found {_compile(value).groups}")
         return value
 
     @field_validator("granularity")
@@ -115,13 +116,7 @@ class LayerGradNormsConfig(DeepSpeedConfigModel):
     @field_validator("group_by")
     @classmethod
     def _validate_group_by(cls, value: Optional[str]) -> Optional[str]:
-        if value is None:
-            return None
-        try:
-            compiled = re.compile(value)
-        except re.error as err:
-            raise ValueError(f"not a valid regular expression: {err}") from err
-        if compiled.groups == 0:
+        if value is not None and _compile(value).groups == 0:
             raise ValueError("needs at least one capture group (the groups form the bucket key)")
         return value
 

@@ -1,8 +1,9 @@
 """The call sites inside DeepSpeed, applied at run time by ``install()``.
 
 Each wrapper adds a call or two into ``LayerGradNormTracker`` around an existing method of
-``DeepSpeedEngine``, ``DeepSpeedZeroOptimizer`` or ``BF16_Optimizer``; the logic itself lives in the
-tracker and the modules it uses.
+``DeepSpeedEngine`` or of the optimizer that holds the gradient: ``DeepSpeedZeroOptimizer`` (ZeRO-1/2),
+``BF16_Optimizer``, ``FP16_UnfusedOptimizer`` (no ZeRO, fp16/bf16), or the engine itself (no ZeRO,
+fp32). The logic lives in the tracker and the modules it uses.
 """
 
 import functools
@@ -207,27 +208,35 @@ def _wrap(cls, name: str, make_wrapper: Callable[[Callable], Callable]) -> None:
     setattr(cls, name, functools.wraps(original)(make_wrapper(original)))
 
 
-def _configure_zero_optimizer(original):
-
-    def wrapper(self, *args, **kwargs):
-        optimizer = original(self, *args, **kwargs)
-        if isinstance(optimizer, DeepSpeedZeroOptimizer):
-            attach_tracker(self, optimizer, optimizer.bit16_groups, zero_partition_slices,
-                           optimizer.single_partition_of_fp32_groups[0].device)
-        return optimizer
-
-    return wrapper
+def _attach_zero(engine: DeepSpeedEngine, optimizer) -> None:
+    if isinstance(optimizer, DeepSpeedZeroOptimizer):  # not stage 3: refused in attach_engine_tracker
+        attach_tracker(engine, optimizer, optimizer.bit16_groups, zero_partition_slices,
+                       optimizer.single_partition_of_fp32_groups[0].device)
 
 
-def _configure_bf16_optimizer(original):
+def _attach_bf16(engine: DeepSpeedEngine, optimizer: BF16_Optimizer) -> None:
+    attach_tracker(engine, optimizer, optimizer.bf16_groups, bf16_partition_slices,
+                   optimizer.fp32_groups_gradients_flat[0].device)
 
-    def wrapper(self, *args, **kwargs):
-        optimizer = original(self, *args, **kwargs)
-        attach_tracker(self, optimizer, optimizer.bf16_groups, bf16_partition_slices,
-                       optimizer.fp32_groups_gradients_flat[0].device)
-        return optimizer
 
-    return wrapper
+def _attach_unfused(engine: DeepSpeedEngine, optimizer) -> None:
+    if isinstance(optimizer, FP16_UnfusedOptimizer) and not optimizer.fused_lamb_legacy:
+        attach_unfused_tracker(engine, optimizer)
+
+
+def _configure_optimizer(attach: Callable) -> Callable[[Callable], Callable]:
+    """A wrapper for an engine's ``_configure_*_optimizer``: ``attach(engine, optimizer)`` to its result."""
+
+    def make_wrapper(original):
+
+        def wrapper(self, *args, **kwargs):
+            optimizer = original(self, *args, **kwargs)
+            attach(self, optimizer)
+            return optimizer
+
+        return wrapper
+
+    return make_wrapper
 
 
 def _engine_init(original):
@@ -293,17 +302,6 @@ def _zero_update_scale(original):
                     for index, flat_grad in overflow_partitions(self).items():
                         tracker.observe(index, flat_grad.float())
         return original(self, has_overflow)
-
-    return wrapper
-
-
-def _configure_fp16_optimizer(original):
-
-    def wrapper(self, *args, **kwargs):
-        optimizer = original(self, *args, **kwargs)
-        if isinstance(optimizer, FP16_UnfusedOptimizer) and not optimizer.fused_lamb_legacy:
-            attach_unfused_tracker(self, optimizer)
-        return optimizer
 
     return wrapper
 
@@ -383,14 +381,14 @@ def apply() -> bool:
     if getattr(DeepSpeedZeroOptimizer, _INSTALLED_ATTR, False):
         return False
     _wrap(DeepSpeedEngine, "__init__", _engine_init)
-    _wrap(DeepSpeedEngine, "_configure_zero_optimizer", _configure_zero_optimizer)
-    _wrap(DeepSpeedEngine, "_configure_bf16_optimizer", _configure_bf16_optimizer)
+    _wrap(DeepSpeedEngine, "_configure_zero_optimizer", _configure_optimizer(_attach_zero))
+    _wrap(DeepSpeedEngine, "_configure_bf16_optimizer", _configure_optimizer(_attach_bf16))
+    _wrap(DeepSpeedEngine, "_configure_fp16_optimizer", _configure_optimizer(_attach_unfused))
     _wrap(DeepSpeedEngine, "_take_model_step", _engine_take_model_step)
     _wrap(DeepSpeedZeroOptimizer, "step", _optimizer_step)
     _wrap(DeepSpeedZeroOptimizer, "unscale_and_clip_grads", _zero_unscale_and_clip_grads)
     _wrap(DeepSpeedZeroOptimizer, "_update_scale", _zero_update_scale)
     _wrap(BF16_Optimizer, "step", _bf16_step)
-    _wrap(DeepSpeedEngine, "_configure_fp16_optimizer", _configure_fp16_optimizer)
     _wrap(FP16_UnfusedOptimizer, "step", _optimizer_step)
     _wrap(FP16_UnfusedOptimizer, "_update_scale", _unfused_update_scale)
     _wrap(FP16_UnfusedOptimizer, "unscale_and_clip_grads", _unfused_unscale_and_clip_grads)

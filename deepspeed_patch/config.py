@@ -67,6 +67,26 @@ def _compile(pattern: str) -> "re.Pattern[str]":
         raise ValueError(f"not a valid regular expression: {err}") from err
 
 
+class TriggerConfig(DeepSpeedConfigModel):
+    """Capture every step, all layers, for ``capture_steps`` steps after a gradient-norm spike."""
+
+    grad_norm_factor: float = Field(3.0, gt=1.0)
+    """Fire when the global gradient norm exceeds this many times its running median."""
+    window: int = Field(50, ge=1)
+    """Steps in the running median."""
+    capture_steps: int = Field(20, ge=1)
+    on_overflow: bool = True
+    """Fire also when the fp16 loss scaler skips a step."""
+
+
+class DumpConfig(DeepSpeedConfigModel):
+    """A JSONL file with the full result of every measured step, written by rank 0."""
+
+    path: str
+    max_bytes: int = Field(100 * 2**20, ge=1024)
+    backups: int = Field(3, ge=0)
+
+
 class LayerGradNormsConfig(DeepSpeedConfigModel):
     """Per-layer gradient statistics inside the ZeRO-1/2 optimizer."""
 
@@ -93,6 +113,21 @@ class LayerGradNormsConfig(DeepSpeedConfigModel):
     statistics: Tuple[str, ...] = ()
     """Extra statistics, computed in the same pass: ``l1`` (sum of absolute values), ``mean``,
     ``zeros`` (count of exact zeros), ``numel``."""
+
+    trigger: Optional[TriggerConfig] = None
+    """Switch full capture on after a spike; see ``TriggerConfig``."""
+
+    control_file: Optional[str] = None
+    """A JSON file (``enabled``, ``interval``, ``layers``) that rank 0 reads every ``control_interval``
+    steps and broadcasts: switch the statistics on or off from outside a running job."""
+
+    control_interval: int = Field(10, ge=1)
+
+    dump: Optional[DumpConfig] = None
+
+    monitor: bool = True
+    """Also write the selected buckets' statistics to DeepSpeed's monitors (TensorBoard, W&B, CSV),
+    when the ds_config enables any."""
 
     @field_validator("layers", mode="before")
     @classmethod
@@ -155,10 +190,23 @@ def _describe(err: ValidationError, block: dict) -> str:
         if not problem["loc"]:  # a check across keys: its message names them
             lines.append(f"{CONFIG_KEY}: {problem['msg'].removeprefix('Value error, ')}")
             continue
-        key = str(problem["loc"][0])
-        value = block.get(key, problem.get("input"))
+        key = ".".join(str(part) for part in problem["loc"])
+        value = _lookup(block, problem["loc"], problem.get("input"))
         reason = problem["msg"].removeprefix("Value error, ")
-        if problem["type"] == "extra_forbidden":
+        if problem["type"] == "extra_forbidden" and len(problem["loc"]) == 1:
             reason = f"unknown key; known keys are {sorted(LayerGradNormsConfig.model_fields)}"
-        lines.append(f"{CONFIG_KEY}.{key}={value!r}: {reason}")
+        elif problem["type"] == "missing":
+            reason, value = "required", "missing"
+        lines.append(f"{CONFIG_KEY}.{key}={value!r}: {reason}" if value != "missing" else
+                     f"{CONFIG_KEY}.{key}: {reason}")
     return "invalid ds_config block: " + "; ".join(lines)
+
+
+def _lookup(block: dict, location: tuple, default: Any) -> Any:
+    """The user's value at a nested ``location`` of the block, as they wrote it."""
+    value: Any = block
+    for part in location:
+        if not isinstance(value, dict) or part not in value:
+            return default
+        value = value[part]
+    return value

@@ -43,6 +43,11 @@ def engine_config(engine: DeepSpeedEngine) -> LayerGradNormsConfig:
     return load_config(engine._config._param_dict)
 
 
+def wanted(config: LayerGradNormsConfig) -> bool:
+    """Measure now, or be ready to: a trigger or a control file can switch measuring on later."""
+    return config.enabled or config.trigger is not None or config.control_file is not None
+
+
 def attach_tracker(engine: DeepSpeedEngine, optimizer, param_groups: List[List[torch.nn.Parameter]],
                    build_slices: Callable, device) -> None:
     """Build the layer map and partition slices once, at start-up, if the config asks for it.
@@ -51,7 +56,7 @@ def attach_tracker(engine: DeepSpeedEngine, optimizer, param_groups: List[List[t
     group; ``build_slices(optimizer, group_index, bucket_of, device)`` lays out one group.
     """
     config = engine_config(engine)
-    if not config.enabled:
+    if not wanted(config):
         return
     _check_supported(engine, optimizer)
     names = optimizer.param_names
@@ -109,7 +114,7 @@ def _stats_group(engine: DeepSpeedEngine, optimizer):
 def attach_unfused_tracker(engine: DeepSpeedEngine, optimizer: FP16_UnfusedOptimizer) -> None:
     """DeepSpeed without ZeRO in fp16 or bf16: per-parameter fp32 copies of the gradient, one group each."""
     config = engine_config(engine)
-    if not config.enabled:
+    if not wanted(config):
         return
     _check_supported(engine, optimizer)
     names = engine.param_names
@@ -154,11 +159,14 @@ def attach_engine_tracker(engine: DeepSpeedEngine) -> None:
     """At the end of initialize: DeepSpeed without ZeRO (fp32, the engine clips) is measured from the
     module's ``.grad``; any other engine without an optimizer tracker is refused."""
     config = engine_config(engine)
-    if not config.enabled or getattr(engine.optimizer, TRACKER_ATTR, None) is not None:
+    if not wanted(config) or getattr(engine.optimizer, TRACKER_ATTR, None) is not None:
         return
     if _plain_fp32(engine):
+        if config.trigger is not None:
+            raise UnsupportedSetupError(f"{CONFIG_KEY}.trigger needs an optimizer that reports the global "
+                                        "gradient norm (ZeRO-1/2, BF16_Optimizer, fp16/bf16 without ZeRO)")
         engine_ref = weakref.ref(engine)
-        block = config.model_dump(exclude={"enabled"})
+        block = config.model_dump()
         setattr(engine, TRACKER_ATTR, LayerGradNorms(engine.module, lambda: engine_ref().global_steps, **block))
         return
     raise UnsupportedSetupError(
@@ -255,9 +263,26 @@ def _engine_take_model_step(original):
         plain = getattr(self, TRACKER_ATTR, None)
         if plain is not None:
             plain.measure_before_clipping(self.gradient_clipping())
-        return original(self, lr_kwargs)
+        result = original(self, lr_kwargs)
+        write_monitor_events(self)
+        return result
 
     return wrapper
+
+
+def write_monitor_events(engine: DeepSpeedEngine) -> None:
+    """This step's statistics to DeepSpeed's monitors (TensorBoard, W&B, CSV), when it was measured."""
+    stats = engine_get_layer_grad_norms(engine)
+    if (stats is None or stats["step"] != engine.global_steps or not engine_config(engine).monitor
+            or not getattr(engine.monitor, "enabled", False)):
+        return
+    events = []
+    for phase in ("pre_clip", "post_clip"):
+        for key, values in (stats[phase] or {}).items():
+            label = f"layer{key:02d}" if isinstance(key, int) else str(key)
+            events += [(f"Train/Samples/layer_grad_norms/{phase}/{name}/{label}", values[name], engine.global_samples)
+                       for name in ("norm", "min", "max")]
+    engine.monitor.write_events(events)
 
 
 def _optimizer_step(original):
@@ -269,6 +294,7 @@ def _optimizer_step(original):
         tracker.begin_step()
         result = original(self, *args, **kwargs)
         tracker.end_step(self.overflow)
+        tracker.after_step(self._global_grad_norm, self.overflow)
         return result
 
     return wrapper
@@ -347,15 +373,17 @@ def _bf16_step(original):
 
     def wrapper(self, *args, **kwargs):
         tracker = _tracker(self)
-        if tracker is None or not tracker.begin_step():
+        if tracker is None:
             return original(self, *args, **kwargs)
-        for index, flat_grad in enumerate(self.fp32_groups_gradient_flat_partition):
-            tracker.observe(index, flat_grad)
+        if tracker.begin_step():
+            for index, flat_grad in enumerate(self.fp32_groups_gradient_flat_partition):
+                tracker.observe(index, flat_grad)
         result = original(self, *args, **kwargs)
-        if not self.overflow:
+        if tracker.measuring and not self.overflow:
             with tracker.guarded("reading the clip factor"):
                 tracker.set_applied_scale(bf16_clip_divisor(self._global_grad_norm, self.clip_grad))
         tracker.end_step(self.overflow)
+        tracker.after_step(self._global_grad_norm, self.overflow)
         return result
 
     return wrapper
@@ -367,13 +395,30 @@ def get_layer_grad_norms(self) -> Optional[dict]:
     return None if tracker is None else tracker.get()
 
 
+def _engine_tracker(engine: DeepSpeedEngine) -> Optional[LayerGradNormTracker]:
+    plain = getattr(engine, TRACKER_ATTR, None)
+    return plain.tracker if plain is not None else _tracker(engine.optimizer)
+
+
 def engine_get_layer_grad_norms(self) -> Optional[dict]:
     """Per-layer gradient statistics of the last measured step, or ``None``; see DESIGN.md section 2."""
-    plain = getattr(self, TRACKER_ATTR, None)
-    if plain is not None:
-        return plain.tracker.get()
-    getter = getattr(self.optimizer, "get_layer_grad_norms", None)
-    return None if getter is None else getter()
+    tracker = _engine_tracker(self)
+    return None if tracker is None else tracker.get()
+
+
+def engine_set_layer_grad_norms(self, enabled: Optional[bool] = None, interval: Optional[int] = None,
+                                layers: Optional[object] = None) -> None:
+    """Switch per-layer statistics on or off, or change their interval or layers, on a live engine.
+
+    Call it on every rank at the same step (as SPMD training code does); the ds_config needs a
+    ``layer_grad_norms`` block at initialize (``enabled: false`` with a trigger or control file, or
+    ``enabled: true``).
+    """
+    tracker = _engine_tracker(self)
+    if tracker is None:
+        raise UnsupportedSetupError(f"set_layer_grad_norms: this engine was initialized without an enabled "
+                                    f"'{CONFIG_KEY}' block, so there is no layer map to measure with")
+    tracker.set_options(enabled=enabled, interval=interval, layers=layers)
 
 
 def apply() -> bool:
@@ -396,5 +441,6 @@ def apply() -> bool:
     BF16_Optimizer.get_layer_grad_norms = get_layer_grad_norms
     FP16_UnfusedOptimizer.get_layer_grad_norms = get_layer_grad_norms
     DeepSpeedEngine.get_layer_grad_norms = engine_get_layer_grad_norms
+    DeepSpeedEngine.set_layer_grad_norms = engine_set_layer_grad_norms
     setattr(DeepSpeedZeroOptimizer, _INSTALLED_ATTR, True)
     return True

@@ -24,9 +24,11 @@ import logging
 from typing import Callable, Dict, Hashable, List, Optional
 
 import torch
+from deepspeed import comm as dist
 
 from .config import LayerGradNormsConfig
 from .layer_map import LayerMap
+from .on_demand import ControlFile, JsonlDump, SpikeTrigger
 from .partition_slices import PartitionSlices
 from .statistics import (
     NUMEL,
@@ -50,6 +52,7 @@ class LayerGradNormTracker:
         ``group``: the ranks to combine over, or ``REPLICATED``; ``completed_steps()``: the optimizer steps
         so far (the engine's, restored from a checkpoint), so that ``step`` and the interval follow the
         training iteration."""
+        self.enabled = config.enabled
         self.interval = config.interval
         self.extra = config.statistics
         self.layer_map = layer_map
@@ -60,8 +63,15 @@ class LayerGradNormTracker:
         self.completed_steps = completed_steps
         self.step = 0
         self.measuring = False
-        self.disabled = False
+        self.broken = False
         self._failed = False
+        self.trigger = config.trigger and SpikeTrigger(config.trigger.grad_norm_factor, config.trigger.window,
+                                                       config.trigger.capture_steps, config.trigger.on_overflow)
+        self.capture: Optional[dict] = None
+        self.control = config.control_file and ControlFile(config.control_file, config.control_interval)
+        self.dump = None
+        if config.dump and (not dist.is_initialized() or dist.get_rank() == 0):
+            self.dump = JsonlDump(config.dump.path, config.dump.max_bytes, config.dump.backups)
         self.result: Optional[dict] = None
         self._stats: Optional[torch.Tensor] = None
         self._observed = set()
@@ -70,15 +80,52 @@ class LayerGradNormTracker:
         self._clip_norm: Optional[float] = None
 
     def begin_step(self) -> bool:
-        """Number this optimizer step; measure it if it falls on the interval."""
+        """Number this optimizer step; measure it if it falls on the interval or in a capture window."""
         self.step = self.completed_steps() + 1
-        self.measuring = not self.disabled and self.step % self.interval == 0
+        settings = self.control.poll(self.step) if self.control else None
+        if settings:
+            self._apply_control(settings)
+        on_interval = self.enabled and self.step % self.interval == 0
+        self.measuring = not self.broken and (on_interval or self.capturing())
         if self.measuring:
             self._stats = empty_stats(len(self.layer_map.keys), self.device)
             self._observed = set()
             self._gradient_scale = self._applied_scale = 1.0
             self._clip_norm = None
         return self.measuring
+
+    def capturing(self) -> bool:
+        """Inside the window a trigger opened: every step, every bucket."""
+        return self.capture is not None and self.step <= self.capture["capture_until"]
+
+    def set_options(self, enabled: Optional[bool] = None, interval: Optional[int] = None,
+                    layers: Optional[object] = None) -> None:
+        """Change what is measured on a live run; every rank must call it at the same step."""
+        checked = LayerGradNormsConfig(strict=True, enabled=self.enabled if enabled is None else enabled,
+                                       interval=self.interval if interval is None else interval,
+                                       layers=layers)
+        self.enabled, self.interval = checked.enabled, checked.interval
+        if layers is not None:
+            self.selected = self.layer_map.select(checked.layers)
+
+    def _apply_control(self, settings: dict) -> None:
+        try:
+            self.set_options(**settings)
+            logger.info("layer_grad_norms: control file applied at step %d: %s", self.step, settings)
+        except (TypeError, ValueError) as err:  # the same on every rank: all ignore it
+            logger.error("layer_grad_norms: control file settings %s ignored: %s", settings, err)
+
+    def after_step(self, global_norm, overflow: bool) -> None:
+        """Feed the trigger the step's global gradient norm (the same on every rank)."""
+        if self.trigger is None or self.broken:
+            return
+        with self.guarded("checking the trigger"):
+            norm = None if global_norm is None else float(global_norm)
+            fired = self.trigger.update(self.step, norm, bool(overflow))
+            if fired is not None:
+                logger.warning("layer_grad_norms: trigger fired at step %d (%s); capturing every layer until step "
+                               "%d", self.step, fired["reason"], fired["capture_until"])
+                self.capture = fired
 
     @contextlib.contextmanager
     def guarded(self, what: str):
@@ -131,27 +178,33 @@ class LayerGradNormTracker:
         if stats[-1, NUMEL].item() > 0:
             logger.error("layer_grad_norms: a rank could not measure step %d (see its log); per-layer statistics "
                          "are switched off", self.step)
-            self.disabled, self.result = True, None
+            self.broken, self.result = True, None
             return
         with self.guarded("building the result"):
             if self._clip_norm:
                 self._applied_scale = torch_clip_divisor(total_norm(stats[:-1]), self._clip_norm)
             self.result = self._result(stats[:-1], overflow)
+            if self.dump is not None:
+                self.dump.write(self.result)
 
     def _result(self, stats: torch.Tensor, overflow: bool) -> dict:
         keys = self.layer_map.keys
-        pre_clip = bucket_results(stats, keys, self.selected, 1.0 / self._gradient_scale, self.extra)
+        selected = keys if self.capturing() else self.selected
+        pre_clip = bucket_results(stats, keys, selected, 1.0 / self._gradient_scale, self.extra)
         clip_coef = post_clip = None
         if not overflow:
             clip_coef = self._gradient_scale / self._applied_scale
-            post_clip = bucket_results(stats, keys, self.selected, 1.0 / self._applied_scale, self.extra)
-        return {
+            post_clip = bucket_results(stats, keys, selected, 1.0 / self._applied_scale, self.extra)
+        result = {
             "step": self.step,
             "overflow": bool(overflow),
             "clip_coef": clip_coef,
             "pre_clip": pre_clip,
             "post_clip": post_clip,
         }
+        if self.capturing():
+            result["trigger"] = dict(self.capture)
+        return result
 
     def get(self) -> Optional[Dict[Hashable, object]]:
         """The last measurement, or ``None`` before the first measured step."""

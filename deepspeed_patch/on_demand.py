@@ -1,0 +1,95 @@
+"""Per-layer statistics on demand: a spike trigger, a control file, and a JSONL post-mortem dump.
+
+The original request: "after encountering a spike we could roll back to the last good checkpoint
+and run a cycle with this debug feature enabled". Every decision here is taken identically on all
+ranks: the trigger reads the global gradient norm (the same number everywhere), the control file
+is read by rank 0 and broadcast.
+"""
+
+import json
+import math
+import os
+import statistics
+from collections import deque
+from typing import Any, Dict, Optional
+
+from deepspeed import comm as dist
+
+
+class SpikeTrigger:
+    """Fires when the global gradient norm jumps above ``factor`` times its running median over the
+    last ``window`` steps, or (``on_overflow``) when the loss scaler skips a step."""
+
+    def __init__(self, factor: float, window: int, capture_steps: int, on_overflow: bool) -> None:
+        self.factor, self.capture_steps, self.on_overflow = factor, capture_steps, on_overflow
+        self.recent: deque = deque(maxlen=window)
+
+    def update(self, step: int, global_norm: Optional[float], overflow: bool) -> Optional[Dict[str, Any]]:
+        """Feed one optimizer step; returns what fired, or ``None``."""
+        if overflow or global_norm is None or not math.isfinite(global_norm):
+            if self.on_overflow and (overflow or global_norm is not None):
+                return {"fired_at": step, "reason": "overflow", "capture_until": step + self.capture_steps}
+            return None
+        fired = None
+        if len(self.recent) >= min(self.recent.maxlen, 5):
+            median = statistics.median(self.recent)
+            if global_norm > self.factor * median:
+                reason = f"grad norm {global_norm:.4g} > {self.factor} x median {median:.4g}"
+                fired = {"fired_at": step, "reason": reason, "capture_until": step + self.capture_steps}
+        self.recent.append(global_norm)
+        return fired
+
+
+class ControlFile:
+    """A JSON file (``{"enabled": true, "interval": 1, "layers": "all"}``, any subset) read by rank 0
+    every ``interval`` steps and broadcast, so that every rank applies it at the same step."""
+
+    def __init__(self, path: str, interval: int) -> None:
+        self.path, self.interval = path, interval
+        self._seen: Optional[float] = None
+
+    def poll(self, step: int) -> Optional[Dict[str, Any]]:
+        """The settings to apply at this step (a collective on poll steps), or ``None``."""
+        if step % self.interval:
+            return None
+        if not dist.is_initialized():  # one process (or a plain DDP loop, which has no collective to keep in step)
+            return self._read()
+        message = [self._read() if dist.get_rank() == 0 else None]
+        dist.broadcast_object_list(message, src=0)
+        return message[0]
+
+    def _read(self) -> Optional[Dict[str, Any]]:
+        try:
+            changed = os.stat(self.path).st_mtime_ns
+            if changed == self._seen:
+                return None
+            with open(self.path) as control:
+                settings = json.load(control)
+            self._seen = changed
+        except (OSError, ValueError):
+            return None  # absent, or caught half-written: read again at the next poll
+        return settings if isinstance(settings, dict) else None
+
+
+class JsonlDump:
+    """One JSON line per measured step, flushed as written, rotated past ``max_bytes`` (rank 0 only)."""
+
+    def __init__(self, path: str, max_bytes: int, backups: int) -> None:
+        self.path, self.max_bytes, self.backups = path, max_bytes, backups
+
+    def write(self, record: Dict[str, Any]) -> None:
+        line = json.dumps(record, default=str) + "\n"
+        if os.path.exists(self.path) and os.path.getsize(self.path) + len(line) > self.max_bytes:
+            self._rotate()
+        with open(self.path, "a") as out:
+            out.write(line)
+            out.flush()
+
+    def _rotate(self) -> None:
+        for index in range(self.backups - 1, 0, -1):
+            if os.path.exists(f"{self.path}.{index}"):
+                os.replace(f"{self.path}.{index}", f"{self.path}.{index + 1}")
+        if self.backups > 0:
+            os.replace(self.path, f"{self.path}.1")
+        else:
+            os.remove(self.path)

@@ -1,0 +1,77 @@
+"""What each rank runs in the on-demand tests: spike trigger, runtime switch, control file, dump, monitors."""
+
+import json
+import os
+from typing import Any, Dict, List
+
+import deepspeed_patch
+from megatron_integration.tiny_gpt import TinyGPTConfig, synthetic_batch
+from setup_workers import base_config, initialize
+from zero_workers import force_fp16_on_cpu
+
+FP16 = {"enabled": True, "initial_scale_power": 8}
+
+
+def train(engine, steps: int, loss_factor: Dict[int, float] = None, before_step=None) -> List[Any]:
+    """Train ``steps`` steps (1-based); returns ``get_layer_grad_norms()`` after each."""
+    measured = []
+    for step in range(1, steps + 1):
+        if before_step is not None:
+            before_step(step)
+        loss = engine(synthetic_batch(TinyGPTConfig(), 2, seed=step))
+        engine.backward(loss * (loss_factor or {}).get(step, 1.0))
+        engine.step()
+        measured.append(engine.get_layer_grad_norms())
+    return measured
+
+
+def run_on_demand(workdir: str) -> Dict[str, Any]:
+    from deepspeed import comm as dist
+
+    deepspeed_patch.install()
+    force_fp16_on_cpu()
+    results = {}
+
+    trigger = {"grad_norm_factor": 3.0, "window": 5, "capture_steps": 2, "on_overflow": True}
+    dump = {"path": os.path.join(workdir, "layer_grad_norms.jsonl")}
+    engine = initialize(base_config(fp16=FP16, layer_grad_norms={"enabled": False, "trigger": trigger, "dump": dump,
+                                                                  "layers": "0"}))
+    # step 8: a spike (loss x 100); step 13: an fp16 overflow (loss x 1e30)
+    results["trigger"] = train(engine, 16, loss_factor={8: 100.0, 13: 1e30})
+    engine.destroy()
+
+    engine = initialize(base_config(layer_grad_norms={"enabled": False, "trigger": trigger}))
+
+    def switch(step: int) -> None:
+        if step == 3:
+            engine.set_layer_grad_norms(enabled=True, interval=1, layers="0")
+        if step == 5:
+            engine.set_layer_grad_norms(enabled=False)
+
+    results["method"] = train(engine, 6, before_step=switch)
+    engine.destroy()
+
+    control = os.path.join(workdir, f"control-{dist.get_world_size()}.json")
+    engine = initialize(base_config(layer_grad_norms={"enabled": False, "control_file": control,
+                                                      "control_interval": 2}))
+
+    def write_control(step: int) -> None:
+        settings = {4: {"enabled": True, "interval": 1}, 6: {"enabled": False}}.get(step)
+        if settings and dist.get_rank() == 0:  # an operator edits the file between steps 3 and 4, 5 and 6
+            with open(control, "w") as out:
+                json.dump(settings, out)
+            os.utime(control, ns=(step * 10**9, step * 10**9))
+        dist.barrier()
+
+    results["control"] = train(engine, 8, before_step=write_control)
+    engine.destroy()
+
+    monitor_dir = os.path.join(workdir, "monitors")
+    engine = initialize(base_config(
+        layer_grad_norms={"enabled": True, "layers": "0,-1"},
+        csv_monitor={"enabled": True, "output_path": monitor_dir, "job_name": "csv"},
+        tensorboard={"enabled": True, "output_path": monitor_dir, "job_name": "tb"}))
+    results["monitor"] = train(engine, 2)
+    results["global_samples"] = engine.global_samples
+    engine.destroy()
+    return results

@@ -1,0 +1,105 @@
+"""On demand: the spike trigger, switching on and off on a live run, the JSONL dump, DeepSpeed's monitors."""
+
+import glob
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from deepspeed_patch.on_demand import JsonlDump, SpikeTrigger
+from megatron_integration.cpu_launch import launch
+from on_demand_workers import run_on_demand
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    workdir = str(tmp_path_factory.mktemp("on_demand"))
+    return workdir, launch(run_on_demand, 2, workdir, timeout=420)
+
+
+def measured_steps(records):
+    return sorted({record["step"] for record in records if record is not None})
+
+
+def test_trigger_captures_after_a_spike_and_an_overflow_only(runs):
+    _, (first, second) = runs
+    assert repr(first["trigger"]) == repr(second["trigger"])
+    records = first["trigger"]
+    assert measured_steps(records) == [9, 10, 14, 15]  # 2 steps after the spike (8) and the overflow (13)
+    spike, overflow = records[8], records[13]
+    assert spike["trigger"]["fired_at"] == 8 and spike["trigger"]["reason"].startswith("grad norm")
+    assert overflow["trigger"] == {"fired_at": 13, "reason": "overflow", "capture_until": 15}
+    assert sorted(k for k in spike["pre_clip"] if isinstance(k, int)) == [0, 1, 2, 3]  # all layers, not "0"
+
+
+def test_dump_has_one_line_per_measured_step(runs):
+    workdir, (first, _) = runs
+    with open(os.path.join(workdir, "layer_grad_norms.jsonl")) as dump:
+        lines = [json.loads(line) for line in dump]
+    assert [line["step"] for line in lines] == [9, 10, 14, 15]
+    assert lines[0]["pre_clip"]["0"]["norm"] == pytest.approx(first["trigger"][8]["pre_clip"][0]["norm"])
+
+
+def test_switching_on_and_off_through_the_engine_method(runs):
+    _, (first, second) = runs
+    assert repr(first["method"]) == repr(second["method"])
+    assert measured_steps(first["method"]) == [3, 4]
+    assert sorted(k for k in first["method"][3]["pre_clip"] if isinstance(k, int)) == [0]
+
+
+def test_switching_on_and_off_through_the_control_file(runs):
+    _, (first, second) = runs
+    assert repr(first["control"]) == repr(second["control"])
+    assert measured_steps(first["control"]) == [4, 5]
+
+
+def test_monitor_events_in_csv_and_tensorboard(runs):
+    workdir, (first, _) = runs
+    csv_files = glob.glob(os.path.join(workdir, "monitors", "csv", "*layer_grad_norms*pre_clip_norm_layer00.csv"))
+    assert len(csv_files) == 1
+    with open(csv_files[0]) as values:
+        rows = values.read().splitlines()
+    assert len(rows) == 3  # header, 2 steps
+    assert float(rows[-1].split(",")[1]) == pytest.approx(first["monitor"][-1]["pre_clip"][0]["norm"])
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(os.path.join(workdir, "monitors", "tb"))
+    events.Reload()
+    assert "Train/Samples/layer_grad_norms/post_clip/max/layer03" in events.Tags()["scalars"]
+
+
+def test_trigger_ignores_ordinary_steps():
+    trigger = SpikeTrigger(factor=3.0, window=5, capture_steps=4, on_overflow=True)
+    assert all(trigger.update(step, 1.0 + 0.1 * (step % 3), False) is None for step in range(1, 20))
+    assert trigger.update(20, 3.1, False) is None  # 3.1 < 3 x median 1.1
+    assert trigger.update(21, 9.0, False)["capture_until"] == 25
+    assert SpikeTrigger(3.0, 5, 4, on_overflow=False).update(1, None, True) is None
+
+
+def test_dump_rotates(tmp_path):
+    dump = JsonlDump(str(tmp_path / "d.jsonl"), max_bytes=1024, backups=2)
+    for step in range(100):
+        dump.write({"step": step, "pad": "x" * 100})
+    assert sorted(os.listdir(tmp_path)) == ["d.jsonl", "d.jsonl.1", "d.jsonl.2"]
+    assert all(os.path.getsize(tmp_path / name) <= 1024 for name in os.listdir(tmp_path))
+
+
+def test_dump_survives_a_killed_process_up_to_its_last_full_line(tmp_path):
+    path = tmp_path / "killed.jsonl"
+    writer = subprocess.Popen([sys.executable, "-c", (
+        "import sys\nfrom deepspeed_patch.on_demand import JsonlDump\n"
+        f"dump = JsonlDump({str(path)!r}, max_bytes=10**9, backups=0)\n"
+        "step = 0\nwhile True:\n    dump.write({'step': step, 'pad': 'x' * 1000}); step += 1\n")])
+    deadline = time.time() + 60
+    while (not path.exists() or path.stat().st_size < 200_000) and time.time() < deadline:
+        time.sleep(0.1)
+    writer.send_signal(signal.SIGKILL)
+    writer.wait()
+    lines = path.read_text().split("\n")
+    complete = [json.loads(line) for line in lines[:-1]]
+    assert len(complete) >= 100
+    assert [record["step"] for record in complete] == list(range(len(complete)))

@@ -115,3 +115,21 @@ def test_layout_has_a_chart_per_parameter_family():
     pattern = layout["layer-grad-norms pre-clip: mlp.fc2.weight"]["norm"][1][0]
     assert re.match(pattern, scalar_tag("pre_clip", "norm", "layers.7.mlp.fc2.weight"))
     assert not re.match(pattern, scalar_tag("pre_clip", "norm", "layers.7.mlp.fc1.weight"))
+
+
+def test_plot_and_report_read_the_jsonl_dump(tmp_path, capsys):
+    from deepspeed_patch.on_demand import JsonlDump
+
+    path = tmp_path / "dump.jsonl"
+    dump = JsonlDump(str(path), max_bytes=10**6, backups=0)
+    for step in range(1, 5):
+        stats = {layer: {"norm": known_norm(layer, step), "min": -1.0, "max": 1.0} for layer in range(LAYERS)}
+        dump.write({"step": step, "overflow": False, "clip_coef": 1.0, "pre_clip": stats, "post_clip": stats})
+    with open(path, "a") as out:
+        out.write('{"step": 5, "pre_cl')  # a job killed mid-line
+    main(["report", str(path), "--json"])
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["steps"] == [1, 4]
+    assert summary["early_larger"] is True
+    figure = plot_layer_norms(read_layer_series(str(path)), str(tmp_path / "figure.png"))
+    assert len(figure.axes[0].get_lines()) == 5

@@ -11,7 +11,7 @@ from typing import Any, Callable, List, Optional
 import torch
 from torch import nn
 
-from .config import CONFIG_KEY, load_config
+from .config import CONFIG_KEY, LayerGradNormsConfigError, load_config
 from .layer_map import build_layer_map
 from .statistics import REPLICATED
 from .tracker import LayerGradNormTracker
@@ -21,7 +21,8 @@ class LayerGradNorms:
     """Per-layer gradient statistics of ``model`` (an ``nn.Module`` or a ``DistributedDataParallel``).
 
     ``options`` are the keys of the ds_config block (``layers``, ``interval``, ``layer_pattern``,
-    ``granularity``, ``group_by``, ``statistics``), validated the same way. Call ``measure()`` or
+    ``granularity``, ``group_by``, ``statistics``, ``control_file``, ``dump``), validated the same
+    way; ``trigger`` is refused (no optimizer here reports the global norm). Call ``measure()`` or
     ``clip_grad_norm_()`` once per optimizer step, after ``backward()`` (and after unscaling, with AMP).
     """
 
@@ -29,6 +30,9 @@ class LayerGradNorms:
         """``completed_steps()``: the optimizer steps so far, if something else counts them (DeepSpeed's
         engine); by default this object counts its own calls."""
         config = load_config({CONFIG_KEY: {"enabled": True, **options}})
+        if config.trigger is not None:
+            raise LayerGradNormsConfigError(f"{CONFIG_KEY}.trigger={options['trigger']!r}: needs DeepSpeed's "
+                                            "ZeRO-1/2, BF16 or fp16 optimizer, which report the global norm")
         module = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
         named = list(module.named_parameters())
         trainable = [(name, param) for name, param in named if param.requires_grad]

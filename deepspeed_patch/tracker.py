@@ -44,7 +44,7 @@ logger = logging.getLogger(__name__)
 
 
 class LayerGradNormTracker:
-    """Per-layer gradient statistics for one ZeRO-1/2 optimizer."""
+    """Per-layer gradient statistics for one optimizer (or one model, in the plain-PyTorch API)."""
 
     def __init__(self, config: LayerGradNormsConfig, layer_map: LayerMap, slices: List[Optional[PartitionSlices]],
                  group, device, completed_steps: Callable[[], int]) -> None:
@@ -65,10 +65,12 @@ class LayerGradNormTracker:
         self.measuring = False
         self.broken = False
         self._failed = False
-        self.trigger = config.trigger and SpikeTrigger(config.trigger.grad_norm_factor, config.trigger.window,
-                                                       config.trigger.capture_steps, config.trigger.on_overflow)
+        self.trigger = None
+        if config.trigger is not None:
+            self.trigger = SpikeTrigger(config.trigger.grad_norm_factor, config.trigger.window,
+                                        config.trigger.capture_steps, config.trigger.on_overflow)
         self.capture: Optional[dict] = None
-        self.control = config.control_file and ControlFile(config.control_file, config.control_interval)
+        self.control = ControlFile(config.control_file, config.control_interval) if config.control_file else None
         self.dump = None
         if config.dump and (not dist.is_initialized() or dist.get_rank() == 0):
             self.dump = JsonlDump(config.dump.path, config.dump.max_bytes, config.dump.backups)

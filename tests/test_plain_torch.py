@@ -50,6 +50,8 @@ def test_measure_follows_the_interval_and_the_selection():
 def test_bad_options_name_the_key_and_value():
     with pytest.raises(LayerGradNormsConfigError, match=r"layer_grad_norms.layers=\[0, 9\]: layer 9 is out of range"):
         LayerGradNorms(TinyGPT(TinyGPTConfig()), layers=[0, 9])
+    with pytest.raises(LayerGradNormsConfigError, match=r"layer_grad_norms.trigger=\{\}: needs DeepSpeed"):
+        LayerGradNorms(TinyGPT(TinyGPTConfig()), trigger={})
 
 
 def test_ddp_two_ranks_match_the_averaged_gradient_without_any_collective():

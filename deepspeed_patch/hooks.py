@@ -272,8 +272,9 @@ def _engine_take_model_step(original):
 
 def write_monitor_events(engine: DeepSpeedEngine) -> None:
     """This step's statistics to DeepSpeed's monitors (TensorBoard, W&B, CSV), when it was measured."""
-    stats = engine_get_layer_grad_norms(engine)
-    if (stats is None or stats["step"] != engine.global_steps or not engine_config(engine).monitor
+    tracker = _engine_tracker(engine)
+    stats = None if tracker is None else tracker.get()
+    if (stats is None or stats["step"] != engine.global_steps or not tracker.monitor
             or not getattr(engine.monitor, "enabled", False)):
         return
     events = []

@@ -53,6 +53,7 @@ class LayerGradNormTracker:
         so far (the engine's, restored from a checkpoint), so that ``step`` and the interval follow the
         training iteration."""
         self.enabled = config.enabled
+        self.monitor = config.monitor
         self.interval = config.interval
         self.extra = config.statistics
         self.layer_map = layer_map

@@ -25,19 +25,25 @@ class SpikeTrigger:
         self.recent: deque = deque(maxlen=window)
 
     def update(self, step: int, global_norm: Optional[float], overflow: bool) -> Optional[Dict[str, Any]]:
-        """Feed one optimizer step; returns what fired, or ``None``."""
-        if overflow or global_norm is None or not math.isfinite(global_norm):
-            if self.on_overflow and (overflow or global_norm is not None):
-                return {"fired_at": step, "reason": "overflow", "capture_until": step + self.capture_steps}
+        """Feed one optimizer step; returns what fired, or ``None``.
+
+        ``global_norm`` is ``None`` when the optimizer computed none (``compute_grad_norm: false``);
+        a non-finite one counts as an overflow.
+        """
+        if overflow or (global_norm is not None and not math.isfinite(global_norm)):
+            return self._fired(step, "overflow") if self.on_overflow else None
+        if global_norm is None:
             return None
         fired = None
-        if len(self.recent) >= min(self.recent.maxlen, 5):
+        if len(self.recent) >= min(self.recent.maxlen, 5):  # a median of at least a few steps
             median = statistics.median(self.recent)
             if global_norm > self.factor * median:
-                reason = f"grad norm {global_norm:.4g} > {self.factor} x median {median:.4g}"
-                fired = {"fired_at": step, "reason": reason, "capture_until": step + self.capture_steps}
+                fired = self._fired(step, f"grad norm {global_norm:.4g} > {self.factor} x median {median:.4g}")
         self.recent.append(global_norm)
         return fired
+
+    def _fired(self, step: int, reason: str) -> Dict[str, Any]:
+        return {"fired_at": step, "reason": reason, "capture_until": step + self.capture_steps}
 
 
 class ControlFile:

@@ -117,6 +117,8 @@ def attach_unfused_tracker(engine: DeepSpeedEngine, optimizer: FP16_UnfusedOptim
     if not wanted(config):
         return
     _check_supported(engine, optimizer)
+    if not _whole_model_on_each_rank(engine):
+        raise UnsupportedSetupError(f"{CONFIG_KEY}: without ZeRO, pipeline and tensor parallelism are not supported")
     names = engine.param_names
     trainable = [(names[param], param) for group in optimizer.fp16_groups for param in group]
     layer_map = _layer_map(engine, config, trainable, names.values())
@@ -179,8 +181,13 @@ def attach_engine_tracker(engine: DeepSpeedEngine) -> None:
 def _plain_fp32(engine: DeepSpeedEngine) -> bool:
     """fp32 without ZeRO, on one data-parallel group: every rank holds the averaged gradient in ``.grad``."""
     return (engine.zero_optimization_stage() == 0 and not engine.fp16_enabled() and not engine.bfloat16_enabled()
-            and isinstance(engine.optimizer, torch.optim.Optimizer) and not isinstance(engine.module, PipelineModule)
-            and (engine.mpu is None or engine.mpu.get_model_parallel_world_size() == 1))
+            and isinstance(engine.optimizer, torch.optim.Optimizer) and _whole_model_on_each_rank(engine))
+
+
+def _whole_model_on_each_rank(engine: DeepSpeedEngine) -> bool:
+    """No pipeline stages, no tensor shards: each rank's gradient is the whole model's."""
+    return not isinstance(engine.module, PipelineModule) and (engine.mpu is None
+                                                              or engine.mpu.get_model_parallel_world_size() == 1)
 
 
 def _tracker(optimizer) -> Optional[LayerGradNormTracker]:

@@ -3,6 +3,8 @@
 Used by the demo and the tests: no launcher, no hostfile, a free loopback port per launch.
 """
 
+import contextlib
+import glob
 import os
 import pickle
 import socket
@@ -54,4 +56,14 @@ def launch(fn: Callable, world_size: int, *args: Any, timeout: float = 600) -> L
             proc.join(timeout=10)
             if proc.is_alive():
                 proc.kill()
+                proc.join()
+        remove_shm_buffers(port)
     return results
+
+
+def remove_shm_buffers(port: int, address: str = "127.0.0.1") -> None:
+    """Delete the shared-memory buffers DeepSpeed's CPU all-reduce leaves behind (69 MB a rank, never
+    unlinked in 0.19.8): without this, each launch leaks them until /dev/shm fills up."""
+    for path in glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_*_{address}_{port}_*"):
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(path)

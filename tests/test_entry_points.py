@@ -7,6 +7,7 @@ import subprocess
 import pytest
 
 from megatron_integration.cli import main
+from megatron_integration.cpu_launch import free_port, remove_shm_buffers
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -32,8 +33,23 @@ def test_demo_rejects_a_bad_layer_spec(capsys):
 
 
 def test_readme_quickstart_runs_on_two_ranks():
-    result = subprocess.run(["deepspeed", "--num_gpus", "2", os.path.join(ROOT, "examples", "quickstart.py")],
-                            capture_output=True, text=True, timeout=300, cwd=ROOT)
+    port = free_port()
+    try:
+        result = subprocess.run(["deepspeed", "--num_gpus", "2", "--master_port", str(port),
+                                 os.path.join(ROOT, "examples", "quickstart.py")],
+                                capture_output=True, text=True, timeout=300, cwd=ROOT)
+    finally:
+        remove_shm_buffers(port)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "step 3 clip_coef" in result.stdout
     assert "  head  norm" in result.stdout
+
+
+def test_launch_leaves_no_shared_memory_behind():
+    import glob
+
+    from megatron_integration.cpu_launch import launch
+
+    before = set(glob.glob("/dev/shm/deepspeed_allreduce_buffer_*"))
+    assert len(launch(os.getpid, 2)) == 2
+    assert set(glob.glob("/dev/shm/deepspeed_allreduce_buffer_*")) <= before

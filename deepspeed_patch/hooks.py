@@ -22,7 +22,7 @@ from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 from deepspeed.utils.bwc import bwc_tensor_model_parallel_rank
 
 from .config import CONFIG_KEY, LayerGradNormsConfig, LayerGradNormsConfigError, load_config
-from .layer_map import LayerMap, build_layer_map, build_pipeline_layer_map
+from .layer_map import LayerMap, bucket_label, build_layer_map, build_pipeline_layer_map
 from .partition_slices import bf16_partition_slices, zero_partition_slices
 from .plain import LayerGradNorms
 from .statistics import REPLICATED, bf16_clip_divisor, zero_unscale_divisor
@@ -271,25 +271,25 @@ def _engine_take_model_step(original):
         if plain is not None:
             plain.measure_before_clipping(self.gradient_clipping())
         result = original(self, lr_kwargs)
-        write_monitor_events(self)
+        tracker = plain.tracker if plain is not None else _tracker(self.optimizer)
+        if tracker is not None:
+            write_monitor_events(self, tracker)
         return result
 
     return wrapper
 
 
-def write_monitor_events(engine: DeepSpeedEngine) -> None:
+def write_monitor_events(engine: DeepSpeedEngine, tracker: LayerGradNormTracker) -> None:
     """This step's statistics to DeepSpeed's monitors (TensorBoard, W&B, CSV), when it was measured."""
-    tracker = _engine_tracker(engine)
-    stats = None if tracker is None else tracker.get()
+    stats = tracker.get()
     if (stats is None or stats["step"] != engine.global_steps or not tracker.monitor
             or not getattr(engine.monitor, "enabled", False)):
         return
     events = []
     for phase in ("pre_clip", "post_clip"):
         for key, values in (stats[phase] or {}).items():
-            label = f"layer{key:02d}" if isinstance(key, int) else str(key)
-            events += [(f"Train/Samples/layer_grad_norms/{phase}/{name}/{label}", values[name], engine.global_samples)
-                       for name in ("norm", "min", "max")]
+            events += [(f"Train/Samples/layer_grad_norms/{phase}/{name}/{bucket_label(key)}", values[name],
+                        engine.global_samples) for name in ("norm", "min", "max")]
     engine.monitor.write_events(events)
 
 

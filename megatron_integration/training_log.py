@@ -11,16 +11,13 @@ import argparse
 import re
 from typing import Dict, Hashable, Iterable, List, Optional
 
+from deepspeed_patch.layer_map import bucket_label
+
 from .arguments import layer_grad_norms_interval
 
 PHASES = ("pre_clip", "post_clip")
 STATISTICS = ("norm", "min", "max")
 TAG_ROOT = "layer-grad-norms"
-
-
-def bucket_label(key: Hashable) -> str:
-    """``layer03`` for transformer layer 3, the bucket name otherwise."""
-    return f"layer{key:02d}" if isinstance(key, int) else str(key)
 
 
 def scalar_tag(phase: str, statistic: str, key: Hashable) -> str:

@@ -12,9 +12,7 @@ import torch
 import deepspeed_patch
 from megatron_integration.tiny_gpt import TinyGPT, TinyGPTConfig, synthetic_batch, tiny_gpt_pipe
 from reference import averaged_gradients, bucket_stats
-
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-MICRO_BATCH = 2
+from zero_workers import DTYPES, MICRO_BATCH
 
 DEFAULT_CASE: Dict[str, Any] = {"first_layer_index": 3, "dtype": "fp32", "gas": 2, "clip": 0.0, "steps": 3,
                                 "layers": 4, "tie": False}

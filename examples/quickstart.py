@@ -30,3 +30,6 @@ if engine.global_rank == 0:
     print("step", stats["step"], "clip_coef", round(stats["clip_coef"], 3))
     for key, layer in stats["pre_clip"].items():
         print(f"{key!s:>6}  norm {layer['norm']:.3e}  min {layer['min']:+.3e}  max {layer['max']:+.3e}")
+
+engine.destroy()
+deepspeed.comm.destroy_process_group()  # a clean exit: no communication thread is left to abort

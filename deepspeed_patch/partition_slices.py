@@ -1,10 +1,15 @@
+# Copyright (c) Microsoft Corporation.
+# SPDX-License-Identifier: Apache-2.0
+
+# DeepSpeed Team
 """Which slice of this rank's flat gradient partition belongs to which bucket.
 
-ZeRO-1/2 (and BF16_Optimizer) lays each parameter group out as one flat buffer (parameters back to back, with optional
-alignment padding) and gives every data-parallel rank one contiguous partition of it. The flat fp32
-gradient partition the optimizer steps on has exactly that layout, so a parameter's gradient on this
-rank is the intersection of its range in the flat buffer with this rank's partition. Parameters cut
-by a partition boundary contribute their local part; padding belongs to no slice.
+ZeRO-1/2 (and BF16_Optimizer, and FP16_Optimizer on one rank) lays each parameter group out as one
+flat buffer (parameters back to back, with optional alignment padding) and gives every data-parallel
+rank one contiguous partition of it. The flat fp32 gradient partition the optimizer steps on has
+exactly that layout, so a parameter's gradient on this rank is the intersection of its range in the
+flat buffer with this rank's partition. Parameters cut by a partition boundary contribute their
+local part; padding belongs to no slice.
 """
 
 from dataclasses import dataclass
@@ -76,12 +81,25 @@ def bf16_partition_slices(optimizer, group_index: int, bucket_of, device) -> Par
     """
     group = optimizer.real_dp_process_group[group_index]
     partition_size = optimizer.bf16_groups_flat[group_index].numel() // dist.get_world_size(group=group)
-    ranges, offset = [], 0
-    for param in optimizer.bf16_groups[group_index]:
-        ranges.append((offset, param.numel(), bucket_of(param)))
-        offset += param.numel()
+    ranges = _back_to_back(optimizer.bf16_groups[group_index], bucket_of)
     partition_start = dist.get_rank(group=group) * partition_size
     return _slices(partition_runs(ranges, partition_start, partition_size), device)
+
+
+def fused_fp16_partition_slices(optimizer, group_index: int, bucket_of, device) -> PartitionSlices:
+    """The runs of ``FP16_Optimizer`` group ``group_index``: one flat fp32 buffer of the whole group,
+    parameters back to back, on every rank."""
+    ranges = _back_to_back(optimizer.fp16_groups[group_index], bucket_of)
+    return _slices(partition_runs(ranges, 0, optimizer.fp32_groups_flat[group_index].numel()), device)
+
+
+def _back_to_back(params, bucket_of) -> List[Tuple[int, int, Optional[int]]]:
+    """``(offset, numel, bucket)`` of parameters laid out with no padding between them."""
+    ranges, offset = [], 0
+    for param in params:
+        ranges.append((offset, param.numel(), bucket_of(param)))
+        offset += param.numel()
+    return ranges
 
 
 def _slices(runs: List[Tuple[int, int, int]], device) -> PartitionSlices:

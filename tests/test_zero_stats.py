@@ -25,12 +25,17 @@ CASES = {
         "z0_bf16_unfused": {"stage": 0, "dtype": "bf16", "clip": 0.1},
         "z2_bf16_gas2": {"stage": 2, "dtype": "bf16", "gas": 2},
         "z2_fp16_overflow": {"stage": 2, "dtype": "fp16", "overflow_step": 2, "compare_off": True},
+        "z0_fp16_fused_overflow": {"stage": 0, "dtype": "fp16", "fused": True, "overflow_step": 2,
+                                   "compare_off": True},
     },
     2: {
         "z1_fp32": {"stage": 1},
         "z0_fp32_gas2_clip_groups": {"stage": 0, "gas": 2, "clip": 0.2, "groups": True, "compare_off": True},
         "z0_fp16_unfused_overflow_clip": {"stage": 0, "dtype": "fp16", "overflow_step": 2, "clip": 0.1,
                                           "groups": True, "compare_off": True},
+        "z0_fp16_fused_gas2_clip_groups": {"stage": 0, "dtype": "fp16", "fused": True, "gas": 2, "clip": 0.1,
+                                           "groups": True, "compare_off": True},
+        "z0_bf16_fused_clip": {"stage": 0, "dtype": "bf16", "fused": True, "clip": 0.1},
         "z2_fp32_clip_groups": {"stage": 2, "clip": 0.1, "groups": True, "compare_off": True},
         "z1_fp32_gas3_clip": {"stage": 1, "gas": 3, "clip": 0.2},
         "z2_bf16_clip": {"stage": 2, "dtype": "bf16", "clip": 0.1, "compare_off": True},
@@ -221,7 +226,8 @@ def test_each_case_exercises_the_intended_optimizer():
     for world_size, name in ALL_CASES:
         record, _ = case_result(world_size, name)
         expected = ("BF16_Optimizer" if "bf16_optimizer" in name else "FP16_UnfusedOptimizer" if "unfused" in name
-                    else "SGD" if name.startswith("z0") else "DeepSpeedZeroOptimizer")
+                    else "FP16_Optimizer" if "fused" in name else "SGD" if name.startswith("z0")
+                    else "DeepSpeedZeroOptimizer")
         assert record["on"]["optimizer"] == expected, name
 
 

@@ -1,3 +1,7 @@
+# Copyright (c) Microsoft Corporation.
+# SPDX-License-Identifier: Apache-2.0
+
+# DeepSpeed Team
 """The ``layer_grad_norms`` block of a ds_config, and its validation.
 
 Every key is validated when ``deepspeed.initialize`` reads the block, so that a typo fails the
@@ -197,8 +201,8 @@ def _describe(err: ValidationError, block: dict) -> str:
             reason = f"unknown key; known keys are {sorted(LayerGradNormsConfig.model_fields)}"
         elif problem["type"] == "missing":
             reason, value = "required", "missing"
-        lines.append(f"{CONFIG_KEY}.{key}={value!r}: {reason}" if value != "missing" else
-                     f"{CONFIG_KEY}.{key}: {reason}")
+        lines.append(f"{CONFIG_KEY}.{key}={value!r}: {reason}" if value !=
+                     "missing" else f"{CONFIG_KEY}.{key}: {reason}")
     return "invalid ds_config block: " + "; ".join(lines)
 
 

@@ -1,3 +1,7 @@
+# Copyright (c) Microsoft Corporation.
+# SPDX-License-Identifier: Apache-2.0
+
+# DeepSpeed Team
 """Parameter names to layer buckets, and layer selections to bucket keys.
 
 Built once at start-up from the names DeepSpeed's engine hands its optimizer. A parameter whose
@@ -118,10 +122,11 @@ def build_layer_map(named_params: Iterable[Tuple[str, object]],
     position = {key: index for index, key in enumerate(keys)}
     model_layers = [layer for layer in map(layer_of_name, all_names) if layer is not None]
     return LayerMap(keys=tuple(keys),
-                    layer_of=tuple(next(iter(key_layers[key])) if len(key_layers[key]) == 1 else None
-                                   for key in keys),
-                    param_bucket={pid: None if key is None else position[key]
-                                  for pid, key in param_key.items()},
+                    layer_of=tuple(next(iter(key_layers[key])) if len(key_layers[key]) == 1 else None for key in keys),
+                    param_bucket={
+                        pid: None if key is None else position[key]
+                        for pid, key in param_key.items()
+                    },
                     num_layers=max(model_layers) + 1 if model_layers else 0)
 
 
@@ -143,8 +148,11 @@ def build_pipeline_layer_map(specs: Sequence[object], named_params: Iterable[Tup
 
     classes = Counter(spec_class(spec) for spec in specs if spec_class(spec) is not None)
     repeated = [cls for cls, count in classes.most_common(1) if count > 1]
-    layer_of_spec = {index: layer for layer, index in enumerate(
-        index for index, spec in enumerate(specs) if repeated and spec_class(spec) is repeated[0])}
+    layer_of_spec = {
+        index: layer
+        for layer, index in enumerate(
+            index for index, spec in enumerate(specs) if repeated and spec_class(spec) is repeated[0])
+    }
     named_of_spec = {}
     for index, spec in enumerate(specs):
         cls = spec_class(spec)
@@ -162,6 +170,8 @@ def build_pipeline_layer_map(specs: Sequence[object], named_params: Iterable[Tup
 
     return LayerMap(keys=keys,
                     layer_of=tuple(key if isinstance(key, int) else None for key in keys),
-                    param_bucket={id(param): position[key_of(name)]
-                                  for name, param in named_params},
+                    param_bucket={
+                        id(param): position[key_of(name)]
+                        for name, param in named_params
+                    },
                     num_layers=len(layer_of_spec))

@@ -1,3 +1,7 @@
+# Copyright (c) Microsoft Corporation.
+# SPDX-License-Identifier: Apache-2.0
+
+# DeepSpeed Team
 """Per-layer statistics on demand: a spike trigger, a control file, and a JSONL post-mortem dump.
 
 The original request: "after encountering a spike we could roll back to the last good checkpoint

@@ -1,3 +1,7 @@
+# Copyright (c) Microsoft Corporation.
+# SPDX-License-Identifier: Apache-2.0
+
+# DeepSpeed Team
 """The same per-layer statistics for a plain PyTorch or DistributedDataParallel training loop.
 
 ``param.grad`` already holds the full, averaged gradient on every rank there, so no collective is
@@ -36,14 +40,17 @@ class LayerGradNorms:
         module = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
         named = list(module.named_parameters())
         trainable = [(name, param) for name, param in named if param.requires_grad]
-        layer_map = build_layer_map(trainable, [name for name, _ in named], config.layer_pattern,
-                                    config.granularity, config.group_by)
+        layer_map = build_layer_map(trainable, [name for name, _ in named], config.layer_pattern, config.granularity,
+                                    config.group_by)
         self.trainable = [param for _, param in trainable]
         self._measured = [param for param in self.trainable if layer_map.bucket_of(param) is not None]
         self._steps = 0
         device = self.trainable[0].device
         self._bucket_of = {id(param): layer_map.bucket_of(param) for param in self._measured}
-        self.tracker = LayerGradNormTracker(config, layer_map, [None], REPLICATED, device,
+        self.tracker = LayerGradNormTracker(config,
+                                            layer_map, [None],
+                                            REPLICATED,
+                                            device,
                                             completed_steps=completed_steps or (lambda: self._steps))
 
     def measure(self, clip_coef: float = 1.0) -> Optional[dict]:
@@ -70,7 +77,8 @@ class LayerGradNorms:
             self._steps += 1
             return None
         with_grad = [param for param in self._measured if param.grad is not None]
-        buckets = torch.tensor([self._bucket_of[id(param)] for param in with_grad], dtype=torch.int64,
+        buckets = torch.tensor([self._bucket_of[id(param)] for param in with_grad],
+                               dtype=torch.int64,
                                device=self.tracker.device)
         self.tracker.observe_runs(0, lambda: self._flat_grads(with_grad), buckets)
         set_clipping()

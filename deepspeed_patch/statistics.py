@@ -1,3 +1,7 @@
+# Copyright (c) Microsoft Corporation.
+# SPDX-License-Identifier: Apache-2.0
+
+# DeepSpeed Team
 """Per-bucket gradient statistics: local partial results, their reduction, the reported dict.
 
 Each rank folds the runs of its local gradient partition into one small ``(buckets, 9)`` float64

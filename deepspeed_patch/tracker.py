@@ -1,3 +1,7 @@
+# Copyright (c) Microsoft Corporation.
+# SPDX-License-Identifier: Apache-2.0
+
+# DeepSpeed Team
 """The per-optimizer state: layer map, partition slices, interval, and the last measurement.
 
 The optimizer's ``step()`` drives it:
@@ -101,10 +105,13 @@ class LayerGradNormTracker:
         """Inside the window a trigger opened: every step, every bucket."""
         return self.capture is not None and self.step <= self.capture["capture_until"]
 
-    def set_options(self, enabled: Optional[bool] = None, interval: Optional[int] = None,
+    def set_options(self,
+                    enabled: Optional[bool] = None,
+                    interval: Optional[int] = None,
                     layers: Optional[object] = None) -> None:
         """Change what is measured on a live run; every rank must call it at the same step."""
-        checked = LayerGradNormsConfig(strict=True, enabled=self.enabled if enabled is None else enabled,
+        checked = LayerGradNormsConfig(strict=True,
+                                       enabled=self.enabled if enabled is None else enabled,
                                        interval=self.interval if interval is None else interval,
                                        layers=layers)
         self.enabled, self.interval = checked.enabled, checked.interval
@@ -126,8 +133,9 @@ class LayerGradNormTracker:
             norm = None if global_norm is None else float(global_norm)
             fired = self.trigger.update(self.step, norm, bool(overflow))
             if fired is not None:
-                logger.warning("layer_grad_norms: trigger fired at step %d (%s); capturing every layer until step "
-                               "%d", self.step, fired["reason"], fired["capture_until"])
+                logger.warning(
+                    "layer_grad_norms: trigger fired at step %d (%s); capturing every layer until step "
+                    "%d", self.step, fired["reason"], fired["capture_until"])
                 self.capture = fired
 
     @contextlib.contextmanager
@@ -136,8 +144,9 @@ class LayerGradNormTracker:
         try:
             yield
         except Exception:
-            logger.exception("layer_grad_norms: %s failed at step %d; per-layer statistics are switched off "
-                             "on all ranks after this step, training goes on", what, self.step)
+            logger.exception(
+                "layer_grad_norms: %s failed at step %d; per-layer statistics are switched off "
+                "on all ranks after this step, training goes on", what, self.step)
             self._failed = True
 
     def observe(self, group_index: int, flat_grad: torch.Tensor) -> None:
@@ -179,8 +188,9 @@ class LayerGradNormTracker:
         stats = reduce_stats(torch.cat([self._stats, status]), self.group)
         self._stats = None
         if stats[-1, NUMEL].item() > 0:
-            logger.error("layer_grad_norms: a rank could not measure step %d (see its log); per-layer statistics "
-                         "are switched off", self.step)
+            logger.error(
+                "layer_grad_norms: a rank could not measure step %d (see its log); per-layer statistics "
+                "are switched off", self.step)
             self.broken, self.result = True, None
             return
         with self.guarded("building the result"):

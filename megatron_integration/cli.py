@@ -6,6 +6,7 @@ import os
 from typing import List, Optional
 
 from deepspeed_patch.config import LAYER_SPEC_FORMS, parse_layer_spec
+from deepspeed_patch.upstream.apply import COMMANDS, run_patch_command
 
 from .demo import DemoOptions, run_demo
 from .plot import plot_layer_norms
@@ -48,6 +49,10 @@ def build_parser() -> argparse.ArgumentParser:
     report = commands.add_parser("report", help="per-layer medians, early/late ratio, clipping, overflow")
     report.add_argument("logdir")
     report.add_argument("--json", action="store_true", help="print the report as JSON")
+    patch = commands.add_parser("patch", help="apply, check or revert the upstream patch in a DeepSpeed tree")
+    patch.add_argument("action", choices=COMMANDS)
+    patch.add_argument("--deepspeed", help="a DeepSpeed checkout, or the directory holding the deepspeed package "
+                       "(default: the installed one)")
     return parser
 
 
@@ -55,7 +60,9 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        if args.command == "plot":
+        if args.command == "patch":
+            parser.exit(run_patch_command(args.action, args.deepspeed))
+        elif args.command == "plot":
             output = args.output or os.path.join(args.logdir, "layer_grad_norms.png")
             plot_layer_norms(read_layer_series(args.logdir), output)
             print(f"figure: {output}")

@@ -6,16 +6,20 @@ step. Cases that ask for it train again with the feature off, to prove training 
 """
 
 import logging
+import os
+import sys
 from typing import Any, Dict, List
 
 import torch
 
-import deepspeed_patch
 from megatron_integration.tiny_gpt import TinyGPT, TinyGPTConfig, synthetic_batch
 from reference import averaged_gradients, bucket_stats, reference_key_of
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 FP16_INITIAL_SCALE_POWER = 8
+# Set to the directory of a DeepSpeed with the upstream patch applied: the tests run against it,
+# without deepspeed_patch.
+UPSTREAM_ENV = "LAYER_GRAD_NORMS_UPSTREAM"
 MICRO_BATCH = 2
 
 DEFAULT_CASE: Dict[str, Any] = {
@@ -34,7 +38,24 @@ DEFAULT_CASE: Dict[str, Any] = {
     "overflow_step": None,  # fp16: blow up the loss of this step
     "compare_off": False,  # also train with the feature off and compare bit for bit
     "grad_accum_dtype": None,
+    "fused": False,  # without ZeRO: FP16_Optimizer (flat groups) instead of FP16_UnfusedOptimizer
 }
+
+
+def install_feature() -> None:
+    """``deepspeed_patch.install()``; or, under ``UPSTREAM_ENV``, check that the patched DeepSpeed is the
+    one imported and make ``deepspeed_patch`` unimportable, so that nothing of it can take part."""
+    upstream = os.environ.get(UPSTREAM_ENV)
+    if upstream is None:
+        import deepspeed_patch
+
+        deepspeed_patch.install()
+        return
+    sys.modules["deepspeed_patch"] = None  # any import of it now fails
+    import deepspeed
+
+    if not deepspeed.__file__.startswith(os.path.abspath(upstream)):
+        raise RuntimeError(f"{UPSTREAM_ENV}={upstream}, yet deepspeed comes from {deepspeed.__file__}")
 
 
 def force_fp16_on_cpu() -> None:
@@ -44,6 +65,26 @@ def force_fp16_on_cpu() -> None:
     accelerator = get_accelerator()
     accelerator.is_fp16_supported = lambda: True
     accelerator.supported_dtypes = lambda: [torch.float, torch.bfloat16, torch.float16]
+
+
+def fused_sgd(params, lr: float) -> torch.optim.Optimizer:
+    """SGD that DeepSpeed takes for its FusedAdam, so that fp16/bf16 without ZeRO runs FP16_Optimizer
+    (the flat-buffer path); SGD, so that the weight update shows the gradient the optimizer applied."""
+    from deepspeed.ops.adam import FusedAdam
+
+    class FusedSGD(FusedAdam):
+
+        def __init__(self, params, lr: float) -> None:
+            torch.optim.Optimizer.__init__(self, params, {"lr": lr})  # no fused kernel to build
+
+        @torch.no_grad()
+        def step(self, closure=None) -> None:
+            for group in self.param_groups:
+                for param in group["params"]:
+                    if param.grad is not None:
+                        param.add_(param.grad, alpha=-group["lr"])
+
+    return FusedSGD(params, lr)
 
 
 def ds_config(case: Dict[str, Any], enabled: bool) -> Dict[str, Any]:
@@ -80,6 +121,11 @@ def batches_of_step(case: Dict[str, Any], step: int, world_size: int, rank: int 
     ]
 
 
+def loss_scale(optimizer) -> float:
+    """1 where there is none: BF16_Optimizer has no ``loss_scale``, FP16_Optimizer's is None in bf16."""
+    return float(getattr(optimizer, "loss_scale", None) or 1.0)
+
+
 def train(case: Dict[str, Any], enabled: bool) -> Dict[str, Any]:
     import deepspeed
     from deepspeed import comm as dist
@@ -97,14 +143,14 @@ def train(case: Dict[str, Any], enabled: bool) -> Dict[str, Any]:
         ]
     else:
         params = [p for _, p in trainable]
-    optimizer = torch.optim.SGD(params, lr=1.0)
+    optimizer = (fused_sgd if case["fused"] else torch.optim.SGD)(params, lr=1.0)
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config(case, enabled))
 
     record = {"losses": [], "measured": [], "global_norm": [], "reference": [], "applied": [], "loss_scales": [],
               "layer_reference": []}
     for step in range(1, case["steps"] + 1):
         before = {name: p.detach().float().clone() for name, p in engine.module.named_parameters()}
-        scale_before = getattr(engine.optimizer, "loss_scale", 1.0)  # BF16_Optimizer has none
+        scale_before = loss_scale(engine.optimizer)
         for batch in batches_of_step(case, step, world_size, rank):
             loss = engine(batch)
             record["losses"].append(loss.item())
@@ -113,7 +159,7 @@ def train(case: Dict[str, Any], enabled: bool) -> Dict[str, Any]:
             engine.backward(loss)
             engine.step()
         after = {name: p.detach().float() for name, p in engine.module.named_parameters()}
-        record["loss_scales"].append((float(scale_before), float(getattr(engine.optimizer, "loss_scale", 1.0))))
+        record["loss_scales"].append((scale_before, loss_scale(engine.optimizer)))
         # SGD with lr=1: the update is the gradient the optimizer consumed, after clipping.
         key_of = reference_key_of(case["block"])
         record["applied"].append(bucket_stats({n: before[n] - after[n] for n, _ in trainable}, key_of))
@@ -135,7 +181,7 @@ def run_cases(cases: Dict[str, Dict[str, Any]]) -> Dict[str, Any]:
     """Every case on this rank; a failing case is recorded, not raised, so the others still run."""
     import traceback
 
-    deepspeed_patch.install()
+    install_feature()
     force_fp16_on_cpu()
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
     results = {}

@@ -1,0 +1,1 @@
+"""The upstream pull request to DeepSpeed: the patch, how it is made (``build``) and applied (``apply``)."""

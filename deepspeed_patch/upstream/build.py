@@ -1,0 +1,220 @@
+"""Write the upstream patch: this package's modules, and the call sites of ``hooks.CALL_SITES``,
+as a change to DeepSpeed's own source tree.
+
+    python -m deepspeed_patch.upstream.build [--deepspeed DIR] [-o FILE]
+
+The modules are copied as they are into ``deepspeed/runtime/layer_grad_norms/``; each call site
+becomes one line in the method it belongs to, written against the installed DeepSpeed's files (or
+those under ``DIR``). ``tree/`` holds the files the patch adds beside them (its ``__init__.py``,
+DeepSpeed-style unit tests, the docs section).
+"""
+
+import argparse
+import ast
+import difflib
+import inspect
+import os
+from typing import Dict, List, Optional, Tuple
+
+from .. import call_sites
+from ..hooks import CALL_SITES, END, METHOD, RESULT, START, CallSite
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+PACKAGE_DIR = os.path.dirname(HERE)
+PATCH_FILE = os.path.join(HERE, "layer_grad_norms.patch")
+TREE = os.path.join(HERE, "tree")
+
+UPSTREAM_PACKAGE = "deepspeed/runtime/layer_grad_norms"
+MODULES = ("call_sites", "config", "layer_map", "on_demand", "partition_slices", "plain", "statistics", "tracker")
+IMPORT_LINE = "from deepspeed.runtime.layer_grad_norms import call_sites as layer_grad_norms"
+LICENSE = "# Copyright (c) Microsoft Corporation.\n# SPDX-License-Identifier: Apache-2.0\n\n# DeepSpeed Team\n"
+
+# Where the docs section goes on DeepSpeed's config-json page: after "Gradient Clipping". Only these
+# lines are known here (the docs are not in the release's package); git apply finds them by content.
+DOCS_PAGE = "docs/_pages/config-json.md"
+DOCS_ANCHOR = ("| Enable gradient clipping with value | `1.0`   |\n", "\n", "\n", "\n",
+               "### ZeRO Optimizations for FP16 Training\n")
+DOCS_ANCHOR_LINE = 448
+DOCS_SECTION = os.path.join(HERE, "config-json-section.md")
+
+
+def installed_deepspeed_root() -> str:
+    """The directory that holds the installed ``deepspeed`` package."""
+    import deepspeed
+
+    return os.path.dirname(os.path.dirname(os.path.abspath(deepspeed.__file__)))
+
+
+def _read(path: str) -> str:
+    with open(path, encoding="utf-8") as handle:
+        return handle.read()
+
+
+# --- the call sites -------------------------------------------------------------------------------
+
+
+def _method(tree: ast.Module, site: CallSite) -> ast.FunctionDef:
+    for node in tree.body:
+        if isinstance(node, ast.ClassDef) and node.name == site.cls:
+            for item in node.body:
+                if isinstance(item, ast.FunctionDef) and item.name == site.method:
+                    return item
+    raise LookupError(f"{site.path}: no method {site.cls}.{site.method}")
+
+
+def _class(tree: ast.Module, name: str) -> ast.ClassDef:
+    return next(node for node in tree.body if isinstance(node, ast.ClassDef) and node.name == name)
+
+
+def _call(site: CallSite, arguments: List[str]) -> str:
+    return f"layer_grad_norms.{site.function}({', '.join(['self'] + arguments)})"
+
+
+def _check_signature(method: ast.FunctionDef, site: CallSite) -> List[str]:
+    """The method's argument names, which the call-site function must take in the same order."""
+    names = [arg.arg for arg in method.args.args[1:]]
+    expected = list(inspect.signature(getattr(call_sites, site.function)).parameters)[1:]
+    if method.args.vararg or method.args.kwarg or method.args.kwonlyargs or names != expected:
+        raise ValueError(f"{site.cls}.{site.method}({', '.join(names)}) does not match "
+                         f"call_sites.{site.function}({', '.join(expected)})")
+    return names
+
+
+def _single_return(method: ast.FunctionDef) -> Optional[ast.Return]:
+    returns = [node for node in ast.walk(method) if isinstance(node, ast.Return)]
+    if not returns:
+        return None
+    if len(returns) > 1 or returns[0] is not method.body[-1]:
+        raise ValueError(f"{method.name} returns in more than one place; a call at its end would be skipped")
+    return returns[0]
+
+
+def _method_text(site: CallSite, indent: str) -> List[str]:
+    """A new method that hands over to the call-site function."""
+    function = getattr(call_sites, site.function)
+    parameters = list(inspect.signature(function).parameters.values())[1:]
+    signature = ", ".join(["self"] + [p.name if p.default is p.empty else f"{p.name}={p.default!r}"
+                                      for p in parameters])
+    arguments = ", ".join(["self"] + [p.name if p.default is p.empty else f"{p.name}={p.name}" for p in parameters])
+    summary = inspect.getdoc(function).split("\n\n")[0].replace("\n", f"\n{indent}    ")
+    return [
+        "\n", f"{indent}def {site.method}({signature}):\n", f'{indent}    """{summary}"""\n',
+        f"{indent}    return layer_grad_norms.{site.function}({arguments})\n"
+    ]
+
+
+def _insertion(tree: ast.Module, lines: List[str], site: CallSite) -> Tuple[int, List[str]]:
+    """``(line index to insert before, lines)`` for one call site."""
+    if site.where == METHOD:
+        cls = _class(tree, site.cls)
+        indent = " " * cls.body[0].col_offset
+        return cls.end_lineno, _method_text(site, indent)
+    method = _method(tree, site)
+    first = method.body[0]
+    if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and isinstance(first.value.value, str):
+        first = method.body[1]  # after the docstring
+    indent = " " * first.col_offset
+    if site.where == START:
+        top = first.lineno - 1
+        while top - 1 >= method.lineno and lines[top - 1].strip().startswith("#"):
+            top -= 1  # above the comments that open the body
+        return top, [f"{indent}{_call(site, _check_signature(method, site))}\n"]
+    returned = _single_return(method)
+    if site.where == END:
+        if returned is not None:
+            raise ValueError(f"{site.cls}.{site.method} returns a value; use RESULT")
+        return method.end_lineno, [f"{indent}{_call(site, [])}\n"]
+    if site.where == RESULT:
+        if returned is None or not isinstance(returned.value, ast.Name):
+            raise ValueError(f"{site.cls}.{site.method} must end with 'return <name>'")
+        return returned.lineno - 1, [f"{indent}{_call(site, [returned.value.id])}\n"]
+    raise ValueError(f"unknown call-site position {site.where!r}")
+
+
+def _import_insertion(tree: ast.Module) -> int:
+    """After the last import that precedes the first class or function."""
+    last = 0
+    for node in tree.body:
+        if isinstance(node, (ast.ClassDef, ast.FunctionDef)):
+            break
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            last = node.end_lineno
+    return last
+
+
+def patch_source(source: str, sites: List[CallSite]) -> str:
+    """``source`` with the import and the ``sites`` written in."""
+    tree = ast.parse(source)
+    lines = source.splitlines(keepends=True)
+    insertions = [(_import_insertion(tree), [IMPORT_LINE + "\n"])]
+    insertions += [_insertion(tree, lines, site) for site in sites]
+    # bottom up, so that earlier line numbers stay valid; at one line, in table order
+    for index, new_lines in sorted(insertions, key=lambda item: item[0], reverse=True):
+        lines[index:index] = new_lines
+    return "".join(lines)
+
+
+# --- the whole patch ------------------------------------------------------------------------------
+
+
+def upstream_files(deepspeed_root: str) -> Dict[str, Tuple[Optional[str], str]]:
+    """``{path: (original text or None for a new file, new text)}`` of every file the patch touches,
+    except the docs page."""
+    files: Dict[str, Tuple[Optional[str], str]] = {}
+    for name in MODULES:
+        text = _read(os.path.join(PACKAGE_DIR, f"{name}.py"))
+        if not text.startswith(LICENSE):
+            raise ValueError(f"deepspeed_patch/{name}.py lacks DeepSpeed's license header")
+        files[f"{UPSTREAM_PACKAGE}/{name}.py"] = (None, text)
+    for folder, _, names in os.walk(TREE):
+        for name in names:
+            path = os.path.join(folder, name)
+            files[os.path.relpath(path, TREE).replace(os.sep, "/")] = (None, _read(path))
+    by_path: Dict[str, List[CallSite]] = {}
+    for site in CALL_SITES:
+        by_path.setdefault(f"deepspeed/{site.path}", []).append(site)
+    for path, sites in by_path.items():
+        original = _read(os.path.join(deepspeed_root, path))
+        files[path] = (original, patch_source(original, sites))
+    return files
+
+
+def _diff(path: str, original: Optional[str], new: str) -> str:
+    header = f"diff --git a/{path} b/{path}\n"
+    if original is None:
+        header += "new file mode 100644\n"
+    body = difflib.unified_diff([] if original is None else original.splitlines(keepends=True),
+                                new.splitlines(keepends=True), "/dev/null" if original is None else f"a/{path}",
+                                f"b/{path}")
+    return header + "".join(body)
+
+
+def _docs_diff() -> str:
+    """The docs section, as a hunk located by its surrounding lines."""
+    section = _read(DOCS_SECTION).splitlines(keepends=True)
+    context = len(DOCS_ANCHOR)
+    lines = [f" {line}" for line in DOCS_ANCHOR[:-1]] + [f"+{line}" for line in section + ["\n"]]
+    lines.append(f" {DOCS_ANCHOR[-1]}")
+    return (f"diff --git a/{DOCS_PAGE} b/{DOCS_PAGE}\n--- a/{DOCS_PAGE}\n+++ b/{DOCS_PAGE}\n"
+            f"@@ -{DOCS_ANCHOR_LINE},{context} +{DOCS_ANCHOR_LINE},{context + len(section) + 1} @@\n" + "".join(lines))
+
+
+def make_patch(deepspeed_root: Optional[str] = None) -> str:
+    """The whole patch, against the DeepSpeed under ``deepspeed_root`` (default: the installed one)."""
+    files = upstream_files(deepspeed_root or installed_deepspeed_root())
+    diffs = [_diff(path, *files[path]) for path in sorted(files)]
+    return "".join(sorted(diffs + [_docs_diff()], key=lambda diff: diff.split(" ", 3)[2]))
+
+
+def main(argv: Optional[List[str]] = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--deepspeed", help="the directory holding the deepspeed package (default: installed)")
+    parser.add_argument("-o", "--output", default=PATCH_FILE)
+    args = parser.parse_args(argv)
+    with open(args.output, "w", encoding="utf-8") as handle:
+        handle.write(make_patch(args.deepspeed))
+    print(f"wrote {args.output}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,121 @@
+"""The upstream patch: current with the sources, applied and reverted cleanly by ``layer-grad-norms patch``,
+and, applied to a copy of the installed DeepSpeed, passing the core correctness tests without
+``deepspeed_patch``."""
+
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+from typing import Dict
+
+from deepspeed_patch.upstream.build import DOCS_ANCHOR, DOCS_PAGE, PATCH_FILE, installed_deepspeed_root, make_patch
+from zero_workers import UPSTREAM_ENV
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def copy_installed(root) -> str:
+    """A copy of the installed ``deepspeed`` package under ``root``."""
+    shutil.copytree(os.path.join(installed_deepspeed_root(), "deepspeed"), os.path.join(root, "deepspeed"),
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    return str(root)
+
+
+def digests(root: str) -> Dict[str, str]:
+    found = {}
+    for folder, dirs, names in os.walk(root):
+        dirs[:] = [name for name in dirs if name != "__pycache__"]
+        for name in names:
+            path = os.path.join(folder, name)
+            with open(path, "rb") as handle:
+                found[os.path.relpath(path, root)] = hashlib.sha256(handle.read()).hexdigest()
+    return found
+
+
+def patch_command(action: str, root: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "megatron_integration.cli", "patch", action, "--deepspeed", root],
+                          capture_output=True, text=True, cwd=REPO)
+
+
+def test_committed_patch_is_current():
+    with open(PATCH_FILE, encoding="utf-8") as handle:
+        committed = handle.read()
+    assert committed == make_patch(), "stale patch: run python -m deepspeed_patch.upstream.build"
+
+
+def test_apply_is_idempotent_and_revert_restores_every_byte(tmp_path):
+    root = copy_installed(tmp_path)
+    before = digests(root)
+    assert patch_command("check", root).returncode == 1
+    applied = patch_command("apply", root)
+    assert applied.returncode == 0 and "applied to" in applied.stdout, applied.stdout + applied.stderr
+    patched = digests(root)
+    assert "deepspeed/runtime/layer_grad_norms/call_sites.py" in patched
+    assert patched["deepspeed/runtime/engine.py"] != before["deepspeed/runtime/engine.py"]
+    again = patch_command("apply", root)
+    assert again.returncode == 0 and "already applied" in again.stdout
+    assert digests(root) == patched
+    assert patch_command("check", root).returncode == 0
+    assert patch_command("revert", root).returncode == 0
+    assert digests(root) == before
+    assert "not applied" in patch_command("revert", root).stdout
+
+
+def test_refuses_another_release(tmp_path):
+    root = copy_installed(tmp_path)
+    version_file = os.path.join(root, "deepspeed", "git_version_info_installed.py")
+    with open(version_file, encoding="utf-8") as handle:
+        text = handle.read()
+    with open(version_file, "w", encoding="utf-8") as handle:
+        handle.write(text.replace("version='0.19.8'", "version='0.19.7'"))
+    before = digests(root)
+    result = patch_command("apply", root)
+    assert result.returncode == 2
+    assert "DeepSpeed 0.19.7" in result.stdout and "0.19.8" in result.stdout
+    assert digests(root) == before
+
+
+def test_a_failing_hunk_changes_nothing(tmp_path):
+    root = copy_installed(tmp_path)
+    stage_1_and_2 = os.path.join(root, "deepspeed", "runtime", "zero", "stage_1_and_2.py")
+    with open(stage_1_and_2, encoding="utf-8") as handle:
+        text = handle.read()
+    with open(stage_1_and_2, "w", encoding="utf-8") as handle:  # a local edit where the patch has a hunk
+        handle.write(text.replace("loss_scaler.update_scale(has_overflow)", "loss_scaler.update_scale(True)"))
+    before = digests(root)
+    result = patch_command("apply", root)
+    assert result.returncode == 2 and "nothing changed" in result.stdout, result.stdout
+    assert digests(root) == before  # engine.py and the rest untouched too
+
+
+def test_applies_to_a_checkout_with_docs_and_unit_tests(tmp_path):
+    root = copy_installed(tmp_path)
+    with open(os.path.join(root, "version.txt"), "w", encoding="utf-8") as handle:
+        handle.write("0.19.8\n")
+    docs = os.path.join(root, DOCS_PAGE)
+    os.makedirs(os.path.dirname(docs))
+    page = "".join(["### Gradient Clipping\n", "\n"] + list(DOCS_ANCHOR) + ["\nEnabling ZeRO\n"])
+    with open(docs, "w", encoding="utf-8") as handle:
+        handle.write(page)
+    before = digests(root)
+    assert patch_command("apply", root).returncode == 0
+    with open(docs, encoding="utf-8") as handle:
+        patched_page = handle.read()
+    assert "### Per-layer Gradient Statistics" in patched_page
+    assert patched_page.index("layer_grad_norms") < patched_page.index("### ZeRO Optimizations")
+    assert os.path.isfile(os.path.join(root, "tests", "unit", "runtime", "zero", "test_layer_grad_norms.py"))
+    assert patch_command("revert", root).returncode == 0
+    assert digests(root) == before
+
+
+def test_core_correctness_on_the_patched_copy_without_install(tmp_path):
+    """tests/test_zero_stats.py, every case, run against the patched copy with deepspeed_patch unimportable."""
+    root = copy_installed(tmp_path)
+    assert patch_command("apply", root).returncode == 0
+    env = {**os.environ, "PYTHONPATH": root, UPSTREAM_ENV: root}
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_zero_stats.py"]
+    result = subprocess.run(command, capture_output=True, text=True, cwd=REPO, env=env, timeout=900)
+    summary = result.stdout.strip().splitlines()[-1]
+    assert result.returncode == 0, result.stdout[-5000:]
+    assert " passed" in summary and "skipped" not in summary and "failed" not in summary, summary

@@ -12,7 +12,7 @@ number of buckets. The extra statistics (L1, sum, zeros) are computed only when 
 """
 
 import math
-from typing import Collection, Dict, Hashable, List, Optional, Sequence
+from typing import Collection, Dict, Hashable, List, Optional, Sequence, Tuple
 
 import torch
 from deepspeed import comm as dist
@@ -21,8 +21,11 @@ from deepspeed.accelerator import get_accelerator
 SUMSQ, NONFINITE, L1, SUM, ZEROS, NUMEL, MAX, NEG_MIN, NEG_ABS_MIN = range(9)
 NUM_SUMMED = 6  # columns before this one add up; the others take the maximum
 NUM_COLUMNS = 9
-# abs_min needs |x|: taken chunk by chunk, so the temporary stays small whatever the bucket's size.
-ABS_CHUNK = 1 << 22
+# Runs are read piece by piece, each piece three times in a row (squared norm, min and max, |x| into a
+# scratch buffer for abs_min). On the host a piece of 2 MiB of fp32 stays in the CPU's cache between those
+# reads, so the partition comes from memory about once; elsewhere pieces only bound the scratch buffer.
+HOST_PIECE = 1 << 19
+DEVICE_PIECE = 1 << 22
 
 
 def empty_stats(num_buckets: int, device) -> torch.Tensor:
@@ -32,7 +35,9 @@ def empty_stats(num_buckets: int, device) -> torch.Tensor:
     return stats
 
 
-def accumulate_runs(stats: torch.Tensor, runs: Sequence[torch.Tensor], buckets: torch.Tensor,
+def accumulate_runs(stats: torch.Tensor,
+                    runs: Sequence[torch.Tensor],
+                    buckets: torch.Tensor,
                     extra: Collection[str] = ()) -> None:
     """Fold the statistics of ``runs`` (1-D gradient slices) into their ``buckets`` rows of ``stats``.
 
@@ -42,29 +47,60 @@ def accumulate_runs(stats: torch.Tensor, runs: Sequence[torch.Tensor], buckets: 
     """
     if not runs:
         return
-    per_run = torch.zeros((len(runs), NUM_COLUMNS), dtype=torch.float64, device=stats.device)
-    per_run[:, SUMSQ] = torch.stack(torch._foreach_norm(runs, 2.0)).double().square()
-    min_max = torch.stack([torch.stack(torch.aminmax(run)) for run in runs]).double()
-    per_run[:, MAX], per_run[:, NEG_MIN] = min_max[:, 1], -min_max[:, 0]
-    per_run[:, NEG_ABS_MIN] = -torch.stack([_abs_min(run) for run in runs]).double()
-    per_run[:, NUMEL] = torch.tensor([run.numel() for run in runs], dtype=torch.float64)
+    on_host = runs[0].device.type == "cpu"
+    pieces: List[torch.Tensor] = []
+    owners: List[int] = []
+    for index, run in enumerate(runs):
+        split = run.split(HOST_PIECE if on_host else DEVICE_PIECE)
+        pieces.extend(split)
+        owners.extend([index] * len(split))
+    sumsq, lows, highs, abs_mins = _piece_statistics(pieces, on_host)
+    per_piece = torch.zeros((len(pieces), NUM_COLUMNS), dtype=torch.float64, device=stats.device)
+    per_piece[:, SUMSQ] = sumsq
+    min_max = torch.stack([lows, highs], dim=1).double()
+    per_piece[:, MAX], per_piece[:, NEG_MIN] = min_max[:, 1], -min_max[:, 0]
+    per_piece[:, NEG_ABS_MIN] = -abs_mins.double()
+    per_piece[:, NUMEL] = torch.tensor([piece.numel() for piece in pieces], dtype=torch.float64)
     if "l1" in extra:
-        per_run[:, L1] = torch.stack(torch._foreach_norm(runs, 1.0)).double()
+        per_piece[:, L1] = torch.stack(torch._foreach_norm(pieces, 1.0)).double()
     if "mean" in extra:
-        per_run[:, SUM] = torch.stack([run.sum(dtype=torch.float64) for run in runs])
+        per_piece[:, SUM] = torch.stack([piece.sum(dtype=torch.float64) for piece in pieces])
     if "zeros" in extra:
-        per_run[:, ZEROS] = per_run[:, NUMEL] - torch.stack([torch.count_nonzero(run) for run in runs]).double()
+        per_piece[:, ZEROS] = per_piece[:, NUMEL] - torch.stack([torch.count_nonzero(p) for p in pieces]).double()
     if not bool(torch.isfinite(min_max).all()):
-        per_run[:, NONFINITE] = torch.stack([torch.count_nonzero(~torch.isfinite(run)) for run in runs]).double()
-    index = buckets.unsqueeze(1).expand(-1, NUM_SUMMED)
-    stats[:, :NUM_SUMMED].scatter_add_(0, index, per_run[:, :NUM_SUMMED])
-    index = buckets.unsqueeze(1).expand(-1, NUM_COLUMNS - NUM_SUMMED)
-    stats[:, NUM_SUMMED:].scatter_reduce_(0, index, per_run[:, NUM_SUMMED:], reduce="amax")
+        per_piece[:, NONFINITE] = torch.stack([torch.count_nonzero(~torch.isfinite(p)) for p in pieces]).double()
+    piece_buckets = buckets if len(pieces) == len(runs) else buckets[torch.tensor(owners, device=buckets.device)]
+    index = piece_buckets.unsqueeze(1).expand(-1, NUM_SUMMED)
+    stats[:, :NUM_SUMMED].scatter_add_(0, index, per_piece[:, :NUM_SUMMED])
+    index = piece_buckets.unsqueeze(1).expand(-1, NUM_COLUMNS - NUM_SUMMED)
+    stats[:, NUM_SUMMED:].scatter_reduce_(0, index, per_piece[:, NUM_SUMMED:], reduce="amax")
 
 
-def _abs_min(run: torch.Tensor) -> torch.Tensor:
-    # torch.linalg.vector_norm(run, -inf) would need no temporary, but is ~15x slower on CPU.
-    return torch.stack([chunk.abs().amin() for chunk in run.split(ABS_CHUNK)]).amin()
+def _piece_statistics(pieces: List[torch.Tensor], on_host: bool) -> Tuple[torch.Tensor, ...]:
+    """Squared L2 norm (float64), min, max and min of |x| of each piece, as four 1-D tensors.
+
+    abs_min needs |x|, written into one reused scratch buffer of at most a piece
+    (``torch.linalg.vector_norm(x, -inf)`` would need none, but is ~15x slower on CPU). On the host
+    the squared norm is a dot product taken piece by piece too, while the piece is in cache;
+    elsewhere one multi-tensor kernel takes all the norms.
+    """
+    scratch = torch.empty(max(piece.numel() for piece in pieces), dtype=pieces[0].dtype, device=pieces[0].device)
+    squares, lows, highs, abs_mins = [], [], [], []
+    for piece in pieces:
+        if on_host and piece.dtype in (torch.float32, torch.float64):  # a dot product accumulates in its input's type
+            squares.append(torch.dot(piece, piece))
+        elif on_host:
+            squares.append(torch.linalg.vector_norm(piece, dtype=torch.float32).square())
+        low, high = torch.aminmax(piece)
+        lows.append(low)
+        highs.append(high)
+        out = scratch[:piece.numel()] if piece.dtype == scratch.dtype else None
+        abs_mins.append(torch.abs(piece, out=out).amin())
+    if on_host:
+        sumsq = torch.stack(squares).double()
+    else:
+        sumsq = torch.stack(torch._foreach_norm(pieces, 2.0)).double().square()
+    return sumsq, torch.stack(lows), torch.stack(highs), torch.stack(abs_mins)
 
 
 # The group of a tracker whose gradients are already complete and identical on every rank (plain
@@ -85,7 +121,10 @@ def reduce_stats(stats: torch.Tensor, group=None) -> torch.Tensor:
     return torch.cat([stacked[:, :, :NUM_SUMMED].sum(0), stacked[:, :, NUM_SUMMED:].amax(0)], dim=1)
 
 
-def bucket_results(stats: torch.Tensor, keys: Sequence[Hashable], selected: Sequence[Hashable], scale: float,
+def bucket_results(stats: torch.Tensor,
+                   keys: Sequence[Hashable],
+                   selected: Sequence[Hashable],
+                   scale: float,
                    extra: Collection[str] = ()) -> Dict[Hashable, Dict[str, float]]:
     """The reported statistics of the ``selected`` buckets, each value multiplied by ``scale``.
 
@@ -107,8 +146,12 @@ def bucket_results(stats: torch.Tensor, keys: Sequence[Hashable], selected: Sequ
             "abs_max": max(row[MAX], row[NEG_MIN]) * scale,
             "nonfinite": int(row[NONFINITE]),
         }
-        optional = {"l1": row[L1] * scale, "mean": row[SUM] / row[NUMEL] * scale, "zeros": int(row[ZEROS]),
-                    "numel": int(row[NUMEL])}
+        optional = {
+            "l1": row[L1] * scale,
+            "mean": row[SUM] / row[NUMEL] * scale,
+            "zeros": int(row[ZEROS]),
+            "numel": int(row[NUMEL])
+        }
         result.update((name, optional[name]) for name in extra)
         results[key] = result
     return results

@@ -9,7 +9,18 @@ import subprocess
 import sys
 from typing import Dict
 
-from deepspeed_patch.upstream.build import DOCS_ANCHOR, DOCS_PAGE, PATCH_FILE, installed_deepspeed_root, make_patch
+import pytest
+from yapf.yapflib.yapf_api import FormatCode
+
+from deepspeed_patch.upstream.build import (
+    DOCS_ANCHOR,
+    DOCS_PAGE,
+    LICENSE,
+    PATCH_FILE,
+    installed_deepspeed_root,
+    make_patch,
+    upstream_files,
+)
 from zero_workers import UPSTREAM_ENV
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -42,6 +53,18 @@ def test_committed_patch_is_current():
     with open(PATCH_FILE, encoding="utf-8") as handle:
         committed = handle.read()
     assert committed == make_patch(), "stale patch: run python -m deepspeed_patch.upstream.build"
+
+
+def test_new_files_follow_deepspeed_conventions():
+    """DeepSpeed's license header, deepspeed.comm rather than torch.distributed, yapf with its style."""
+    style = os.path.join(REPO, ".style.yapf")
+    new_files = {path: text for path, (original, text) in upstream_files(installed_deepspeed_root()).items()
+                 if original is None and path.endswith(".py")}
+    assert len(new_files) >= 10
+    for path, text in new_files.items():
+        assert text.startswith(LICENSE), path
+        assert "torch.distributed" not in text, path
+        assert FormatCode(text, style_config=style)[0] == text, f"{path}: run yapf --style .style.yapf -i"
 
 
 def test_apply_is_idempotent_and_revert_restores_every_byte(tmp_path):
@@ -109,13 +132,29 @@ def test_applies_to_a_checkout_with_docs_and_unit_tests(tmp_path):
     assert digests(root) == before
 
 
-def test_core_correctness_on_the_patched_copy_without_install(tmp_path):
-    """tests/test_zero_stats.py, every case, run against the patched copy with deepspeed_patch unimportable."""
-    root = copy_installed(tmp_path)
+@pytest.fixture(scope="module")
+def patched_copy(tmp_path_factory) -> str:
+    root = copy_installed(tmp_path_factory.mktemp("patched"))
     assert patch_command("apply", root).returncode == 0
-    env = {**os.environ, "PYTHONPATH": root, UPSTREAM_ENV: root}
+    return root
+
+
+def test_core_correctness_on_the_patched_copy_without_install(patched_copy):
+    """tests/test_zero_stats.py, every case, run against the patched copy with deepspeed_patch unimportable."""
+    env = {**os.environ, "PYTHONPATH": patched_copy, UPSTREAM_ENV: patched_copy}
     command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_zero_stats.py"]
     result = subprocess.run(command, capture_output=True, text=True, cwd=REPO, env=env, timeout=900)
     summary = result.stdout.strip().splitlines()[-1]
     assert result.returncode == 0, result.stdout[-5000:]
     assert " passed" in summary and "skipped" not in summary and "failed" not in summary, summary
+
+
+def test_install_leaves_a_patched_deepspeed_alone(patched_copy):
+    """Both at once would call every call site twice."""
+    script = ("import deepspeed_patch; deepspeed_patch.install()\n"
+              "from deepspeed.runtime.engine import DeepSpeedEngine\n"
+              "assert DeepSpeedEngine.get_layer_grad_norms.__module__ == 'deepspeed.runtime.engine'\n"
+              "assert not getattr(DeepSpeedEngine, '_layer_grad_norms_installed', False)\n")
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=REPO,
+                            env={**os.environ, "PYTHONPATH": patched_copy})
+    assert result.returncode == 0, result.stderr[-3000:]

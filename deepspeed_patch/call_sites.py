@@ -73,12 +73,9 @@ def attach_fp16(engine, optimizer) -> None:
     from deepspeed.runtime.fp16.fused_optimizer import FP16_Optimizer
     from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
 
-    if not _wanted(engine_config(engine)):
-        return
     if isinstance(optimizer, FP16_UnfusedOptimizer) and not optimizer.fused_lamb_legacy:
         _attach_unfused(engine, optimizer)
     elif isinstance(optimizer, FP16_Optimizer) and not optimizer.fused_adam_legacy:
-        _check_whole_model(engine)
         _attach_flat(engine,
                      optimizer,
                      optimizer.fp16_groups,
@@ -128,12 +125,15 @@ def _attach_flat(engine,
 
     ``param_groups`` are the optimizer's trainable parameters in flat-buffer order, one list per
     group; ``build_slices(optimizer, group_index, bucket_of, device)`` lays out one group;
-    ``group``: the ranks to combine over (by default, those that together hold the whole model).
+    ``group``: the ranks to combine over (by default, those that together hold the whole model), or
+    ``REPLICATED`` where every rank holds the whole gradient, which needs the whole model on each.
     """
     config = engine_config(engine)
     if not _wanted(config):
         return
     _check_supported(optimizer)
+    if group is REPLICATED:
+        _check_whole_model(engine)
     names = engine.param_names
     trainable = [(names[param], param) for group in param_groups for param in group]
     layer_map = _layer_map(engine, config, trainable, names.values())
@@ -199,9 +199,11 @@ def _stats_group(engine, optimizer):
 
 def _attach_unfused(engine, optimizer) -> None:
     """FP16_UnfusedOptimizer: per-parameter fp32 copies of the gradient, one group each."""
+    config = engine_config(engine)
+    if not _wanted(config):
+        return
     _check_supported(optimizer)
     _check_whole_model(engine)
-    config = engine_config(engine)
     names = engine.param_names
     trainable = [(names[param], param) for group in optimizer.fp16_groups for param in group]
     layer_map = _layer_map(engine, config, trainable, names.values())
@@ -382,7 +384,7 @@ def unfused_unscale_and_clip_grads(optimizer, total_norm, apply_scale=True) -> N
     tracker = _tracker(optimizer)
     if apply_scale and tracker is not None and tracker.measuring:
         with tracker.guarded("reading the fp32 gradients"):
-            _observe_unfused(optimizer, optimizer.fp32_groups)
+            _observe_unfused(tracker, optimizer, optimizer.fp32_groups)
 
 
 def applied_scale(optimizer, combined_scale) -> None:
@@ -404,12 +406,11 @@ def unfused_update_scale(optimizer, skip) -> None:
     tracker = _tracker(optimizer)
     if skip and tracker is not None and tracker.measuring:
         with tracker.guarded("reading a skipped step's gradients"):
-            _observe_unfused(optimizer, optimizer.fp16_groups)
+            _observe_unfused(tracker, optimizer, optimizer.fp16_groups)
 
 
-def _observe_unfused(optimizer, groups: List[List[torch.nn.Parameter]]) -> None:
+def _observe_unfused(tracker: LayerGradNormTracker, optimizer, groups: List[List[torch.nn.Parameter]]) -> None:
     """Fold in the gradients of ``groups`` (the fp16 parameters, or their fp32 copies)."""
-    tracker = _tracker(optimizer)
     for index, (group, (measured, buckets)) in enumerate(zip(groups, optimizer._layer_grad_norm_members)):
         grads = [group[j].grad if group[j].grad is not None else torch.zeros_like(group[j]) for j in measured]
         tracker.observe_runs(index, lambda grads=grads: [grad.float().reshape(-1) for grad in grads], buckets)

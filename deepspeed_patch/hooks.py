@@ -86,8 +86,9 @@ def _wrapper(original: Callable, where: str, function: Callable) -> Callable:
 
 def apply() -> bool:
     """Place every call site once; returns False when they were already placed."""
+    from deepspeed.runtime.engine import DeepSpeedEngine as engine_class
+
     marker = "_layer_grad_norms_installed"
-    engine_class = getattr(importlib.import_module(CALL_SITES[1].module), CALL_SITES[1].cls)
     if getattr(engine_class, marker, False):
         return False
     for site in CALL_SITES:

@@ -4,9 +4,9 @@
 # DeepSpeed Team
 """The per-optimizer state: layer map, partition slices, interval, and the last measurement.
 
-The optimizer's ``step()`` drives it:
+The engine drives it around each optimizer step (``call_sites``), the optimizer in between:
 
-- ``begin_step()`` once at the top; it decides whether this step is measured.
+- ``begin_step()`` once before the step; it decides whether this step is measured.
 - ``observe(group_index, flat_grad)`` once per parameter group, on the flat gradient partition
   before clipping (still multiplied by the loss scale, if any).
 - ``set_gradient_scale(scale)``: the loss scale the gradients carry (1 without fp16).
@@ -14,7 +14,7 @@ The optimizer's ``step()`` drives it:
   clipping together; not called on a step the loss scaler skips. Or ``set_clip_norm(max_norm)``
   where clipping follows ``torch.nn.utils.clip_grad_norm_`` on the measured gradients: the factor
   then comes from the statistics' own total norm, with no extra read.
-- ``end_step(overflow)`` once at the end: one collective, then the result dict.
+- ``end_step(overflow)`` once after the step: one collective, then the result dict.
 
 An error in any of this (a bug, an unforeseen layout) must not stop the training run: it is
 logged, the step's table carries a failure flag through the same collective, and every rank then

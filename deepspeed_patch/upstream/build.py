@@ -53,17 +53,18 @@ def _read(path: str) -> str:
 # --- the call sites -------------------------------------------------------------------------------
 
 
-def _method(tree: ast.Module, site: CallSite) -> ast.FunctionDef:
+def _class(tree: ast.Module, site: CallSite) -> ast.ClassDef:
     for node in tree.body:
         if isinstance(node, ast.ClassDef) and node.name == site.cls:
-            for item in node.body:
-                if isinstance(item, ast.FunctionDef) and item.name == site.method:
-                    return item
+            return node
+    raise LookupError(f"{site.path}: no class {site.cls}")
+
+
+def _method(tree: ast.Module, site: CallSite) -> ast.FunctionDef:
+    for item in _class(tree, site).body:
+        if isinstance(item, ast.FunctionDef) and item.name == site.method:
+            return item
     raise LookupError(f"{site.path}: no method {site.cls}.{site.method}")
-
-
-def _class(tree: ast.Module, name: str) -> ast.ClassDef:
-    return next(node for node in tree.body if isinstance(node, ast.ClassDef) and node.name == name)
 
 
 def _call(site: CallSite, arguments: List[str]) -> str:
@@ -106,7 +107,7 @@ def _method_text(site: CallSite, indent: str) -> List[str]:
 def _insertion(tree: ast.Module, lines: List[str], site: CallSite) -> Tuple[int, List[str]]:
     """``(line index to insert before, lines)`` for one call site."""
     if site.where == METHOD:
-        cls = _class(tree, site.cls)
+        cls = _class(tree, site)
         indent = " " * cls.body[0].col_offset
         return cls.end_lineno, _method_text(site, indent)
     method = _method(tree, site)

@@ -11,7 +11,7 @@ from typing import List
 import torch
 
 from deepspeed_patch.layer_map import build_layer_map
-from deepspeed_patch.partition_slices import PartitionSlices, partition_runs
+from deepspeed_patch.partition_slices import PartitionSlices, back_to_back_ranges, partition_runs, slices_of_runs
 from megatron_integration.tiny_gpt import TinyGPT, TinyGPTConfig
 
 
@@ -43,15 +43,11 @@ def tiny_gpt_partition(num_layers: int, hidden: int, world_size: int = 2, rank: 
         model = TinyGPT(gpt_config(num_layers, hidden))
     named = list(model.named_parameters())
     layer_map = build_layer_map(named, [name for name, _ in named], granularity=granularity)
-    ranges, offset = [], 0
-    for _, param in named:
-        ranges.append((offset, param.numel(), layer_map.bucket_of(param)))
-        offset += param.numel()
+    ranges = back_to_back_ranges([param for _, param in named], layer_map.bucket_of)
+    offset = sum(numel for _, numel, _ in ranges)
     size = -(-offset // world_size)
     start = rank * size
-    runs = partition_runs(ranges, start, min(size, offset - start))
-    slices = PartitionSlices(starts=tuple(run[0] for run in runs), lengths=tuple(run[1] for run in runs),
-                             buckets=torch.tensor([run[2] for run in runs], dtype=torch.int64))
+    slices = slices_of_runs(partition_runs(ranges, start, min(size, offset - start)))
     flat = torch.randn(size, generator=torch.Generator().manual_seed(seed))
     param_runs = partition_runs([(begin, numel, index) for index, (begin, numel, _) in enumerate(ranges)], start,
                                 min(size, offset - start))

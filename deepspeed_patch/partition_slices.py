@@ -70,7 +70,7 @@ def zero_partition_slices(optimizer, group_index: int, bucket_of, device) -> Par
     rank = dist.get_rank(group=optimizer.real_dp_process_group[group_index])
     partition_start = sum(part.numel() for part in partitions[:rank])
     ranges = [(offset, size, bucket_of(param)) for param, offset, size in zip(params, offsets, sizes)]
-    return _slices(partition_runs(ranges, partition_start, partitions[rank].numel()), device)
+    return slices_of_runs(partition_runs(ranges, partition_start, partitions[rank].numel()), device)
 
 
 def bf16_partition_slices(optimizer, group_index: int, bucket_of, device) -> PartitionSlices:
@@ -81,19 +81,19 @@ def bf16_partition_slices(optimizer, group_index: int, bucket_of, device) -> Par
     """
     group = optimizer.real_dp_process_group[group_index]
     partition_size = optimizer.bf16_groups_flat[group_index].numel() // dist.get_world_size(group=group)
-    ranges = _back_to_back(optimizer.bf16_groups[group_index], bucket_of)
+    ranges = back_to_back_ranges(optimizer.bf16_groups[group_index], bucket_of)
     partition_start = dist.get_rank(group=group) * partition_size
-    return _slices(partition_runs(ranges, partition_start, partition_size), device)
+    return slices_of_runs(partition_runs(ranges, partition_start, partition_size), device)
 
 
 def fused_fp16_partition_slices(optimizer, group_index: int, bucket_of, device) -> PartitionSlices:
     """The runs of ``FP16_Optimizer`` group ``group_index``: one flat fp32 buffer of the whole group,
     parameters back to back, on every rank."""
-    ranges = _back_to_back(optimizer.fp16_groups[group_index], bucket_of)
-    return _slices(partition_runs(ranges, 0, optimizer.fp32_groups_flat[group_index].numel()), device)
+    ranges = back_to_back_ranges(optimizer.fp16_groups[group_index], bucket_of)
+    return slices_of_runs(partition_runs(ranges, 0, optimizer.fp32_groups_flat[group_index].numel()), device)
 
 
-def _back_to_back(params, bucket_of) -> List[Tuple[int, int, Optional[int]]]:
+def back_to_back_ranges(params, bucket_of) -> List[Tuple[int, int, Optional[int]]]:
     """``(offset, numel, bucket)`` of parameters laid out with no padding between them."""
     ranges, offset = [], 0
     for param in params:
@@ -102,7 +102,8 @@ def _back_to_back(params, bucket_of) -> List[Tuple[int, int, Optional[int]]]:
     return ranges
 
 
-def _slices(runs: List[Tuple[int, int, int]], device) -> PartitionSlices:
+def slices_of_runs(runs: List[Tuple[int, int, int]], device=None) -> PartitionSlices:
+    """The ``PartitionSlices`` of runs ``(local_start, length, bucket)``."""
     return PartitionSlices(starts=tuple(run[0] for run in runs),
                            lengths=tuple(run[1] for run in runs),
                            buckets=torch.tensor([run[2] for run in runs], dtype=torch.int64, device=device))

@@ -16,7 +16,6 @@ import statistics_before
 import torch
 from common import interleaved, machine, ratio_of, times
 
-import deepspeed_patch.statistics as package_statistics
 from deepspeed_patch.statistics import HOST_PIECE, accumulate_runs, empty_stats
 
 NUM_BUCKETS = 14
@@ -82,12 +81,7 @@ def int32_loop(pieces: List[torch.Tensor], scratch: torch.Tensor) -> None:
 
 def with_piece(piece: int, runs: List[torch.Tensor], buckets: torch.Tensor) -> None:
     """The current implementation with another piece size."""
-    default = package_statistics.HOST_PIECE
-    package_statistics.HOST_PIECE = piece
-    try:
-        accumulate_runs(empty_stats(len(runs), "cpu"), runs, buckets)
-    finally:
-        package_statistics.HOST_PIECE = default
+    accumulate_runs(empty_stats(len(runs), "cpu"), runs, buckets, piece=piece)
 
 
 def passes_table(num_elements: int, rounds: int, with_compile: bool) -> Dict[str, dict]:

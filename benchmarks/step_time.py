@@ -13,7 +13,7 @@ that every figure is a ratio measured within one run:
 The baselines run with the statistics switched off (``engine.set_layer_grad_norms(enabled=False)``).
 
 Beside the step-time ratio, whose noise on a shared machine is wider than 1%, the time spent inside
-the call sites themselves (every function of ``deepspeed_patch.call_sites`` that DeepSpeed calls) is
+the call sites themselves (every adapter method that DeepSpeed calls, ``hooks.CALL_SITES``) is
 added up per iteration: the feature's own cost, measured directly, as a share of the step.
 """
 
@@ -68,10 +68,12 @@ def param_norm_loop(engine) -> None:
 
 
 def time_call_sites() -> List[float]:
-    """Wrap every call-site function, before ``install()`` places them, to add up the seconds spent in
-    them into the returned one-element list. No call-site function calls another, so none counts twice."""
-    from deepspeed_patch import call_sites
-    from deepspeed_patch.hooks import CALL_SITES, METHOD
+    """Wrap every adapter method that DeepSpeed calls, to add up the seconds spent in them into the
+    returned one-element list. None of them calls another, so none counts twice."""
+    from deepspeed_patch.adapters.attach import OPTIMIZER_FAMILIES
+    from deepspeed_patch.adapters.base import LayerGradNormsAdapter
+    from deepspeed_patch.adapters.param_grads import ParamGradAdapter
+    from deepspeed_patch.hooks import CALL_SITES, AdapterCall
 
     spent = [0.0]
 
@@ -86,8 +88,10 @@ def time_call_sites() -> List[float]:
 
         return wrapper
 
-    for name in {site.function for site in CALL_SITES if site.where != METHOD}:
-        setattr(call_sites, name, timed(getattr(call_sites, name)))
+    names = {site.statement.name for site in CALL_SITES if isinstance(site.statement, AdapterCall)}
+    for cls in (LayerGradNormsAdapter, ParamGradAdapter, *OPTIMIZER_FAMILIES):
+        for name in names & set(vars(cls)):
+            setattr(cls, name, timed(vars(cls)[name]))
     return spent
 
 

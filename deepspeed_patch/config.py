@@ -30,6 +30,10 @@ class LayerGradNormsConfigError(ValueError):
     """A bad value in the ``layer_grad_norms`` block; the message names the key and the value."""
 
 
+class UnsupportedSetupError(RuntimeError):
+    """``layer_grad_norms`` is enabled on a set-up it cannot measure correctly (yet)."""
+
+
 def parse_layer_spec(spec: Any) -> Optional[Tuple[LayerToken, ...]]:
     """Normalise a layer selection to a tuple of tokens, or ``None`` for all layers.
 

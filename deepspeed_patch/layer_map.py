@@ -13,6 +13,7 @@ stage holds only some of them, so its buckets come from the layer specs, the sam
 the specs of the repeated layer class are the transformer layers, numbered in order.
 """
 
+import logging
 import re
 from collections import Counter
 from dataclasses import dataclass
@@ -20,7 +21,9 @@ from typing import Dict, Hashable, Iterable, List, Optional, Sequence, Tuple
 
 from torch import nn
 
-from .config import CONFIG_KEY, LayerGradNormsConfigError, LayerToken
+from .config import CONFIG_KEY, LayerGradNormsConfig, LayerGradNormsConfigError, LayerToken, UnsupportedSetupError
+
+logger = logging.getLogger(__name__)
 
 # layers.N. / h.N. / blocks.N. / layer.N., as a whole name component; Megatron's
 # language_model.encoder.layers.N. is covered by layers.N.
@@ -175,3 +178,29 @@ def build_pipeline_layer_map(specs: Sequence[object], named_params: Iterable[Tup
                         for name, param in named_params
                     },
                     num_layers=len(layer_of_spec))
+
+
+def model_layer_map(module: nn.Module, config: LayerGradNormsConfig, trainable: Sequence[Tuple[str, object]],
+                    all_names: Iterable[str]) -> LayerMap:
+    """The buckets of a DeepSpeed engine's model as the config asks for them: from the specs of a
+    ``PipelineModule``, else from the parameter names; warns when no name shows a layer index."""
+    from deepspeed.runtime.pipe.module import PipelineModule
+
+    if isinstance(module, PipelineModule):
+        if config.granularity != "layer":
+            raise UnsupportedSetupError(f"{CONFIG_KEY}.granularity={config.granularity!r}: a PipelineModule is "
+                                        "measured per layer only (its stages do not know each other's parameters)")
+        if config.layer_pattern:
+            logger.warning("%s.layer_pattern=%r is ignored for a PipelineModule: its layers come from its specs",
+                           CONFIG_KEY, config.layer_pattern)
+        return build_pipeline_layer_map(module._layer_specs, trainable)
+    layer_map = build_layer_map(trainable, all_names, config.layer_pattern, config.granularity, config.group_by)
+    examples = ", ".join(name for name, _ in trainable[:5])
+    if config.granularity == "group_by" and not layer_map.keys:
+        raise LayerGradNormsConfigError(f"{CONFIG_KEY}.group_by={config.group_by!r} matches no trainable parameter "
+                                        f"(examples: {examples})")
+    if layer_map.num_layers == 0:
+        logger.warning(
+            "%s: no parameter name matches the layer pattern %r (examples: %s); every parameter is "
+            "reported in a bucket named after its module", CONFIG_KEY, config.layer_pattern or "default", examples)
+    return layer_map

@@ -20,6 +20,14 @@ from typing import Any, Dict, Optional
 from deepspeed import comm as dist
 
 
+def rank_of_process() -> int:
+    """This process's global rank: DeepSpeed's, or under a launcher that did not initialise DeepSpeed's
+    communication (torchrun with plain DistributedDataParallel) the ``RANK`` the launcher sets; 0 alone."""
+    if dist.is_initialized():
+        return dist.get_rank()
+    return int(os.environ.get("RANK", "0"))
+
+
 class SpikeTrigger:
     """Fires when the global gradient norm jumps above ``factor`` times its running median over the
     last ``window`` steps, or (``on_overflow``) when the loss scaler skips a step."""

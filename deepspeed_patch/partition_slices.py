@@ -9,14 +9,14 @@ flat buffer (parameters back to back, with optional alignment padding) and gives
 rank one contiguous partition of it. The flat fp32 gradient partition the optimizer steps on has
 exactly that layout, so a parameter's gradient on this rank is the intersection of its range in the
 flat buffer with this rank's partition. Parameters cut by a partition boundary contribute their
-local part; padding belongs to no slice.
+local part; padding belongs to no slice. Each optimizer's adapter (``adapters/``) supplies its own
+parameter offsets and partition bounds; the arithmetic here is common to all.
 """
 
 from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple
 
 import torch
-from deepspeed import comm as dist
 
 
 @dataclass(frozen=True)
@@ -31,6 +31,23 @@ class PartitionSlices:
     def views(self, flat_partition: torch.Tensor) -> List[torch.Tensor]:
         """Views of ``flat_partition`` for each run; no copy."""
         return [flat_partition.narrow(0, start, length) for start, length in zip(self.starts, self.lengths)]
+
+    def chunked_views(self, chunks: Sequence[torch.Tensor]) -> Tuple[List[torch.Tensor], torch.Tensor]:
+        """Views of the runs, and their buckets, when the partition is held as ``chunks`` laid end to end
+        (a rank's per-parameter gradient pieces before they are flattened); no copy. A run that spans
+        several chunks becomes several views of its bucket."""
+        views, owners, chunk, chunk_start = [], [], 0, 0
+        for index, (start, length) in enumerate(zip(self.starts, self.lengths)):
+            end = start + length
+            while start < end:
+                while chunk_start + chunks[chunk].numel() <= start:
+                    chunk_start += chunks[chunk].numel()
+                    chunk += 1
+                stop = min(end, chunk_start + chunks[chunk].numel())
+                views.append(chunks[chunk].reshape(-1).narrow(0, start - chunk_start, stop - start))
+                owners.append(index)
+                start = stop
+        return views, self.buckets[torch.tensor(owners, dtype=torch.int64, device=self.buckets.device)]
 
 
 def partition_runs(param_ranges: Sequence[Tuple[int, int, Optional[int]]], partition_start: int,
@@ -54,43 +71,6 @@ def partition_runs(param_ranges: Sequence[Tuple[int, int, Optional[int]]], parti
         else:
             runs.append((local_start, end - start, bucket))
     return runs
-
-
-def zero_partition_slices(optimizer, group_index: int, bucket_of, device) -> PartitionSlices:
-    """The runs of ``DeepSpeedZeroOptimizer`` group ``group_index`` on this rank.
-
-    Uses the optimizer's own layout bookkeeping: the parameter order and offsets of the flat group
-    buffer (after round-robin reordering and alignment padding) and the data-parallel partitions.
-    """
-    params = optimizer.round_robin_bit16_groups[group_index]
-    offsets = optimizer.round_robin_bit16_offsets[group_index]
-    # The meta copies keep the true sizes when offload has swapped the parameters' storage out.
-    sizes = [meta.numel() for meta in optimizer.round_robin_bit16_meta[group_index]]
-    partitions = optimizer.parallel_partitioned_bit16_groups[group_index]
-    rank = dist.get_rank(group=optimizer.real_dp_process_group[group_index])
-    partition_start = sum(part.numel() for part in partitions[:rank])
-    ranges = [(offset, size, bucket_of(param)) for param, offset, size in zip(params, offsets, sizes)]
-    return slices_of_runs(partition_runs(ranges, partition_start, partitions[rank].numel()), device)
-
-
-def bf16_partition_slices(optimizer, group_index: int, bucket_of, device) -> PartitionSlices:
-    """The runs of ``BF16_Optimizer`` group ``group_index`` on this rank.
-
-    Its flat buffer holds the parameters back to back (padding only at the end) and splits into
-    equal data-parallel partitions.
-    """
-    group = optimizer.real_dp_process_group[group_index]
-    partition_size = optimizer.bf16_groups_flat[group_index].numel() // dist.get_world_size(group=group)
-    ranges = back_to_back_ranges(optimizer.bf16_groups[group_index], bucket_of)
-    partition_start = dist.get_rank(group=group) * partition_size
-    return slices_of_runs(partition_runs(ranges, partition_start, partition_size), device)
-
-
-def fused_fp16_partition_slices(optimizer, group_index: int, bucket_of, device) -> PartitionSlices:
-    """The runs of ``FP16_Optimizer`` group ``group_index``: one flat fp32 buffer of the whole group,
-    parameters back to back, on every rank."""
-    ranges = back_to_back_ranges(optimizer.fp16_groups[group_index], bucket_of)
-    return slices_of_runs(partition_runs(ranges, 0, optimizer.fp32_groups_flat[group_index].numel()), device)
 
 
 def back_to_back_ranges(params, bucket_of) -> List[Tuple[int, int, Optional[int]]]:

@@ -38,23 +38,27 @@ def empty_stats(num_buckets: int, device) -> torch.Tensor:
 def accumulate_runs(stats: torch.Tensor,
                     runs: Sequence[torch.Tensor],
                     buckets: torch.Tensor,
-                    extra: Collection[str] = ()) -> None:
+                    extra: Collection[str] = (),
+                    piece: Optional[int] = None) -> None:
     """Fold the statistics of ``runs`` (1-D gradient slices) into their ``buckets`` rows of ``stats``.
 
-    ``extra`` names the statistics of ``EXTRA_STATISTICS`` to compute as well. One host
-    synchronisation per call: non-finite elements are counted only when a run's min or max says
+    ``extra`` names the statistics of ``EXTRA_STATISTICS`` to compute as well; ``piece`` overrides the
+    number of elements read at a time (``HOST_PIECE`` or ``DEVICE_PIECE``). Runs of any floating dtype
+    are read; fp16 and bf16 pieces are converted one at a time into a scratch buffer, never as a whole.
+    One host synchronisation per call: non-finite elements are counted only when a run's min or max says
     there are some, which keeps the common case to three reductions over the gradient.
     """
     if not runs:
         return
-    on_host = runs[0].device.type == "cpu"
+    piece = piece or (HOST_PIECE if runs[0].device.type == "cpu" else DEVICE_PIECE)
     pieces: List[torch.Tensor] = []
     owners: List[int] = []
     for index, run in enumerate(runs):
-        split = run.split(HOST_PIECE if on_host else DEVICE_PIECE)
+        split = run.split(piece)
         pieces.extend(split)
         owners.extend([index] * len(split))
-    sumsq, lows, highs, abs_mins = _piece_statistics(pieces, on_host)
+    scratch = torch.empty(max(piece.numel() for piece in pieces), dtype=torch.float32, device=pieces[0].device)
+    sumsq, lows, highs, abs_mins = _piece_statistics(pieces, scratch)
     per_piece = torch.zeros((len(pieces), NUM_COLUMNS), dtype=torch.float64, device=stats.device)
     per_piece[:, SUMSQ] = sumsq
     min_max = torch.stack([lows, highs], dim=1).double()
@@ -62,13 +66,15 @@ def accumulate_runs(stats: torch.Tensor,
     per_piece[:, NEG_ABS_MIN] = -abs_mins.double()
     per_piece[:, NUMEL] = torch.tensor([piece.numel() for piece in pieces], dtype=torch.float64)
     if "l1" in extra:
-        per_piece[:, L1] = torch.stack(torch._foreach_norm(pieces, 1.0)).double()
+        per_piece[:, L1] = torch.stack([torch.linalg.vector_norm(p, 1, dtype=torch.float64) for p in pieces])
     if "mean" in extra:
         per_piece[:, SUM] = torch.stack([piece.sum(dtype=torch.float64) for piece in pieces])
     if "zeros" in extra:
         per_piece[:, ZEROS] = per_piece[:, NUMEL] - torch.stack([torch.count_nonzero(p) for p in pieces]).double()
-    if not bool(torch.isfinite(min_max).all()):
-        per_piece[:, NONFINITE] = torch.stack([torch.count_nonzero(~torch.isfinite(p)) for p in pieces]).double()
+    finite = torch.isfinite(min_max).all(dim=1)
+    if not bool(finite.all()):  # a NaN or an infinity makes its piece's min or max non-finite
+        for index in torch.nonzero(~finite).flatten().tolist():
+            per_piece[index, NONFINITE] = _count_nonfinite(pieces[index], scratch)
     piece_buckets = buckets if len(pieces) == len(runs) else buckets[torch.tensor(owners, device=buckets.device)]
     index = piece_buckets.unsqueeze(1).expand(-1, NUM_SUMMED)
     stats[:, :NUM_SUMMED].scatter_add_(0, index, per_piece[:, :NUM_SUMMED])
@@ -76,31 +82,34 @@ def accumulate_runs(stats: torch.Tensor,
     stats[:, NUM_SUMMED:].scatter_reduce_(0, index, per_piece[:, NUM_SUMMED:], reduce="amax")
 
 
-def _piece_statistics(pieces: List[torch.Tensor], on_host: bool) -> Tuple[torch.Tensor, ...]:
-    """Squared L2 norm (float64), min, max and min of |x| of each piece, as four 1-D tensors.
+def _piece_statistics(pieces: List[torch.Tensor], scratch: torch.Tensor) -> Tuple[torch.Tensor, ...]:
+    """Squared L2 norm, min, max and min of |x| of each piece, as four 1-D tensors.
 
-    abs_min needs |x|, written into one reused scratch buffer of at most a piece
-    (``torch.linalg.vector_norm(x, -inf)`` would need none, but is ~15x slower on CPU). On the host
-    the squared norm is a dot product taken piece by piece too, while the piece is in cache;
-    elsewhere one multi-tensor kernel takes all the norms.
+    Each piece is read while it is in cache: its squared norm as a dot product, then min and max, then
+    |x| written into the fp32 ``scratch`` buffer (``torch.linalg.vector_norm(x, -inf)`` would need
+    none, but is ~15x slower on CPU). An fp16 or bf16 piece is first converted into that buffer, so the
+    three reductions run on fp32 values (exact for min and max) and |x| is taken in place.
     """
-    scratch = torch.empty(max(piece.numel() for piece in pieces), dtype=pieces[0].dtype, device=pieces[0].device)
     squares, lows, highs, abs_mins = [], [], [], []
     for piece in pieces:
-        if on_host and piece.dtype in (torch.float32, torch.float64):  # a dot product accumulates in its input's type
-            squares.append(torch.dot(piece, piece))
-        elif on_host:
-            squares.append(torch.linalg.vector_norm(piece, dtype=torch.float32).square())
-        low, high = torch.aminmax(piece)
+        if piece.dtype in (torch.float32, torch.float64):
+            values, magnitude = piece, scratch[:piece.numel()] if piece.dtype == torch.float32 else None
+        else:
+            values = magnitude = scratch[:piece.numel()].copy_(piece)  # our own copy: |x| in place
+        squares.append(torch.dot(values, values))  # accumulates in the values' type, per piece
+        low, high = torch.aminmax(values)
         lows.append(low)
         highs.append(high)
-        out = scratch[:piece.numel()] if piece.dtype == scratch.dtype else None
-        abs_mins.append(torch.abs(piece, out=out).amin())
-    if on_host:
-        sumsq = torch.stack(squares).double()
-    else:
-        sumsq = torch.stack(torch._foreach_norm(pieces, 2.0)).double().square()
-    return sumsq, torch.stack(lows), torch.stack(highs), torch.stack(abs_mins)
+        abs_mins.append(torch.abs(values, out=magnitude).amin())
+    return torch.stack(squares).double(), torch.stack(lows), torch.stack(highs), torch.stack(abs_mins)
+
+
+def _count_nonfinite(piece: torch.Tensor, scratch: torch.Tensor) -> torch.Tensor:
+    """The NaN and infinite elements of a piece, counted in the scratch buffer: no allocation."""
+    if piece.dtype == torch.float64:  # too wide for the fp32 buffer; a rare dtype for gradients
+        return torch.count_nonzero(~torch.isfinite(piece))
+    values = scratch[:piece.numel()].copy_(piece)
+    return values.mul_(0.0).nan_to_num_(nan=1.0).sum()  # x * 0 is 0 for a finite x, NaN otherwise
 
 
 # The group of a tracker whose gradients are already complete and identical on every rank (plain
@@ -160,29 +169,3 @@ def bucket_results(stats: torch.Tensor,
 def total_norm(stats: torch.Tensor) -> float:
     """The L2 norm of all the buckets of a reduced table together."""
     return math.sqrt(stats[:, SUMSQ].sum().item())
-
-
-def torch_clip_divisor(total: float, max_norm: float) -> float:
-    """What ``torch.nn.utils.clip_grad_norm_`` (and DeepSpeed's ``clip_grad_norm_``) divide by."""
-    return 1.0 / min(1.0, max_norm / (total + 1e-6))
-
-
-def zero_unscale_divisor(scaled_total_norm: Optional[torch.Tensor], clip_grad: float, loss_scale: float) -> float:
-    """What ZeRO's ``unscale_and_clip_grads`` divides the flat gradient by: loss scale times clip factor.
-
-    Mirrors DeepSpeed 0.19.8, including its use of the loss scale as updated for the next step.
-    """
-    if clip_grad <= 0.0 or scaled_total_norm is None:
-        return loss_scale
-    total_norm = float(scaled_total_norm)
-    if not math.isfinite(total_norm) or total_norm < 0:  # DeepSpeed's sentinel for an invalid norm
-        return math.inf
-    return max(((total_norm / loss_scale) + 1e-6) / clip_grad, 1.0) * loss_scale
-
-
-def bf16_clip_divisor(total_norm: torch.Tensor, clip_grad: float) -> float:
-    """What ``BF16_Optimizer`` divides the gradient by: 1, or the inverse of its clip coefficient."""
-    if clip_grad <= 0.0:
-        return 1.0
-    clip_coef = clip_grad / (float(total_norm) + 1e-6)
-    return 1.0 / clip_coef if clip_coef < 1 else 1.0

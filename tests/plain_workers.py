@@ -31,3 +31,24 @@ def ddp_measure(steps: int) -> Dict[str, Any]:
         optimizer.step()
         record["reference"].append(bucket_stats(averaged_gradients(weights, config, torch.float32, batches)))
     return record
+
+
+def torchrun_dump(rank: int, world_size: int, port: int, dump_path: str, steps: int, queue) -> None:
+    """One rank of a DDP run started the way ``torchrun`` starts it: its environment variables and
+    ``torch.distributed.init_process_group``, without DeepSpeed's communication set-up."""
+    import os
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+                      WORLD_SIZE=str(world_size))
+    torch.distributed.init_process_group("gloo")
+    config = TinyGPTConfig()
+    torch.manual_seed(0)
+    model = torch.nn.parallel.DistributedDataParallel(TinyGPT(config))
+    norms = LayerGradNorms(model, dump={"path": dump_path})
+    steps_measured = []
+    for step in range(steps):
+        model.zero_grad()
+        model(synthetic_batch(config, 2, seed=10 * step + rank)).backward()
+        steps_measured.append(norms.measure()["step"])
+    torch.distributed.destroy_process_group()
+    queue.put((rank, steps_measured))

@@ -127,9 +127,9 @@ def failure_on_one_rank(steps: int) -> Dict[str, Any]:
     from deepspeed import comm as dist
 
     engine = initialize(base_config(layer_grad_norms={"enabled": True}))
-    tracker = engine.optimizer.layer_grad_norm_tracker
+    adapter = engine.optimizer.layer_grad_norms
     if dist.get_rank() == dist.get_world_size() - 1:
-        tracker.slices[0] = BrokenSlices(tracker.slices[0])
+        adapter.slices[0] = BrokenSlices(adapter.slices[0])
     record = {"losses": [], "measured": []}
     for step in range(steps):
         loss = engine(synthetic_batch(TinyGPTConfig(), 2, seed=step))

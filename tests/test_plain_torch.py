@@ -61,3 +61,24 @@ def test_ddp_two_ranks_match_the_averaged_gradient_without_any_collective():
     for measured, reference in zip(first["measured"], first["reference"]):
         assert sorted(key for key in measured["pre_clip"] if isinstance(key, int)) == [0, 3]
         assert_close_stats(measured["pre_clip"], {k: reference[k] for k in measured["pre_clip"]}, TOLERANCE["fp32"])
+
+
+def test_under_torchrun_without_deepspeed_only_rank_0_writes_the_dump(tmp_path):
+    import json
+
+    import torch.multiprocessing as mp
+
+    from megatron_integration.cpu_launch import free_port
+    from plain_workers import torchrun_dump
+
+    context = mp.get_context("spawn")
+    queue, port, path = context.Queue(), free_port(), str(tmp_path / "dump.jsonl")
+    procs = [context.Process(target=torchrun_dump, args=(rank, 2, port, path, 3, queue)) for rank in range(2)]
+    for proc in procs:
+        proc.start()
+    measured = dict(queue.get(timeout=300) for _ in procs)
+    for proc in procs:
+        proc.join(timeout=60)
+    assert measured == {0: [1, 2, 3], 1: [1, 2, 3]}
+    with open(path) as dump:
+        assert [json.loads(line)["step"] for line in dump] == [1, 2, 3]  # one writer, not one per rank

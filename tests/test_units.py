@@ -5,10 +5,11 @@ import re
 
 import pytest
 
+from deepspeed_patch.adapters.bf16 import bf16_clip_divisor
+from deepspeed_patch.adapters.zero import zero_unscale_divisor
 from deepspeed_patch.config import LayerGradNormsConfig, parse_layer_spec
 from deepspeed_patch.layer_map import DEFAULT_LAYER_PATTERN, bucket_key, build_layer_map, resolve_layers
 from deepspeed_patch.partition_slices import partition_runs
-from deepspeed_patch.statistics import bf16_clip_divisor, zero_unscale_divisor
 
 
 @pytest.mark.parametrize("spec,expected", [
@@ -100,3 +101,19 @@ def test_install_is_idempotent_and_checks_the_deepspeed_version(monkeypatch):
     monkeypatch.setattr(deepspeed, "__version__", "0.18.0")
     with pytest.raises(RuntimeError, match="supports DeepSpeed 0.19.8; found 0.18.0"):
         deepspeed_patch.install()
+
+
+def test_every_adapter_call_passes_what_its_adapter_method_takes():
+    import importlib
+    import inspect
+
+    from deepspeed_patch.hooks import CALL_SITES, RETURNED, AdapterCall
+
+    sites = [site for site in CALL_SITES if isinstance(site.statement, AdapterCall)]
+    assert len(sites) >= 9
+    for site in sites:
+        parameters = list(inspect.signature(site.statement.method).parameters)[1:]
+        assert len(parameters) == len(site.statement.arguments), (site, parameters)
+        deepspeed_method = getattr(getattr(importlib.import_module(site.module), site.cls), site.method)
+        named = set(site.statement.arguments) - {RETURNED}
+        assert named <= set(inspect.signature(deepspeed_method).parameters), site

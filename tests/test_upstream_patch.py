@@ -74,7 +74,7 @@ def test_apply_is_idempotent_and_revert_restores_every_byte(tmp_path):
     applied = patch_command("apply", root)
     assert applied.returncode == 0 and "applied to" in applied.stdout, applied.stdout + applied.stderr
     patched = digests(root)
-    assert "deepspeed/runtime/layer_grad_norms/call_sites.py" in patched
+    assert "deepspeed/runtime/layer_grad_norms/adapters/zero.py" in patched
     assert patched["deepspeed/runtime/engine.py"] != before["deepspeed/runtime/engine.py"]
     again = patch_command("apply", root)
     assert again.returncode == 0 and "already applied" in again.stdout

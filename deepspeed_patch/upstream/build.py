@@ -16,8 +16,7 @@ import inspect
 import os
 from typing import Dict, List, Optional, Tuple
 
-from .. import call_sites
-from ..hooks import CALL_SITES, END, METHOD, RESULT, START, CallSite
+from ..hooks import ATTRIBUTE, CALL_SITES, END, METHOD, RESULT, RETURNED, START, AdapterCall, Assign, CallSite, Method
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 PACKAGE_DIR = os.path.dirname(HERE)
@@ -25,8 +24,10 @@ PATCH_FILE = os.path.join(HERE, "layer_grad_norms.patch")
 TREE = os.path.join(HERE, "tree")
 
 UPSTREAM_PACKAGE = "deepspeed/runtime/layer_grad_norms"
-MODULES = ("call_sites", "config", "layer_map", "on_demand", "partition_slices", "plain", "statistics", "tracker")
-IMPORT_LINE = "from deepspeed.runtime.layer_grad_norms import call_sites as layer_grad_norms"
+# Every module of the package goes upstream as it is, but its __init__ (the tree has DeepSpeed's own)
+# and hooks.py (install() is not needed there: the patch places the calls in the source).
+NOT_UPSTREAM = ("__init__.py", "hooks.py")
+IMPORT_LINE = "from deepspeed.runtime import layer_grad_norms"
 LICENSE = "# Copyright (c) Microsoft Corporation.\n# SPDX-License-Identifier: Apache-2.0\n\n# DeepSpeed Team\n"
 
 # Where the docs section goes on DeepSpeed's config-json page: after "Gradient Clipping". Only these
@@ -50,6 +51,18 @@ def _read(path: str) -> str:
         return handle.read()
 
 
+def upstream_modules() -> List[str]:
+    """The package's modules that go upstream, as paths relative to the package."""
+    found = []
+    for folder, dirs, names in os.walk(PACKAGE_DIR):
+        dirs[:] = sorted(name for name in dirs if name not in ("upstream", "__pycache__"))
+        for name in sorted(names):
+            relative = os.path.relpath(os.path.join(folder, name), PACKAGE_DIR).replace(os.sep, "/")
+            if name.endswith(".py") and relative not in NOT_UPSTREAM:
+                found.append(relative)
+    return found
+
+
 # --- the call sites -------------------------------------------------------------------------------
 
 
@@ -67,20 +80,6 @@ def _method(tree: ast.Module, site: CallSite) -> ast.FunctionDef:
     raise LookupError(f"{site.path}: no method {site.cls}.{site.method}")
 
 
-def _call(site: CallSite, arguments: List[str]) -> str:
-    return f"layer_grad_norms.{site.function}({', '.join(['self'] + arguments)})"
-
-
-def _check_signature(method: ast.FunctionDef, site: CallSite) -> List[str]:
-    """The method's argument names, which the call-site function must take in the same order."""
-    names = [arg.arg for arg in method.args.args[1:]]
-    expected = list(inspect.signature(getattr(call_sites, site.function)).parameters)[1:]
-    if method.args.vararg or method.args.kwarg or method.args.kwonlyargs or names != expected:
-        raise ValueError(f"{site.cls}.{site.method}({', '.join(names)}) does not match "
-                         f"call_sites.{site.function}({', '.join(expected)})")
-    return names
-
-
 def _single_return(method: ast.FunctionDef) -> Optional[ast.Return]:
     returns = [node for node in ast.walk(method) if isinstance(node, ast.Return)]
     if not returns:
@@ -90,9 +89,36 @@ def _single_return(method: ast.FunctionDef) -> Optional[ast.Return]:
     return returns[0]
 
 
+def _argument_names(method: ast.FunctionDef, site: CallSite, wanted: Tuple[str, ...]) -> List[str]:
+    """``wanted``, checked against the method's parameters (``RETURNED``: the name it returns)."""
+    parameters = [arg.arg for arg in method.args.args + method.args.kwonlyargs]
+    names = []
+    for name in wanted:
+        if name == RETURNED:
+            returned = _single_return(method)
+            if site.where != RESULT or returned is None or not isinstance(returned.value, ast.Name):
+                raise ValueError(f"{site.cls}.{site.method} must end with 'return <name>' to pass what it returns")
+            name = returned.value.id
+        elif name not in parameters:
+            raise ValueError(f"{site.cls}.{site.method}({', '.join(parameters)}) has no parameter {name!r}")
+        names.append(name)
+    return names
+
+
+def _statement_lines(site: CallSite, method: ast.FunctionDef, indent: str) -> List[str]:
+    """The lines a call site adds inside ``method``."""
+    statement = site.statement
+    arguments = ", ".join(_argument_names(method, site, statement.arguments))
+    if isinstance(statement, AdapterCall):
+        return [f"{indent}if self.{ATTRIBUTE} is not None:\n",
+                f"{indent}    self.{ATTRIBUTE}.{statement.name}({arguments})\n"]
+    value = "None" if statement.function is None else f"layer_grad_norms.{statement.function.__name__}({arguments})"
+    return [f"{indent}self.{statement.attribute} = {value}\n"]
+
+
 def _method_text(site: CallSite, indent: str) -> List[str]:
-    """A new method that hands over to the call-site function."""
-    function = getattr(call_sites, site.function)
+    """A new method that hands over to the package's function."""
+    function = site.statement.function
     parameters = list(inspect.signature(function).parameters.values())[1:]
     signature = ", ".join(["self"] + [p.name if p.default is p.empty else f"{p.name}={p.default!r}"
                                       for p in parameters])
@@ -100,7 +126,7 @@ def _method_text(site: CallSite, indent: str) -> List[str]:
     summary = inspect.getdoc(function).split("\n\n")[0].replace("\n", f"\n{indent}    ")
     return [
         "\n", f"{indent}def {site.method}({signature}):\n", f'{indent}    """{summary}"""\n',
-        f"{indent}    return layer_grad_norms.{site.function}({arguments})\n"
+        f"{indent}    return layer_grad_norms.{function.__name__}({arguments})\n"
     ]
 
 
@@ -115,21 +141,27 @@ def _insertion(tree: ast.Module, lines: List[str], site: CallSite) -> Tuple[int,
     if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and isinstance(first.value.value, str):
         first = method.body[1]  # after the docstring
     indent = " " * first.col_offset
+    new_lines = _statement_lines(site, method, indent)
     if site.where == START:
         top = first.lineno - 1
         while top - 1 >= method.lineno and lines[top - 1].strip().startswith("#"):
             top -= 1  # above the comments that open the body
-        return top, [f"{indent}{_call(site, _check_signature(method, site))}\n"]
+        return top, new_lines
     returned = _single_return(method)
     if site.where == END:
         if returned is not None:
             raise ValueError(f"{site.cls}.{site.method} returns a value; use RESULT")
-        return method.end_lineno, [f"{indent}{_call(site, [])}\n"]
+        return method.end_lineno, new_lines
     if site.where == RESULT:
-        if returned is None or not isinstance(returned.value, ast.Name):
-            raise ValueError(f"{site.cls}.{site.method} must end with 'return <name>'")
-        return returned.lineno - 1, [f"{indent}{_call(site, [returned.value.id])}\n"]
+        if returned is None:
+            raise ValueError(f"{site.cls}.{site.method} must end with a return")
+        return returned.lineno - 1, new_lines
     raise ValueError(f"unknown call-site position {site.where!r}")
+
+
+def _needs_import(site: CallSite) -> bool:
+    return isinstance(site.statement, Method) or (isinstance(site.statement, Assign)
+                                                  and site.statement.function is not None)
 
 
 def _import_insertion(tree: ast.Module) -> int:
@@ -144,11 +176,12 @@ def _import_insertion(tree: ast.Module) -> int:
 
 
 def patch_source(source: str, sites: List[CallSite]) -> str:
-    """``source`` with the import and the ``sites`` written in."""
+    """``source`` with the ``sites`` (and, where they call the package, its import) written in."""
     tree = ast.parse(source)
     lines = source.splitlines(keepends=True)
-    insertions = [(_import_insertion(tree), [IMPORT_LINE + "\n"])]
-    insertions += [_insertion(tree, lines, site) for site in sites]
+    insertions = [_insertion(tree, lines, site) for site in sites]
+    if any(_needs_import(site) for site in sites):
+        insertions.insert(0, (_import_insertion(tree), [IMPORT_LINE + "\n"]))
     # bottom up, so that earlier line numbers stay valid; at one line, in table order
     for index, new_lines in sorted(insertions, key=lambda item: item[0], reverse=True):
         lines[index:index] = new_lines
@@ -162,11 +195,11 @@ def upstream_files(deepspeed_root: str) -> Dict[str, Tuple[Optional[str], str]]:
     """``{path: (original text or None for a new file, new text)}`` of every file the patch touches,
     except the docs page."""
     files: Dict[str, Tuple[Optional[str], str]] = {}
-    for name in MODULES:
-        text = _read(os.path.join(PACKAGE_DIR, f"{name}.py"))
+    for name in upstream_modules():
+        text = _read(os.path.join(PACKAGE_DIR, name))
         if not text.startswith(LICENSE):
-            raise ValueError(f"deepspeed_patch/{name}.py lacks DeepSpeed's license header")
-        files[f"{UPSTREAM_PACKAGE}/{name}.py"] = (None, text)
+            raise ValueError(f"deepspeed_patch/{name} lacks DeepSpeed's license header")
+        files[f"{UPSTREAM_PACKAGE}/{name}"] = (None, text)
     for folder, _, names in os.walk(TREE):
         for name in names:
             path = os.path.join(folder, name)

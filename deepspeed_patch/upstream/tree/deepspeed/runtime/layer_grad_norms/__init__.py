@@ -4,9 +4,14 @@
 # DeepSpeed Team
 """Per-layer gradient statistics (L2 norm, min, max, before and after clipping) inside the ZeRO-1/2,
 BF16 and FP16 optimizers; enabled by the ``layer_grad_norms`` block of the ds_config and read with
-``engine.get_layer_grad_norms()``. ``call_sites`` holds what the engine and the optimizers call."""
+``engine.get_layer_grad_norms()``. What the config, the engine and the optimizers call is exported
+here; ``adapters`` holds one adapter per optimizer family."""
 
-from .config import LayerGradNormsConfig, LayerGradNormsConfigError
+from .adapters import attach, get_layer_grad_norms, set_layer_grad_norms
+from .config import LayerGradNormsConfig, LayerGradNormsConfigError, load_config
 from .plain import LayerGradNorms
 
-__all__ = ["LayerGradNorms", "LayerGradNormsConfig", "LayerGradNormsConfigError"]
+__all__ = [
+    "attach", "get_layer_grad_norms", "set_layer_grad_norms", "load_config", "LayerGradNorms", "LayerGradNormsConfig",
+    "LayerGradNormsConfigError"
+]

@@ -1,0 +1,45 @@
+# Copyright (c) Microsoft Corporation.
+# SPDX-License-Identifier: Apache-2.0
+
+# DeepSpeed Team
+"""One adapter per optimizer family, between DeepSpeed and the per-layer statistics.
+
+Each adapter owns what is particular to its family: the private attributes it reads, the layout of the
+gradient partitions, the points where the gradient is read, and the factor the optimizer divides it
+by. ``base`` holds the step protocol they share; ``attach`` picks the adapter for an engine.
+"""
+
+from typing import Optional
+
+from ..config import CONFIG_KEY, UnsupportedSetupError
+from .attach import attach
+from .base import LayerGradNormsAdapter
+
+__all__ = ["attach", "get_layer_grad_norms", "set_layer_grad_norms", "LayerGradNormsAdapter"]
+
+
+def get_layer_grad_norms(owner) -> Optional[dict]:
+    """Per-layer gradient statistics of the last measured optimizer step, or ``None``.
+
+    ``{"step", "overflow", "clip_coef", "pre_clip": {bucket: {"norm", "min", "max", "abs_min",
+    "abs_max", "nonfinite", ...}}, "post_clip": {...}}``, the same on every rank; buckets are
+    transformer layers (``int``) and the parameters outside them (``str``).
+    """
+    adapter = owner.layer_grad_norms
+    return None if adapter is None else adapter.result()
+
+
+def set_layer_grad_norms(engine,
+                         enabled: Optional[bool] = None,
+                         interval: Optional[int] = None,
+                         layers: Optional[object] = None) -> None:
+    """Switch per-layer statistics on or off, or change their interval or layers, on a live engine.
+
+    Call it on every rank at the same step (as SPMD training code does); the ds_config needs a
+    ``layer_grad_norms`` block at initialize (``enabled: false`` with a trigger or control file, or
+    ``enabled: true``).
+    """
+    if engine.layer_grad_norms is None:
+        raise UnsupportedSetupError(f"set_layer_grad_norms: this engine was initialized without an enabled "
+                                    f"'{CONFIG_KEY}' block, so there is no layer map to measure with")
+    engine.layer_grad_norms.set_options(enabled=enabled, interval=interval, layers=layers)

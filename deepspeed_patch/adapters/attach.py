@@ -1,0 +1,135 @@
+# Copyright (c) Microsoft Corporation.
+# SPDX-License-Identifier: Apache-2.0
+
+# DeepSpeed Team
+"""Which adapter measures a DeepSpeed engine, and what it is built from; or why none can.
+
+Called once, at the end of ``DeepSpeedEngine.__init__``. A set-up that cannot be measured correctly
+(yet) fails there, naming the reason, rather than reporting wrong numbers later.
+"""
+
+import weakref
+from typing import List, Optional
+
+import torch
+from deepspeed import comm as dist
+from deepspeed.runtime.utils import is_model_parallel_parameter
+from deepspeed.utils.bwc import bwc_tensor_model_parallel_rank
+
+from ..config import CONFIG_KEY, LayerGradNormsConfig, UnsupportedSetupError
+from ..layer_map import model_layer_map
+from ..monitor import MonitorEvents
+from ..statistics import REPLICATED
+from .base import LayerGradNormsAdapter, Setup
+from .bf16 import BF16Adapter
+from .fused_fp16 import FusedFP16Adapter
+from .param_grads import ParamGradAdapter
+from .unfused_fp16 import UnfusedFP16Adapter
+from .zero import ZeroAdapter
+
+# The optimizers whose gradients an adapter reads; each rank of the last two holds the whole gradient.
+OPTIMIZER_FAMILIES = (ZeroAdapter, BF16Adapter, FusedFP16Adapter, UnfusedFP16Adapter)
+REPLICATED_FAMILIES = (FusedFP16Adapter, UnfusedFP16Adapter)
+
+
+def attach(engine) -> Optional[LayerGradNormsAdapter]:
+    """The adapter for ``engine`` (also set as its optimizer's ``layer_grad_norms``), or ``None`` when the
+    ds_config does not ask for per-layer statistics."""
+    config: LayerGradNormsConfig = engine._config.layer_grad_norms_config
+    if not (config.enabled or config.trigger is not None or config.control_file is not None):
+        return None  # a trigger or a control file can switch measuring on later: they need the adapter
+    optimizer = engine.optimizer
+    family = next((family for family in OPTIMIZER_FAMILIES if family.handles(optimizer)), None)
+    if family is None:
+        return _param_grad_adapter(engine, config)
+    _check_supported(optimizer)
+    if family in REPLICATED_FAMILIES:
+        _check_whole_model(engine)
+        group = REPLICATED
+    else:
+        group = _stats_group(engine, optimizer)
+    params = [param for group_params in family.param_groups(optimizer) for param in group_params]
+    adapter = family(optimizer, _setup(engine, config, params, group))
+    optimizer.layer_grad_norms = adapter
+    return adapter
+
+
+def _param_grad_adapter(engine, config: LayerGradNormsConfig) -> ParamGradAdapter:
+    """DeepSpeed without ZeRO in fp32: the engine clips the ``.grad`` it holds on every rank itself."""
+    if not _plain_fp32(engine):
+        raise UnsupportedSetupError(
+            f"{CONFIG_KEY} needs the ZeRO stage 1 or 2 optimizer (DeepSpeedZeroOptimizer), BF16_Optimizer, or no "
+            f"ZeRO (fp32, or FP16_Optimizer / FP16_UnfusedOptimizer for fp16/bf16); this engine uses "
+            f"{type(engine.optimizer).__name__} (zero_optimization.stage={engine.zero_optimization_stage()}, "
+            f"bf16={engine.bfloat16_enabled()}, fp16={engine.fp16_enabled()})")
+    if config.trigger is not None:
+        raise UnsupportedSetupError(f"{CONFIG_KEY}.trigger needs an optimizer that reports the global "
+                                    "gradient norm (ZeRO-1/2, BF16_Optimizer, fp16/bf16 without ZeRO)")
+    params = [param for param in engine.module.parameters() if param.requires_grad]
+    return ParamGradAdapter(params, _setup(engine, config, params, REPLICATED), max_norm=engine.gradient_clipping)
+
+
+def _setup(engine, config: LayerGradNormsConfig, params: List[torch.nn.Parameter], group) -> Setup:
+    """The layer map of the trainable ``params``, and the engine's step count and monitors."""
+    names = engine.param_names
+    layer_map = model_layer_map(engine.module, config, [(names[param], param) for param in params], names.values())
+    tensor_rank = bwc_tensor_model_parallel_rank(engine.mpu)
+
+    def bucket_of(param: torch.nn.Parameter) -> Optional[int]:
+        # DeepSpeed's global-norm rule: a pipeline-tied copy, and a tensor-parallel replica off
+        # TP rank 0, are counted on another rank.
+        counted_elsewhere = getattr(param, "ds_pipe_replicated", False) or (tensor_rank != 0
+                                                                            and not is_model_parallel_parameter(param))
+        return None if counted_elsewhere else layer_map.bucket_of(param)
+
+    engine_ref = weakref.ref(engine)  # the engine holds the adapter
+    return Setup(config,
+                 layer_map,
+                 bucket_of,
+                 group,
+                 completed_steps=lambda: engine_ref().global_steps,
+                 monitor=MonitorEvents.wanted(engine, config.monitor))
+
+
+def _stats_group(engine, optimizer):
+    """The ranks whose partitions make up the whole model: the data-parallel group, or all ranks
+    when pipeline or tensor parallelism splits the model further."""
+    if engine.mpu is None or engine.mpu.get_model_parallel_world_size() == 1:
+        return optimizer.dp_process_group
+    covered = dist.get_world_size(group=optimizer.dp_process_group) * engine.mpu.get_model_parallel_world_size()
+    if covered != dist.get_world_size():
+        raise UnsupportedSetupError(f"{CONFIG_KEY}: data x model parallel ranks ({covered}) are not all "
+                                    f"{dist.get_world_size()} ranks (sequence or expert parallelism?); not supported")
+    return None
+
+
+def _check_supported(optimizer) -> None:
+    refusals = {
+        "MoE expert parameter groups": getattr(optimizer, "has_moe_layers", False),
+        "ZenFlow": bool(getattr(optimizer, "zenflow", False)),
+        "torch autocast": getattr(optimizer, "torch_autocast_gradscaler", None) is not None,
+        "the Muon optimizer": "muon" in type(optimizer.optimizer).__name__.lower(),
+    }
+    refused = [what for what, present in refusals.items() if present]
+    if refused:
+        raise UnsupportedSetupError(f"{CONFIG_KEY} does not support {', '.join(refused)} yet; "
+                                    f"remove the '{CONFIG_KEY}' block or set enabled=false")
+
+
+def _check_whole_model(engine) -> None:
+    if not _whole_model_on_each_rank(engine):
+        raise UnsupportedSetupError(f"{CONFIG_KEY}: without ZeRO, pipeline and tensor parallelism are not supported")
+
+
+def _plain_fp32(engine) -> bool:
+    """fp32 without ZeRO, on one data-parallel group: every rank holds the averaged gradient in ``.grad``."""
+    return (engine.zero_optimization_stage() == 0 and not engine.fp16_enabled() and not engine.bfloat16_enabled()
+            and isinstance(engine.optimizer, torch.optim.Optimizer) and _whole_model_on_each_rank(engine))
+
+
+def _whole_model_on_each_rank(engine) -> bool:
+    """No pipeline stages, no tensor shards: each rank's gradient is the whole model's."""
+    from deepspeed.runtime.pipe.module import PipelineModule
+
+    return not isinstance(engine.module, PipelineModule) and (engine.mpu is None
+                                                              or engine.mpu.get_model_parallel_world_size() == 1)

@@ -1,0 +1,142 @@
+# Copyright (c) Microsoft Corporation.
+# SPDX-License-Identifier: Apache-2.0
+
+# DeepSpeed Team
+"""What every optimizer family's adapter shares: the step protocol the engine drives.
+
+The engine holds the adapter in ``engine.layer_grad_norms``, and so does the optimizer whose gradients
+it reads (``optimizer.layer_grad_norms``). One optimizer step:
+
+1. ``begin_step()`` at the top of the engine's ``_take_model_step``: the schedule decides whether the
+   step is measured; if so a ``Measurement`` is opened (and families whose gradients are complete
+   already, such as BF16_Optimizer's, read them now: ``read_at_begin``).
+2. The optimizer's read points, methods of the family's adapter named after the DeepSpeed method they
+   sit in, fold each parameter group's gradient into the measurement, before it is unscaled and
+   clipped, and record the factor the optimizer divides it by.
+3. ``end_step()`` at the end of ``_take_model_step``: the measurement is reduced across the ranks
+   (one collective) and published; the trigger sees the global norm; DeepSpeed's monitors get the result.
+
+Unmeasured steps cost one modulo and a few attribute reads.
+"""
+
+from dataclasses import dataclass
+from typing import Callable, Optional, Sequence
+
+import torch
+
+from ..config import LayerGradNormsConfig
+from ..layer_map import LayerMap
+from ..measurement import Measurement, Schedule
+from ..partition_slices import PartitionSlices
+
+BucketOf = Callable[[torch.nn.Parameter], Optional[int]]
+
+
+@dataclass(frozen=True)
+class Setup:
+    """What an adapter is built from, worked out once at start-up (``attach``)."""
+
+    config: LayerGradNormsConfig
+    layer_map: LayerMap
+    bucket_of: BucketOf
+    """A parameter's bucket position; ``None`` for one no bucket measures, or another rank counts."""
+    group: object
+    """The ranks whose tables add up to the whole model; ``REPLICATED`` where each holds it all."""
+    completed_steps: Callable[[], int]
+    """The engine's optimizer steps so far, restored from checkpoints: the step numbering."""
+    monitor: Optional[Callable[[dict], None]] = None
+    """Writes a measured step's result to DeepSpeed's monitors, when the ds_config enables any."""
+
+
+class LayerGradNormsAdapter:
+    """Per-layer gradient statistics of one optimizer: its schedule, the open measurement, the result."""
+
+    def __init__(self, setup: Setup, num_groups: int, device) -> None:
+        """``num_groups``: the parameter groups a measured step observes; ``device``: where the
+        statistics are computed (that of the gradient partitions)."""
+        self.schedule = Schedule(setup.config, setup.layer_map, setup.completed_steps)
+        self.layer_map = setup.layer_map
+        self.group = setup.group
+        self.monitor = setup.monitor
+        self.extra = setup.config.statistics
+        self.num_groups = num_groups
+        self.device = device
+        self.measurement: Optional[Measurement] = None
+
+    def begin_step(self) -> None:
+        """Top of the engine's optimizer step: open a measurement if this step is measured."""
+        if not self.schedule.next_step():
+            return
+        self.measurement = Measurement(self.schedule.step,
+                                       len(self.layer_map.keys),
+                                       self.num_groups,
+                                       self.device,
+                                       self.extra,
+                                       failed=self.schedule.failed_locally)
+        with self.measurement.guarded("reading the gradients"):
+            self.read_at_begin(self.measurement)
+
+    def end_step(self) -> None:
+        """End of the engine's optimizer step: reduce and publish a measured step, feed the trigger."""
+        measurement, self.measurement = self.measurement, None
+        with self.schedule.failing_locally("finishing the step"):
+            overflow = self.overflow()
+            if measurement is not None:
+                with measurement.guarded("reading the applied scale"):
+                    self.read_at_end(measurement, overflow)
+                self.schedule.publish(
+                    measurement.finish(self.group, overflow, self.layer_map.keys, self.schedule.reported_keys()))
+                if self.monitor is not None and self.schedule.result is not None:
+                    self.monitor(self.schedule.result)
+            self.schedule.after_step(self.global_norm(), overflow)
+
+    def read_at_begin(self, measurement: Measurement) -> None:
+        """Families whose gradients are complete when the step begins read them here."""
+
+    def read_at_end(self, measurement: Measurement, overflow: bool) -> None:
+        """Families whose applied scale is known only once the step is done record it here."""
+
+    def applied_scale(self, combined_scale) -> None:
+        """On what an optimizer's ``unscale_and_clip_grads`` returns, where it returns the one factor it
+        divides the gradient by (FP16_Optimizer, FP16_UnfusedOptimizer)."""
+        if self.measurement is not None:
+            self.measurement.set_applied_scale(combined_scale)
+
+    def overflow(self) -> bool:
+        """Whether the loss scaler skipped this step."""
+        return False
+
+    def global_norm(self) -> Optional[float]:
+        """The step's global gradient norm as the optimizer reports it (``None``: not computed)."""
+        return None
+
+    def result(self) -> Optional[dict]:
+        """The statistics of the last measured step (``engine.get_layer_grad_norms()``), or ``None``."""
+        return self.schedule.get()
+
+    def set_options(self,
+                    enabled: Optional[bool] = None,
+                    interval: Optional[int] = None,
+                    layers: Optional[object] = None) -> None:
+        """``engine.set_layer_grad_norms()``: change what is measured; every rank at the same step."""
+        self.schedule.set_options(enabled=enabled, interval=interval, layers=layers)
+
+
+def observe_partition(measurement: Measurement, group_index: int, slices: PartitionSlices,
+                      flat_grad: torch.Tensor) -> None:
+    """Fold in one parameter group's flat gradient partition, laid out as ``slices`` says."""
+    measurement.observe(group_index, slices.views(flat_grad), slices.buckets)
+
+
+def observe_chunks(measurement: Measurement, group_index: int, slices: PartitionSlices,
+                   chunks: Sequence[torch.Tensor]) -> None:
+    """The same for a partition still held as per-parameter pieces laid end to end: no copy of it."""
+    measurement.observe(group_index, *slices.chunked_views(chunks))
+
+
+def group_of(partitions: Sequence[torch.Tensor], flat_grad: torch.Tensor) -> int:
+    """The parameter group whose flat fp32 partition has ``flat_grad`` as its gradient."""
+    for index, partition in enumerate(partitions):
+        if partition.grad is flat_grad:
+            return index
+    raise RuntimeError("layer_grad_norms: the optimizer unscaled a gradient of no known parameter group")

@@ -1,0 +1,70 @@
+# Copyright (c) Microsoft Corporation.
+# SPDX-License-Identifier: Apache-2.0
+
+# DeepSpeed Team
+"""``BF16_Optimizer``: bf16 weights with fp32 gradient accumulation under ZeRO-1 (the BLOOM set-up).
+
+Its flat gradient partitions are complete, reduced and carry no loss scale when the step begins, so
+they are read then; once the step is done, its global norm gives the clip factor it applied.
+"""
+
+from typing import List, Optional
+
+import torch
+from deepspeed import comm as dist
+
+from ..measurement import Measurement
+from ..partition_slices import PartitionSlices, back_to_back_ranges, partition_runs, slices_of_runs
+from .base import LayerGradNormsAdapter, Setup, observe_partition
+
+
+class BF16Adapter(LayerGradNormsAdapter):
+    """Reads ``BF16_Optimizer``'s flat gradient partitions."""
+
+    def __init__(self, optimizer, setup: Setup) -> None:
+        self.optimizer = optimizer
+        device = optimizer.fp32_groups_gradients_flat[0].device
+        self.slices = [self._group_slices(index, setup, device) for index in range(len(optimizer.bf16_groups))]
+        super().__init__(setup, len(self.slices), device)
+
+    @staticmethod
+    def handles(optimizer) -> bool:
+        from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
+
+        return isinstance(optimizer, BF16_Optimizer)
+
+    @staticmethod
+    def param_groups(optimizer) -> List[List[torch.nn.Parameter]]:
+        return optimizer.bf16_groups
+
+    def _group_slices(self, index: int, setup: Setup, device) -> PartitionSlices:
+        """Its flat buffer holds the parameters back to back (padding only at the end) and splits into
+        equal data-parallel partitions."""
+        group = self.optimizer.real_dp_process_group[index]
+        partition_size = self.optimizer.bf16_groups_flat[index].numel() // dist.get_world_size(group=group)
+        ranges = back_to_back_ranges(self.optimizer.bf16_groups[index], setup.bucket_of)
+        start = dist.get_rank(group=group) * partition_size
+        return slices_of_runs(partition_runs(ranges, start, partition_size), device)
+
+    def read_at_begin(self, measurement: Measurement) -> None:
+        for index, flat_grad in enumerate(self.optimizer.fp32_groups_gradient_flat_partition):
+            observe_partition(measurement, index, self.slices[index], flat_grad)
+
+    def read_at_end(self, measurement: Measurement, overflow: bool) -> None:
+        if not overflow:
+            optimizer = self.optimizer
+            measurement.set_applied_scale(bf16_clip_divisor(optimizer._global_grad_norm, optimizer.clip_grad))
+
+    def overflow(self) -> bool:
+        return bool(self.optimizer.overflow)
+
+    def global_norm(self) -> Optional[float]:
+        return self.optimizer._global_grad_norm
+
+
+def bf16_clip_divisor(total_norm: torch.Tensor, clip_grad: float) -> float:
+    """What ``BF16_Optimizer`` divides the gradient by: 1, or the inverse of its clip coefficient."""
+    if clip_grad <= 0.0:
+        return 1.0
+    clip_coef = clip_grad / (float(total_norm) + 1e-6)
+    return 1.0 / clip_coef if clip_coef < 1 else 1.0

@@ -1,0 +1,81 @@
+# Copyright (c) Microsoft Corporation.
+# SPDX-License-Identifier: Apache-2.0
+
+# DeepSpeed Team
+"""``FP16_Optimizer``: fp16 or bf16 without ZeRO, with DeepSpeed's ``FusedAdam``.
+
+Every rank holds each parameter group's whole gradient as one flat fp32 buffer, read where the
+optimizer unscales and clips it, all groups at once; the factor it divides by is its return value. On a
+skipped step the gradient is read in ``_skip_invalid_grad_norm``, before it is dropped.
+
+Its gradients carry no loss scale: DeepSpeed's ``engine.backward`` scales the loss only for ZeRO
+optimizers, yet ``unscale_and_clip_grads`` divides by the loss scale. ``post_clip`` and ``clip_coef``
+(about 1 / loss scale) show what it really applies.
+"""
+
+from typing import List, Optional
+
+import torch
+
+from ..partition_slices import back_to_back_ranges, partition_runs, slices_of_runs
+from .base import LayerGradNormsAdapter, Setup, group_of, observe_chunks, observe_partition
+
+
+class FusedFP16Adapter(LayerGradNormsAdapter):
+    """Reads ``FP16_Optimizer``'s flat fp32 gradients."""
+
+    def __init__(self, optimizer, setup: Setup) -> None:
+        self.optimizer = optimizer
+        device = optimizer.fp32_groups_flat[0].device
+        self.slices = [
+            slices_of_runs(partition_runs(back_to_back_ranges(params, setup.bucket_of), 0, flat.numel()), device)
+            for params, flat in zip(optimizer.fp16_groups, optimizer.fp32_groups_flat)
+        ]
+        super().__init__(setup, len(self.slices), device)
+
+    @staticmethod
+    def handles(optimizer) -> bool:
+        from deepspeed.runtime.fp16.fused_optimizer import FP16_Optimizer
+
+        return isinstance(optimizer, FP16_Optimizer) and not optimizer.fused_adam_legacy
+
+    @staticmethod
+    def param_groups(optimizer) -> List[List[torch.nn.Parameter]]:
+        return optimizer.fp16_groups
+
+    def unscale_and_clip_grads(self, grad_groups_flat, total_norm, apply_scale=True) -> None:
+        """Top of ``unscale_and_clip_grads``: the flat fp32 gradients of all groups."""
+        measurement = self.measurement
+        if measurement is None or not apply_scale:
+            return
+        with measurement.guarded("reading the fp32 gradients"):
+            for flat_grad in grad_groups_flat:
+                index = group_of(self.optimizer.fp32_groups_flat, flat_grad)
+                observe_partition(measurement, index, self.slices[index], flat_grad)
+
+    def skip_step(self) -> None:
+        """Top of ``_skip_invalid_grad_norm``: a skipped step's gradients, before they are dropped: the fp16
+        gradients on an fp16 overflow, their flat fp32 copies on a non-finite norm."""
+        measurement = self.measurement
+        if measurement is None:
+            return
+        with measurement.guarded("reading a skipped step's gradients"):
+            for index, params in enumerate(self.optimizer.fp16_groups):
+                flat_grad = self.optimizer.fp32_groups_flat[index].grad
+                if flat_grad is not None:
+                    observe_partition(measurement, index, self.slices[index], flat_grad)
+                else:
+                    observe_chunks(measurement, index, self.slices[index], [grad_or_zeros(param) for param in params])
+
+    def overflow(self) -> bool:
+        return bool(self.optimizer.overflow)
+
+    def global_norm(self) -> Optional[float]:
+        return self.optimizer._global_grad_norm
+
+
+def grad_or_zeros(param: torch.nn.Parameter) -> torch.Tensor:
+    """A parameter's gradient as one run, or zeros where it has none (a broadcast view: no allocation)."""
+    if param.grad is None:
+        return param.new_zeros(()).expand(param.numel())
+    return param.grad.reshape(-1)

@@ -1,0 +1,39 @@
+# Copyright (c) Microsoft Corporation.
+# SPDX-License-Identifier: Apache-2.0
+
+# DeepSpeed Team
+"""Gradients in each parameter's ``.grad``, complete and averaged on every rank: DeepSpeed without ZeRO
+in fp32 (the engine clips them itself), plain PyTorch and DistributedDataParallel (``plain.py``).
+
+They are read when the step begins, before anything clips them; no collective is needed.
+"""
+
+from typing import Callable, List, Optional
+
+import torch
+
+from ..measurement import Measurement
+from .base import LayerGradNormsAdapter, Setup
+
+
+class ParamGradAdapter(LayerGradNormsAdapter):
+    """Reads the ``.grad`` of every measured parameter."""
+
+    def __init__(self,
+                 params: List[torch.nn.Parameter],
+                 setup: Setup,
+                 max_norm: Optional[Callable[[], float]] = None) -> None:
+        """``max_norm()``: the norm the caller clips to after the measurement (0: no clipping); the
+        post-clip statistics follow ``torch.nn.utils.clip_grad_norm_``. Without it, the caller sets the
+        measurement's applied scale itself."""
+        self.measured = [param for param in params if setup.bucket_of(param) is not None]
+        self.bucket_of = setup.bucket_of
+        self.max_norm = max_norm
+        super().__init__(setup, 1, params[0].device)
+
+    def read_at_begin(self, measurement: Measurement) -> None:
+        with_grad = [param for param in self.measured if param.grad is not None]
+        buckets = torch.tensor([self.bucket_of(param) for param in with_grad], dtype=torch.int64, device=self.device)
+        measurement.observe(0, [param.grad.detach().reshape(-1) for param in with_grad], buckets)
+        if self.max_norm is not None and self.max_norm() > 0:
+            measurement.set_clip_norm(self.max_norm())

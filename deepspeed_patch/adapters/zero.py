@@ -1,0 +1,114 @@
+# Copyright (c) Microsoft Corporation.
+# SPDX-License-Identifier: Apache-2.0
+
+# DeepSpeed Team
+"""ZeRO stage 1 and 2 (``DeepSpeedZeroOptimizer``).
+
+Each rank holds one contiguous partition of every parameter group's flat buffer. The optimizer builds
+that partition's fp32 gradient, averaged over ranks and micro-steps and still multiplied by the loss
+scale, and hands it to ``unscale_and_clip_grads``: that is where it is read, once per group. On a step
+the loss scaler skips, the partition is never built: its per-parameter pieces are read in
+``_update_scale``, before they are dropped.
+"""
+
+import math
+from typing import List, Optional
+
+import torch
+from deepspeed import comm as dist
+
+from ..partition_slices import PartitionSlices, partition_runs, slices_of_runs
+from .base import LayerGradNormsAdapter, Setup, group_of, observe_chunks, observe_partition
+
+
+class ZeroAdapter(LayerGradNormsAdapter):
+    """Reads ``DeepSpeedZeroOptimizer``'s flat fp32 gradient partitions."""
+
+    def __init__(self, optimizer, setup: Setup) -> None:
+        self.optimizer = optimizer
+        device = optimizer.single_partition_of_fp32_groups[0].device
+        self.slices = [self._group_slices(index, setup, device) for index in range(len(optimizer.bit16_groups))]
+        super().__init__(setup, len(self.slices), device)
+
+    @staticmethod
+    def handles(optimizer) -> bool:
+        from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+        return isinstance(optimizer, DeepSpeedZeroOptimizer)
+
+    @staticmethod
+    def param_groups(optimizer) -> List[List[torch.nn.Parameter]]:
+        """The trainable parameters of each group, in the order of its flat buffer."""
+        return optimizer.bit16_groups
+
+    def _group_slices(self, index: int, setup: Setup, device) -> PartitionSlices:
+        """The runs of group ``index`` on this rank, from the optimizer's own layout bookkeeping: the
+        parameter order and offsets of the flat buffer (after round-robin reordering and alignment
+        padding) and the data-parallel partitions."""
+        optimizer = self.optimizer
+        params = optimizer.round_robin_bit16_groups[index]
+        offsets = optimizer.round_robin_bit16_offsets[index]
+        # The meta copies keep the true sizes when offload has swapped the parameters' storage out.
+        sizes = [meta.numel() for meta in optimizer.round_robin_bit16_meta[index]]
+        partitions = optimizer.parallel_partitioned_bit16_groups[index]
+        rank = dist.get_rank(group=optimizer.real_dp_process_group[index])
+        start = sum(part.numel() for part in partitions[:rank])
+        ranges = [(offset, size, setup.bucket_of(param)) for param, offset, size in zip(params, offsets, sizes)]
+        return slices_of_runs(partition_runs(ranges, start, partitions[rank].numel()), device)
+
+    def unscale_and_clip_grads(self, grad_groups_flat, total_norm) -> None:
+        """Top of ``unscale_and_clip_grads``, once per group: the flat fp32 partition about to be divided by
+        the loss scale and the clip factor."""
+        measurement = self.measurement
+        if measurement is None:
+            return
+        optimizer = self.optimizer
+        with measurement.guarded("reading the gradient partition"):
+            flat_grad = grad_groups_flat[0]
+            index = group_of(optimizer.single_partition_of_fp32_groups, flat_grad)
+            observe_partition(measurement, index, self.slices[index], flat_grad)
+            measurement.set_applied_scale(zero_unscale_divisor(total_norm, optimizer.clip_grad, optimizer.loss_scale))
+
+    def update_scale(self, has_overflow=False) -> None:
+        """Top of ``_update_scale``: once per step, before the loss scale changes and before a skipped
+        step's gradients are dropped."""
+        measurement = self.measurement
+        if measurement is None:
+            return
+        with measurement.guarded("reading a skipped step's gradients"):
+            measurement.set_gradient_scale(self.optimizer.loss_scale)
+            if has_overflow:
+                for index, slices in enumerate(self.slices):
+                    self._observe_skipped(measurement, index, slices)
+
+    def _observe_skipped(self, measurement, index: int, slices: PartitionSlices) -> None:
+        """Group ``index``'s gradient on a skipped step: the offloaded fp32 partition, the flat partition a
+        pre-flattening pass left, or the per-parameter pieces (fp16) the partition would be built from."""
+        optimizer = self.optimizer
+        if optimizer.cpu_offload:
+            observe_partition(measurement, index, slices, optimizer.single_partition_of_fp32_groups[index].grad)
+            return
+        pieces = optimizer.averaged_gradients[index]
+        flat = getattr(pieces, "flat_partition", None)
+        if flat is not None:
+            observe_partition(measurement, index, slices, flat.view(-1))
+        else:
+            observe_chunks(measurement, index, slices, pieces)
+
+    def overflow(self) -> bool:
+        return bool(self.optimizer.overflow)
+
+    def global_norm(self) -> Optional[float]:
+        return self.optimizer._global_grad_norm
+
+
+def zero_unscale_divisor(scaled_total_norm: Optional[torch.Tensor], clip_grad: float, loss_scale: float) -> float:
+    """What ZeRO's ``unscale_and_clip_grads`` divides the partition by: loss scale times clip factor, for a
+    global norm (times the loss scale) of ``scaled_total_norm``; ``inf`` for DeepSpeed's invalid-norm
+    sentinel. Mirrors DeepSpeed, including its use of the loss scale as already updated for the next step."""
+    if clip_grad <= 0.0 or scaled_total_norm is None:
+        return loss_scale
+    total_norm = float(scaled_total_norm)
+    if not math.isfinite(total_norm) or total_norm < 0:
+        return math.inf
+    return max(((total_norm / loss_scale) + 1e-6) / clip_grad, 1.0) * loss_scale

@@ -1,0 +1,224 @@
+# Copyright (c) Microsoft Corporation.
+# SPDX-License-Identifier: Apache-2.0
+
+# DeepSpeed Team
+"""When to measure (``Schedule``), and one measured optimizer step (``Measurement``).
+
+A ``Schedule`` lives as long as the optimizer: it numbers the steps, decides which are measured (the
+interval, a runtime switch, a trigger's capture window, the control file), holds the last result and
+writes the dump. For each measured step it hands out a fresh ``Measurement``, which the optimizer's
+read points fill (this rank's partial statistics, the loss scale the gradients carry, the factor the
+optimizer divides them by) and which ``finish`` reduces across the ranks with one collective.
+
+An error while measuring (a bug, an unforeseen layout) must not stop the training run: it is logged,
+the step's table carries a failure flag through the same collective, and every rank then switches the
+statistics off together, so no rank is left waiting in a collective the others skip and no rank keeps
+a result the others do not have.
+"""
+
+import contextlib
+import logging
+from typing import Callable, Hashable, List, Optional, Sequence
+
+import torch
+
+from .config import LayerGradNormsConfig
+from .layer_map import LayerMap
+from .on_demand import ControlFile, JsonlDump, SpikeTrigger, rank_of_process
+from .statistics import NUMEL, accumulate_runs, bucket_results, empty_stats, reduce_stats, total_norm
+
+logger = logging.getLogger(__name__)
+
+
+class Measurement:
+    """The statistics of one measured optimizer step, gathered by the optimizer's read points."""
+
+    def __init__(self,
+                 step: int,
+                 num_buckets: int,
+                 num_groups: int,
+                 device,
+                 extra: Sequence[str],
+                 failed: bool = False) -> None:
+        """``num_groups``: the parameter groups to observe before the step is complete; ``failed``: a
+        failure already known on this rank, to be announced through ``finish``."""
+        self.step = step
+        self.stats = empty_stats(num_buckets, device)
+        self.num_groups = num_groups
+        self.extra = extra
+        self.observed = set()
+        self.gradient_scale = 1.0
+        self.applied_scale = 1.0
+        self.clip_norm: Optional[float] = None
+        self.failed = failed
+        self.finished = False
+
+    @contextlib.contextmanager
+    def guarded(self, what: str):
+        """Run measuring work; an error is logged and flags the step instead of reaching training."""
+        try:
+            yield
+        except Exception:
+            logger.exception(
+                "layer_grad_norms: %s failed at step %d; per-layer statistics are switched off "
+                "on all ranks after this step, training goes on", what, self.step)
+            self.failed = True
+
+    def observe(self, group_index: int, runs: Sequence[torch.Tensor], buckets: torch.Tensor) -> None:
+        """Fold in one parameter group's gradient, as 1-D tensors ``runs`` in ``buckets`` (once per group)."""
+        if self.finished:
+            raise RuntimeError(f"layer_grad_norms: step {self.step} is finished; nothing more can be observed")
+        if self.failed or group_index in self.observed:
+            return
+        accumulate_runs(self.stats, runs, buckets, self.extra)
+        self.observed.add(group_index)
+
+    def set_gradient_scale(self, loss_scale: float) -> None:
+        """The loss scale the observed gradients carry; the pre-clip statistics are divided by it."""
+        self.gradient_scale = float(loss_scale)
+
+    def set_applied_scale(self, divisor: float) -> None:
+        """What the optimizer divides the observed gradients by: loss scale and clipping together."""
+        self.applied_scale = float(divisor)
+
+    def set_clip_norm(self, max_norm: float) -> None:
+        """Clipping to ``max_norm`` as ``torch.nn.utils.clip_grad_norm_`` does it: the factor comes from
+        the statistics' own total norm once they are reduced, with no extra read."""
+        self.clip_norm = max_norm
+
+    def finish(self, group, overflow: bool, keys: Sequence[Hashable], selected: Sequence[Hashable]) -> Optional[dict]:
+        """Reduce the step across ``group`` (one collective, every rank must call it) and return the
+        result of the ``selected`` buckets; ``None`` when any rank failed to measure.
+
+        ``overflow``: the loss scaler skipped the step; pre-clip statistics only.
+        """
+        self.finished = True
+        complete = not self.failed and len(self.observed) == self.num_groups
+        status = torch.zeros((1, self.stats.shape[1]), dtype=self.stats.dtype, device=self.stats.device)
+        status[0, NUMEL] = 0.0 if complete else 1.0
+        stats = reduce_stats(torch.cat([self.stats, status]), group)
+        if stats[-1, NUMEL].item() > 0:
+            return None
+        if self.clip_norm:
+            self.applied_scale = 1.0 / min(1.0, self.clip_norm / (total_norm(stats[:-1]) + 1e-6))
+        pre_clip = bucket_results(stats[:-1], keys, selected, 1.0 / self.gradient_scale, self.extra)
+        clip_coef = post_clip = None
+        if not overflow:
+            clip_coef = self.gradient_scale / self.applied_scale
+            post_clip = bucket_results(stats[:-1], keys, selected, 1.0 / self.applied_scale, self.extra)
+        return {
+            "step": self.step,
+            "overflow": bool(overflow),
+            "clip_coef": clip_coef,
+            "pre_clip": pre_clip,
+            "post_clip": post_clip
+        }
+
+
+class Schedule:
+    """Which optimizer steps are measured and which buckets reported; the last result.
+
+    Every decision is the same on every rank: the step number comes from the engine, the trigger reads
+    the global gradient norm, the control file is read by rank 0 and broadcast.
+    """
+
+    def __init__(self, config: LayerGradNormsConfig, layer_map: LayerMap, completed_steps: Callable[[], int]) -> None:
+        """``completed_steps()``: the optimizer steps so far (the engine's, restored from a checkpoint), so
+        that ``step`` and the interval follow the training iteration."""
+        self.enabled = config.enabled
+        self.interval = config.interval
+        self.layer_map = layer_map
+        self.selected = layer_map.select(config.layers)
+        self.completed_steps = completed_steps
+        self.trigger = None
+        if config.trigger is not None:
+            self.trigger = SpikeTrigger(config.trigger.grad_norm_factor, config.trigger.window,
+                                        config.trigger.capture_steps, config.trigger.on_overflow)
+        self.capture: Optional[dict] = None
+        self.control = ControlFile(config.control_file, config.control_interval) if config.control_file else None
+        self.dump = None
+        if config.dump and rank_of_process() == 0:
+            self.dump = JsonlDump(config.dump.path, config.dump.max_bytes, config.dump.backups)
+        self.step = 0
+        self.broken = False
+        self.failed_locally = False
+        self.result: Optional[dict] = None
+
+    def next_step(self) -> bool:
+        """Number the optimizer step about to run; whether it is measured."""
+        self.step = self.completed_steps() + 1
+        settings = self.control.poll(self.step) if self.control else None
+        if settings:
+            self._apply_control(settings)
+        on_interval = self.enabled and self.step % self.interval == 0
+        return not self.broken and (on_interval or self.capturing())
+
+    def capturing(self) -> bool:
+        """Inside the window a trigger opened: every step, every bucket."""
+        return self.capture is not None and self.step <= self.capture["capture_until"]
+
+    def reported_keys(self) -> List[Hashable]:
+        return list(self.layer_map.keys if self.capturing() else self.selected)
+
+    def set_options(self,
+                    enabled: Optional[bool] = None,
+                    interval: Optional[int] = None,
+                    layers: Optional[object] = None) -> None:
+        """Change what is measured on a live run; every rank must call it at the same step."""
+        checked = LayerGradNormsConfig(strict=True,
+                                       enabled=self.enabled if enabled is None else enabled,
+                                       interval=self.interval if interval is None else interval,
+                                       layers=layers)
+        self.enabled, self.interval = checked.enabled, checked.interval
+        if layers is not None:
+            self.selected = self.layer_map.select(checked.layers)
+
+    def _apply_control(self, settings: dict) -> None:
+        try:
+            self.set_options(**settings)
+            logger.info("layer_grad_norms: control file applied at step %d: %s", self.step, settings)
+        except (TypeError, ValueError) as err:  # the same on every rank: all ignore it
+            logger.error("layer_grad_norms: control file settings %s ignored: %s", settings, err)
+
+    def publish(self, result: Optional[dict]) -> None:
+        """The reduced result of the step just measured; ``None``: a rank failed, all switch off."""
+        self.result = None  # until the new one is complete: never a stale one
+        if result is None:
+            logger.error(
+                "layer_grad_norms: a rank could not measure step %d (see its log); per-layer statistics "
+                "are switched off", self.step)
+            self.broken = True
+            return
+        if self.capturing():
+            result["trigger"] = dict(self.capture)
+        if self.dump is not None:
+            self.dump.write(result)
+        self.result = result
+
+    @contextlib.contextmanager
+    def failing_locally(self, what: str):
+        """Work after the step's collective: an error here is logged, leaves no result on this rank, and
+        is announced to the other ranks through the next measured step's collective."""
+        try:
+            yield
+        except Exception:
+            logger.exception(
+                "layer_grad_norms: %s failed at step %d; per-layer statistics are switched off on all ranks at "
+                "the next measured step, training goes on", what, self.step)
+            self.result = None
+            self.failed_locally = True
+
+    def after_step(self, global_norm, overflow: bool) -> None:
+        """Feed the trigger the step's global gradient norm (the same on every rank)."""
+        if self.trigger is None or self.broken:
+            return
+        norm = None if global_norm is None else float(global_norm)
+        fired = self.trigger.update(self.step, norm, bool(overflow))
+        if fired is not None:
+            logger.warning("layer_grad_norms: trigger fired at step %d (%s); capturing every layer until step %d",
+                           self.step, fired["reason"], fired["capture_until"])
+            self.capture = fired
+
+    def get(self) -> Optional[dict]:
+        """The last measurement, or ``None`` before the first measured step."""
+        return self.result

@@ -1,0 +1,36 @@
+# Copyright (c) Microsoft Corporation.
+# SPDX-License-Identifier: Apache-2.0
+
+# DeepSpeed Team
+"""Per-layer statistics to DeepSpeed's own monitors (TensorBoard, W&B, CSV), as the engine writes its
+other training scalars: one event per selected bucket, phase and statistic, against the samples seen."""
+
+import weakref
+from typing import Optional
+
+from .layer_map import bucket_label
+
+STATISTICS = ("norm", "min", "max")
+
+
+class MonitorEvents:
+    """Writes each measured step's result to the engine's monitors."""
+
+    def __init__(self, engine) -> None:
+        self.engine = weakref.ref(engine)  # the engine holds the adapter that holds this
+
+    @staticmethod
+    def wanted(engine, enabled_by_config: bool) -> Optional["MonitorEvents"]:
+        """A writer for ``engine`` if the block's ``monitor`` key and the ds_config's monitors ask for one."""
+        if enabled_by_config and getattr(engine.monitor, "enabled", False):
+            return MonitorEvents(engine)
+        return None
+
+    def __call__(self, result: dict) -> None:
+        engine = self.engine()
+        events = []
+        for phase in ("pre_clip", "post_clip"):
+            for key, values in (result[phase] or {}).items():
+                events += [(f"Train/Samples/layer_grad_norms/{phase}/{name}/{bucket_label(key)}", values[name],
+                            engine.global_samples) for name in STATISTICS]
+        engine.monitor.write_events(events)

@@ -2,10 +2,13 @@
 on TensorBoard directories written here in both layouts: the one-run layout and a run per bucket."""
 
 import math
+import os
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
+from torch.utils.cpp_extension import get_default_build_root
 
 from megatron_integration.fork_e2e import checks
 from megatron_integration.fork_e2e.run import E2EOptions, run_e2e
@@ -23,10 +26,17 @@ REAL_LOG_LINE = (  # the microsoft fork at 4efb479 with microsoft.patch, ZeRO-1 
 
 @pytest.fixture(scope="module")
 def fake_run(tmp_path_factory):
+    """The harness on the fake fork with this interpreter's DeepSpeed. The ranks share the JIT build of
+    ``deepspeed_shm_comm`` with the rest of the suite (torch's default directory for this interpreter) rather
+    than building their own."""
     fork = tmp_path_factory.mktemp("fork") / "fake_fork"
     shutil.copytree(FAKE_FORK, fork, ignore=shutil.ignore_patterns("__pycache__"))
     out = tmp_path_factory.mktemp("e2e")
-    return run_e2e(E2EOptions(fork=str(fork), setups=("zero1",), out=str(out), train_iters=TRAIN_ITERS)), out
+    default_build = os.path.join(get_default_build_root(), f"py{sys.version_info.major}{sys.version_info.minor}_cpu")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("TORCH_EXTENSIONS_DIR", os.environ.get("TORCH_EXTENSIONS_DIR", default_build))
+        summary = run_e2e(E2EOptions(fork=str(fork), setups=("zero1",), out=str(out), train_iters=TRAIN_ITERS))
+    return summary, out
 
 
 def test_fake_fork_passes_every_check(fake_run):
@@ -88,7 +98,7 @@ def test_root_sum_square_in_either_layout(tmp_path, layout):
 
 def test_a_wrong_grad_norm_fails_the_check(tmp_path):
     write_run(tmp_path, "one-run", NORMS, grad_norm_scale=1.01)
-    result = check_run("", str(tmp_path), 0, train_iters=3)
+    result = check_run("", str(tmp_path), 0, train_iters=3, optimizer="DeepSpeedZeroOptimizer")
     check = result["checks"]["root-sum-square equals the fork's grad norm"]
     assert not check["ok"] and result["worst_relative_error"] == pytest.approx(0.01 / 1.01, rel=1e-3)
     assert not result["checks"]["log line with the per-layer field"]["ok"]

@@ -1,6 +1,7 @@
 """Build the tiny data set with the fork's own tool, and launch the fork's ``pretrain_gpt.py`` with the
 DeepSpeed launcher (``deepspeed --num_gpus 2``, on CPU ranks) through ``entry.py``."""
 
+import hashlib
 import json
 import os
 import random
@@ -23,21 +24,23 @@ def rank_environment(python: str) -> Dict[str, str]:
     """The environment of the launched ranks: this repository importable; ``python``'s directory first on
     ``PATH`` (the fork builds its dataset helpers with ``python3 -m pybind11 --includes`` from
     ``megatron/data/Makefile``, so ``python3`` must be the ranks' interpreter); and a torch-extension cache
-    of the ranks' own DeepSpeed release (DeepSpeed JIT-builds ``deepspeed_shm_comm`` there; a build left by
-    another release fails at ``init_distributed`` with "module 'deepspeed_shm_comm' has no attribute ...")."""
+    of the ranks' own DeepSpeed installation (DeepSpeed JIT-builds ``deepspeed_shm_comm`` there; a build left
+    by another release fails at ``init_distributed`` with "module 'deepspeed_shm_comm' has no attribute ...")."""
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
     env["PATH"] = os.pathsep.join(filter(None, [str(Path(python).parent), env.get("PATH")]))
     if "TORCH_EXTENSIONS_DIR" not in env:
-        release = deepspeed_release(python)
-        env["TORCH_EXTENSIONS_DIR"] = str(Path.home() / ".cache" / "torch_extensions" / f"deepspeed-{release}")
+        env["TORCH_EXTENSIONS_DIR"] = str(Path.home() / ".cache" / "torch_extensions" / extension_cache_name(python))
     return env
 
 
-def deepspeed_release(python: str) -> str:
-    """The DeepSpeed version ``python`` has installed, read from its metadata (no import of DeepSpeed)."""
-    script = "import importlib.metadata as m; print(m.version('deepspeed'))"
-    return subprocess.run([python, "-c", script], check=True, capture_output=True, text=True).stdout.strip()
+def extension_cache_name(python: str) -> str:
+    """``deepspeed-<release>-<interpreter prefix hash>``: one JIT build per DeepSpeed installation (torch
+    rebuilds when the include paths change, so two installations of one release would rebuild in turn)."""
+    script = "import importlib.metadata as m, sys; print(m.version('deepspeed'), sys.prefix)"
+    release, prefix = subprocess.run([python, "-c", script], check=True, capture_output=True,
+                                     text=True).stdout.split(maxsplit=1)
+    return f"deepspeed-{release}-{hashlib.sha1(prefix.strip().encode()).hexdigest()[:8]}"
 
 
 def write_jsonl(path: Path, documents: int = 400, seed: int = 0) -> None:
@@ -89,8 +92,9 @@ def run_setup(setup: Setup, fork: Path, data_path: Path, out: Path, python: str,
         try:
             return launcher.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            os.killpg(launcher.pid, signal.SIGKILL)  # the launcher and the ranks it started, nothing else
-            launcher.wait()
             return 124
         finally:
+            if launcher.poll() is None:  # timed out or interrupted: the launcher and its ranks, nothing else
+                os.killpg(launcher.pid, signal.SIGKILL)
+                launcher.wait()
             remove_shm_buffers(port)

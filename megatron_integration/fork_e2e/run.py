@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
-from .launch import REPO_ROOT, build_data, deepspeed_release, run_setup
+from .launch import REPO_ROOT, build_data, run_setup
 from .setups import SETUPS
 from .verdict import check_run, log_excerpt
 
@@ -36,7 +36,7 @@ def run_e2e(options: E2EOptions) -> Dict[str, Any]:
     if "log_layer_grad_norms" not in (fork / "megatron" / "training.py").read_text():
         raise RuntimeError(f"{fork}: megatron/training.py does not call log_layer_grad_norms; apply the patch "
                            f"(--apply-patch microsoft|bigscience, or git apply {PATCHES}/<fork>.patch)")
-    summary = {"fork": str(fork), "fork_commit": fork_commit(fork), "deepspeed": deepspeed_release(options.python),
+    summary = {"fork": str(fork), "fork_commit": fork_commit(fork), "deepspeed": _version(options.python, "deepspeed"),
                "torch": _version(options.python, "torch"), "python": options.python,
                "train_iters": options.train_iters, "layers": options.layers, "setups": {}}
     data_path = build_data(fork, out / "data", options.python)
@@ -46,9 +46,10 @@ def run_e2e(options: E2EOptions) -> Dict[str, Any]:
         returncode = run_setup(setup, fork, data_path, setup_out, options.python, options.train_iters,
                                options.layers, options.timeout)
         stdout = (setup_out / "stdout.log").read_text(errors="replace")
-        (setup_out / "log_excerpt.txt").write_text(log_excerpt(stdout))
+        (setup_out / "log_excerpt.txt").write_text(log_excerpt(stdout, failed=returncode != 0))
         result = {"description": setup.description, "ds_config": setup.ds_config(), "fork_flags": setup.fork_flags(),
-                  **check_run(stdout, str(setup_out / "tensorboard"), returncode, options.train_iters)}
+                  **check_run(stdout, str(setup_out / "tensorboard"), returncode, options.train_iters,
+                              setup.optimizer)}
         (setup_out / "checks.json").write_text(json.dumps(result, indent=2) + "\n")
         summary["setups"][name] = result
         print(f"[megatron-e2e] {name}: {'passed' if result['passed'] else 'FAILED'}", flush=True)

@@ -29,6 +29,8 @@ class Setup:
     pipeline_parallel: int = 1
     zero_stage: int = 1
     bf16: bool = False
+    optimizer: str = "DeepSpeedZeroOptimizer"
+    """The class ``deepspeed.initialize`` returns for this set-up: the code path it is about."""
     extra_ds_config: Dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -67,7 +69,8 @@ SETUPS = {
         Setup("zero1", "ZeRO-1, fp32, data parallel 2"),
         Setup("zero2", "ZeRO-2, fp32, data parallel 2", zero_stage=2),
         Setup("bloom", "the BLOOM set-up: bf16, ZeRO-1, grad_accum_dtype fp32 (BF16_Optimizer), pipeline parallel 2",
-              pipeline_parallel=2, bf16=True, extra_ds_config={"data_types": {"grad_accum_dtype": "fp32"}}),
+              pipeline_parallel=2, bf16=True, optimizer="BF16_Optimizer",
+              extra_ds_config={"data_types": {"grad_accum_dtype": "fp32"}}),
         Setup("tp2", "tensor parallel 2, ZeRO-1, fp32", tensor_parallel=2),
     )
 }

@@ -5,21 +5,24 @@ from typing import Any, Dict, List
 
 from ..training_log import TAG_ROOT
 from .checks import LogLine, TensorBoardData, log_line_errors, parse_log, read_tensorboard, root_sum_square_errors
-from .entry import SHIMS_LINE
+from .entry import OPTIMIZER_LINE, SHIMS_LINE
 from .setups import GLOBAL_BATCH, NUM_LAYERS, SEQ_LEN
 
 RSS_REL_TOLERANCE = 1e-5  # TensorBoard stores float32: the sum of float32 squares, rounded, is within ~1e-7
-EXCERPT_MARKERS = (SHIMS_LINE, " layer grad norm:", "Traceback", "Error", "error:")
+EXCERPT_MARKERS = ("deepspeed info ...", "torch version ...", "Git info for Megatron", SHIMS_LINE, OPTIMIZER_LINE,
+                   "layer_grad_norms", " layer grad norm:", "Traceback", "Error", "error:")
 
 
-def check_run(stdout: str, logdir: str, returncode: int, train_iters: int) -> Dict[str, Any]:
-    """Every check of one run, the worst relative error of the root-sum-square, and what was read back."""
+def check_run(stdout: str, logdir: str, returncode: int, train_iters: int, optimizer: str) -> Dict[str, Any]:
+    """Every check of one run, the worst relative error of the root-sum-square, and what was read back.
+    ``optimizer`` is the class ``deepspeed.initialize`` must return (the code path the set-up is about)."""
     lines = parse_log(stdout)
     data = read_tensorboard(logdir)
     rss = root_sum_square_errors(data)
     iterations = list(range(1, train_iters + 1))
     checks = {
         "exit status 0": (returncode == 0, f"exit status {returncode}"),
+        "DeepSpeed optimizer": _optimizer_check(stdout, optimizer),
         "log line with the per-layer field": _log_field_check(lines),
         "log line agrees with TensorBoard": _none_is_good(log_line_errors(lines, data)),
         "layer-grad-norms scalars read back": _layers_check(data, iterations),
@@ -41,11 +44,17 @@ def check_run(stdout: str, logdir: str, returncode: int, train_iters: int) -> Di
     }
 
 
-def log_excerpt(stdout: str, tail: int = 40) -> str:
-    """The lines worth keeping: the shims, the per-layer log lines, errors; the tail of a failed run."""
+def log_excerpt(stdout: str, failed: bool, tail: int = 40) -> str:
+    """The lines worth keeping: versions, shims, the optimizer, the flags, the per-layer log lines, errors;
+    and the last lines of a failed run."""
     lines = stdout.splitlines()
     kept = [line for line in lines if any(marker in line for marker in EXCERPT_MARKERS)]
-    return "\n".join(kept + ["--- last lines ---"] + lines[-tail:]) + "\n"
+    return "\n".join(kept + (["--- last lines ---"] + lines[-tail:] if failed else [])) + "\n"
+
+
+def _optimizer_check(stdout: str, expected: str):
+    found = [line[len(OPTIMIZER_LINE):].strip() for line in stdout.splitlines() if line.startswith(OPTIMIZER_LINE)]
+    return found[-1:] == [expected], f"{', '.join(found) or 'none reported'} (expected {expected})"
 
 
 def _shims(stdout: str) -> List[str]:

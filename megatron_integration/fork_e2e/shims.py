@@ -136,8 +136,9 @@ def contiguous_attention_inputs() -> None:
     _applied("contiguous q/k/v for CoreAttention.forward")
 
 
-class LayerNormDroppingSequenceParallel(torch.nn.LayerNorm):
-    """``torch.nn.LayerNorm`` that accepts and ignores ``sequence_parallel=`` (always false on CPU)."""
+class LayerNorm(torch.nn.LayerNorm):
+    """``torch.nn.LayerNorm`` that accepts and ignores ``sequence_parallel=`` (always false on CPU). Named
+    ``LayerNorm`` because a pipeline spec's class name is its bucket's label (``.../LayerNorm``)."""
 
     def __init__(self, normalized_shape, eps: float = 1e-5, sequence_parallel: bool = False, **kwargs) -> None:
         super().__init__(normalized_shape, eps=eps, **kwargs)
@@ -151,7 +152,7 @@ def layer_norm_accepting_sequence_parallel() -> None:
     gpt_model = _fork_module("megatron.model.gpt_model")
     if getattr(gpt_model, "LayerNorm", None) is not torch.nn.LayerNorm:
         return
-    gpt_model.LayerNorm = LayerNormDroppingSequenceParallel
+    gpt_model.LayerNorm = LayerNorm
     _applied("LayerNorm accepting sequence_parallel= for GPTModelPipe")
 
 

@@ -40,6 +40,9 @@ def fake_run(tmp_path_factory):
 
 
 def test_fake_fork_passes_every_check(fake_run):
+    """Among them, that the engine has ``get_layer_grad_norms``: the fake fork, like the patched forks, never
+    calls ``deepspeed_patch.install()``; ``--log-layer-grad-norms`` through ``layer_grad_norms_ds_config`` must
+    be enough."""
     summary, out = fake_run
     result = summary["setups"]["zero1"]
     failed = {name: check["detail"] for name, check in result["checks"].items() if not check["ok"]}

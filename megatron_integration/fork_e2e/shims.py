@@ -29,14 +29,9 @@ def stub_torchvision() -> None:
     module level (``megatron/data/vit_dataset.py``, ``megatron/data/image_folder.py``) for the vision
     models only. No torchvision wheel matches a CPU torch 2.13 build, so an empty module stands in: GPT
     training never calls it, and any call fails loudly."""
-    try:
-        importlib.import_module("torchvision")
+    if _importable("torchvision"):
         return
-    except ImportError:
-        pass
-
-    def unavailable(*_args, **_kwargs):
-        raise RuntimeError("torchvision is a stub in this run (megatron_integration.fork_e2e.shims)")
+    unavailable = _failing("torchvision is a stub in this run (megatron_integration.fork_e2e.shims)")
 
     class VisionDataset:  # a base class at module level in image_folder.py
         def __init__(self, *_args, **_kwargs):
@@ -50,6 +45,23 @@ def stub_torchvision() -> None:
     root.transforms, root.datasets, root.get_image_backend = transforms, datasets, unavailable
     sys.modules.update({"torchvision": root, "torchvision.transforms": transforms, "torchvision.datasets": datasets})
     _applied("stub torchvision")
+
+
+def _importable(name: str) -> bool:
+    try:
+        importlib.import_module(name)
+    except ImportError:
+        return False
+    return True
+
+
+def _failing(message: str) -> Callable:
+    """A function that raises ``RuntimeError(message)`` whatever it is called with."""
+
+    def fail(*_args, **_kwargs):
+        raise RuntimeError(message)
+
+    return fail
 
 
 def _stand_in(function: Callable, name: str) -> Callable:
@@ -71,28 +83,23 @@ def stub_compression() -> None:
     package, but ``megatron/training.py`` imports ``init_compression`` and ``redundancy_clean`` from
     ``deepspeed.compression.compress`` at module level; they are called only with
     ``--compression-training``. Stand-ins that fail when called let the import succeed."""
-    try:
-        importlib.import_module("deepspeed.compression.compress")
+    if _importable("deepspeed.compression.compress"):
         return
-    except ImportError:
-        pass
-
-    def removed(*_args, **_kwargs):
-        raise RuntimeError("deepspeed.compression was removed in DeepSpeed 0.19: --compression-training cannot run")
-
     module = _stub_module("deepspeed.compression.compress")
-    module.init_compression = module.redundancy_clean = removed
+    module.init_compression = module.redundancy_clean = _failing(
+        "deepspeed.compression was removed in DeepSpeed 0.19: --compression-training cannot run")
     sys.modules["deepspeed.compression.compress"] = module
     _applied("stub deepspeed.compression.compress")
 
 
 def no_grad_all_gather() -> None:
-    """DeepSpeed <= 0.18's ZeRO-1/2 all-gathers the updated parameter partitions into views of a flat
+    """DeepSpeed 0.18's ZeRO-1/2 all-gathers the updated parameter partitions into views of a flat
     buffer (``torch.split``); on CPU with torch 2.13, ``TorchBackend.all_gather_into_tensor`` then fails
     with "Output 0 of Split is a view and is being modified inplace". The gather runs after the
     optimizer step, on parameters, never on a gradient that is measured; under ``torch.no_grad()`` it
-    writes the same values without recording autograd history. 0.19 stages CPU tensors itself
-    (``stage_on_cpu``) and needs nothing."""
+    writes the same values without recording autograd history. Applied below 0.19 (seen on 0.18.9;
+    harmless where not needed); 0.19.8 runs without it (its ``all_gather_into_tensor`` goes through
+    ``stage_on_cpu``)."""
     import deepspeed
 
     if _release(deepspeed.__version__) >= (0, 19):

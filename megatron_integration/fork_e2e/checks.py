@@ -14,7 +14,7 @@ from typing import Dict, List, Optional, Tuple
 from ..tensorboard_reader import NoLayerDataError, read_layer_series
 from ..training_log import TAG_ROOT
 
-GRAD_NORM_TAG = "grad-norm/grad-norm"  # the fork's own scalar (training_log, "grad-norm/grad-norm")
+GRAD_NORM_TAG = "grad-norm/grad-norm"  # the fork's own scalar, written by its training_log
 PRE_CLIP_NORM = f"{TAG_ROOT}/pre-clip/norm"
 LOG_ITERATION = re.compile(r" iteration\s+(\d+)/\s*\d+ \|")
 LOG_GRAD_NORM = re.compile(r" grad norm: ([-+0-9.eEinfa]+) \|")
@@ -101,8 +101,13 @@ def read_tensorboard(logdir: str) -> TensorBoardData:
 
 
 def _layout_dict(layout) -> Dict[str, Dict[str, List[str]]]:
-    return {category.title: {chart.title: list(chart.multiline.tag) or list(chart.margin.series)
-                             for chart in category.chart} for category in layout.category}
+    """A ``layout_pb2.Layout`` as ``{category: {chart: [tag regexes]}}`` (multiline or margin charts)."""
+    return {category.title: {chart.title: _chart_regexes(chart) for chart in category.chart}
+            for category in layout.category}
+
+
+def _chart_regexes(chart) -> List[str]:
+    return list(chart.multiline.tag) or [series.value for series in chart.margin.series]
 
 
 def root_sum_square_errors(data: TensorBoardData) -> Dict[int, Tuple[float, float, float]]:

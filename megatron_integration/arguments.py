@@ -11,6 +11,7 @@ import json
 import logging
 from typing import Any, Dict, Optional, Union
 
+import deepspeed_patch
 from deepspeed_patch.config import CONFIG_KEY, LAYER_SPEC_FORMS, parse_layer_spec
 
 logger = logging.getLogger(__name__)
@@ -55,12 +56,15 @@ def layer_grad_norms_ds_config(args: argparse.Namespace,
 
     ``ds_config`` is a dict, a path to the JSON file, or ``None`` for ``args.deepspeed_config``.
     Without ``--log-layer-grad-norms`` the config comes back unchanged (a dict, or the path as given).
+    With it, ``deepspeed_patch.install()`` runs first (idempotent): the forks call this right before
+    ``deepspeed.initialize``, so the flag alone gives the engine ``get_layer_grad_norms()``.
     """
     if ds_config is None:
         ds_config = getattr(args, "deepspeed_config_dict", None) or getattr(args, "deepspeed_config", None)
     block = layer_grad_norms_block(args)
     if block is None:
         return ds_config
+    deepspeed_patch.install()
     if isinstance(ds_config, str):
         with open(ds_config) as config_file:
             ds_config = json.load(config_file)

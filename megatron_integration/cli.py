@@ -9,6 +9,8 @@ from deepspeed_patch.config import LAYER_SPEC_FORMS, parse_layer_spec
 from deepspeed_patch.upstream.apply import COMMANDS, run_patch_command
 
 from .demo import DemoOptions, run_demo
+from .fork_e2e.run import E2EOptions, run_e2e, summary_markdown
+from .fork_e2e.setups import SETUPS
 from .plot import plot_layer_norms
 from .report import format_report, summarize
 from .tensorboard_reader import NoLayerDataError, read_layer_series
@@ -49,11 +51,48 @@ def build_parser() -> argparse.ArgumentParser:
     report = commands.add_parser("report", help="per-layer medians, early/late ratio, clipping, overflow")
     report.add_argument("logdir")
     report.add_argument("--json", action="store_true", help="print the report as JSON")
+    add_e2e_parser(commands)
     patch = commands.add_parser("patch", help="apply, check or revert the upstream patch in a DeepSpeed tree")
     patch.add_argument("action", choices=COMMANDS)
     patch.add_argument("--deepspeed", help="a DeepSpeed checkout, or the directory holding the deepspeed package "
                        "(default: the installed one)")
     return parser
+
+
+def add_e2e_parser(commands) -> None:
+    e2e = commands.add_parser("megatron-e2e", help="train a Megatron-DeepSpeed checkout's own pretrain_gpt.py on 2 "
+                              "CPU ranks in each set-up and check its per-layer log line and TensorBoard")
+    defaults = E2EOptions(fork="")
+    e2e.add_argument("--fork", required=True, help="root of a Megatron-DeepSpeed checkout, with the patch applied")
+    e2e.add_argument("--setups", type=_setup_list, default=",".join(defaults.setups),
+                     help=f"comma-separated, from {', '.join(SETUPS)} (default: all)")
+    e2e.add_argument("--out", default=defaults.out, help="directory for the data, the runs and the summary")
+    e2e.add_argument("--python", default=defaults.python,
+                     help="the ranks' interpreter, with DeepSpeed and the fork's requirements (default: this one)")
+    e2e.add_argument("--train-iters", type=_positive, default=defaults.train_iters)
+    e2e.add_argument("--layers", type=_layer_spec, default=defaults.layers,
+                     help="--layer-grad-norms-layers; the root-sum-square check needs all (the default)")
+    e2e.add_argument("--timeout", type=_positive, default=int(defaults.timeout), help="seconds per set-up")
+    e2e.add_argument("--apply-patch", choices=("microsoft", "bigscience"),
+                     help="git apply this patch to the fork first")
+
+
+def _setup_list(value: str) -> tuple:
+    names = tuple(name.strip() for name in value.split(",") if name.strip())
+    unknown = [name for name in names if name not in SETUPS]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"{value!r}: unknown set-up {unknown}; choose from {', '.join(SETUPS)}")
+    return names
+
+
+def run_e2e_command(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    options = E2EOptions(fork=args.fork, setups=args.setups, out=args.out, python=args.python,
+                         train_iters=args.train_iters, layers=args.layers, timeout=args.timeout,
+                         apply_patch=args.apply_patch)
+    summary = run_e2e(options)
+    print(summary_markdown(summary))
+    if not summary["passed"]:
+        parser.exit(1, f"layer-grad-norms megatron-e2e: a set-up failed; see {args.out}/summary.md\n")
 
 
 def main(argv: Optional[List[str]] = None) -> None:
@@ -66,6 +105,8 @@ def main(argv: Optional[List[str]] = None) -> None:
             output = args.output or os.path.join(args.logdir, "layer_grad_norms.png")
             plot_layer_norms(read_layer_series(args.logdir), output)
             print(f"figure: {output}")
+        elif args.command == "megatron-e2e":
+            run_e2e_command(parser, args)
         elif args.command == "report":
             summary = summarize(read_layer_series(args.logdir))
             print(json.dumps(summary, indent=2) if args.json else format_report(summary))

@@ -1,0 +1,1 @@
+"""The fake fork's package (see ../README.md)."""

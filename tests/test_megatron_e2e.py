@@ -1,0 +1,117 @@
+"""The end-to-end harness (``layer-grad-norms megatron-e2e``) on the fake fork of tests/fake_fork, and its checks
+on TensorBoard directories written here in both layouts: the one-run layout and a run per bucket."""
+
+import math
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+from torch.utils.cpp_extension import get_default_build_root
+
+from megatron_integration.fork_e2e import checks
+from megatron_integration.fork_e2e.run import E2EOptions, run_e2e
+from megatron_integration.fork_e2e.setups import SETUPS
+from megatron_integration.fork_e2e.verdict import check_run
+
+FAKE_FORK = Path(__file__).parent / "fake_fork"
+TRAIN_ITERS = 5
+REAL_LOG_LINE = (  # the microsoft fork at 4efb479 with microsoft.patch, ZeRO-1 on 2 CPU ranks, iteration 5
+    " iteration        5/      10 | consumed samples:           20 | consumed tokens:          640 | elapsed time per "
+    "iteration (ms): 588.3 | learning rate: 7.222E-04 | global batch size:     4 | lm loss: 4.861312E+00 | loss scale:"
+    " 1.0 | grad norm: 1.650 | layer grad norm: 0: 7.803E-01 | 1: 6.722E-01 | 2: 6.251E-01 | 3: 6.465E-01 | actual "
+    "seqlen:    32 | number of skipped iterations:   0 |")
+
+
+@pytest.fixture(scope="module")
+def fake_run(tmp_path_factory):
+    """The harness on the fake fork with this interpreter's DeepSpeed. The ranks share the JIT build of
+    ``deepspeed_shm_comm`` with the rest of the suite (torch's default directory for this interpreter) rather
+    than building their own."""
+    fork = tmp_path_factory.mktemp("fork") / "fake_fork"
+    shutil.copytree(FAKE_FORK, fork, ignore=shutil.ignore_patterns("__pycache__"))
+    out = tmp_path_factory.mktemp("e2e")
+    default_build = os.path.join(get_default_build_root(), f"py{sys.version_info.major}{sys.version_info.minor}_cpu")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("TORCH_EXTENSIONS_DIR", os.environ.get("TORCH_EXTENSIONS_DIR", default_build))
+        summary = run_e2e(E2EOptions(fork=str(fork), setups=("zero1",), out=str(out), train_iters=TRAIN_ITERS))
+    return summary, out
+
+
+def test_fake_fork_passes_every_check(fake_run):
+    """Among them, that the engine has ``get_layer_grad_norms``: the fake fork, like the patched forks, never
+    calls ``deepspeed_patch.install()``; ``--log-layer-grad-norms`` through ``layer_grad_norms_ds_config`` must
+    be enough."""
+    summary, out = fake_run
+    result = summary["setups"]["zero1"]
+    failed = {name: check["detail"] for name, check in result["checks"].items() if not check["ok"]}
+    assert not failed, (out / "zero1" / "log_excerpt.txt").read_text()
+    assert summary["passed"] and result["worst_relative_error"] < 1e-5
+    assert [int(line.split()[1].split("/")[0]) for line in result["log_lines"]] == [5]
+    assert (out / "summary.md").read_text().count("passed") >= 1
+
+
+def test_the_shims_ran_in_the_ranks(fake_run):
+    """The fake fork cannot import or train without them: each one it needs is named in the run's log."""
+    summary, _ = fake_run
+    shims = summary["setups"]["zero1"]["shims"]
+    assert "stub torchvision" in shims
+    assert "contiguous q/k/v for CoreAttention.forward" in shims
+    assert "grad norm reported on the non-pipeline path" in shims
+
+
+def test_parse_log_reads_the_real_forks_line():
+    (line,) = checks.parse_log("noise\n" + REAL_LOG_LINE + "\n")
+    assert (line.iteration, line.grad_norm) == (5, 1.650)
+    assert line.layers == {0: 0.7803, 1: 0.6722, 2: 0.6251, 3: 0.6465}
+
+
+def write_run(logdir: Path, layout: str, norms, grad_norm_scale: float = 1.0) -> None:
+    """Per-layer pre-clip norms and the fork's grad norm, in the ``layout`` "one-run" or "run-per-bucket"."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    main = SummaryWriter(str(logdir))
+    writers = {}
+    for step, buckets in norms.items():
+        for bucket, value in buckets.items():
+            if layout == "one-run":
+                main.add_scalar(f"layer-grad-norms/pre-clip/norm/{bucket}", value, step)
+            else:
+                writer = writers.setdefault(bucket, SummaryWriter(str(logdir / "layer-grad-norms" / bucket)))
+                writer.add_scalar("layer-grad-norms/pre-clip/norm", value, step)
+        rss = math.sqrt(sum(value ** 2 for value in buckets.values()))
+        main.add_scalar("grad-norm/grad-norm", rss * grad_norm_scale, step)
+    for writer in [main, *writers.values()]:
+        writer.close()
+
+
+NORMS = {step: {"layer00": 0.3 * step, "layer01": 0.2, "embed": 0.1 + step} for step in (1, 2, 3)}
+
+
+@pytest.mark.parametrize("layout", ["one-run", "run-per-bucket"])
+def test_root_sum_square_in_either_layout(tmp_path, layout):
+    write_run(tmp_path, layout, NORMS)
+    data = checks.read_tensorboard(str(tmp_path))
+    assert len(data.bucket_norms()) == 3
+    errors = checks.root_sum_square_errors(data)
+    assert sorted(errors) == [1, 2, 3]
+    assert max(error for _, _, error in errors.values()) < 1e-6
+
+
+def test_a_wrong_grad_norm_fails_the_check(tmp_path):
+    write_run(tmp_path, "one-run", NORMS, grad_norm_scale=1.01)
+    result = check_run("", str(tmp_path), 0, train_iters=3, optimizer="DeepSpeedZeroOptimizer")
+    check = result["checks"]["root-sum-square equals the fork's grad norm"]
+    assert not check["ok"] and result["worst_relative_error"] == pytest.approx(0.01 / 1.01, rel=1e-3)
+    assert not result["checks"]["log line with the per-layer field"]["ok"]
+    assert not result["passed"]
+
+
+def test_setups_divide_the_two_ranks():
+    for setup in SETUPS.values():
+        config = setup.ds_config()
+        assert config["train_batch_size"] == (config["train_micro_batch_size_per_gpu"] * setup.data_parallel
+                                              * config["gradient_accumulation_steps"])
+    assert SETUPS["bloom"].ds_config()["data_types"] == {"grad_accum_dtype": "fp32"}
+    assert "--no-pipeline-parallel" not in SETUPS["bloom"].fork_flags()

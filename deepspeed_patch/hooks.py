@@ -3,9 +3,10 @@
 ``install()`` applies each entry to DeepSpeed's classes at run time; ``deepspeed_patch.upstream`` writes
 the same statements into DeepSpeed's source. One table keeps the two identical.
 
-A call site is ``(file, class, method, where, statement)``. ``where`` is ``START`` (first, after the
-docstring), ``END`` (last; the method returns nothing), ``RESULT`` (just before its single ``return``)
-or ``METHOD`` (a new method of the class). The statements:
+A call site is ``(file, class, method, where, statement, since, before)``: it applies to the DeepSpeed
+releases from ``since`` up to but not including ``before`` (by default all of them). ``where`` is
+``START`` (first, after the docstring), ``END`` (last; the method returns nothing), ``RESULT`` (just
+before its single ``return``) or ``METHOD`` (a new method of the class). The statements:
 
 - ``AdapterCall(method, arguments)``: ``if self.layer_grad_norms is not None:
   self.layer_grad_norms.<method>(<arguments>)``, ``method`` being the adapter method that is called
@@ -19,7 +20,9 @@ import functools
 import importlib
 import inspect
 from dataclasses import dataclass
-from typing import Callable, Optional, Tuple, Union
+from typing import Callable, List, Optional, Tuple, Union
+
+from packaging.version import Version
 
 from .adapters import attach, get_layer_grad_norms, set_layer_grad_norms
 from .adapters.base import LayerGradNormsAdapter as Adapter
@@ -66,10 +69,15 @@ class CallSite:
     method: str
     where: str
     statement: Statement
+    since: str = "0"
+    before: str = "999"
 
     @property
     def module(self) -> str:
         return "deepspeed." + self.path.removesuffix(".py").replace("/", ".")
+
+    def applies_to(self, version: str) -> bool:
+        return Version(self.since) <= Version(Version(version).base_version) < Version(self.before)
 
 
 _CONFIG = "runtime/config.py", "DeepSpeedConfig"
@@ -80,13 +88,12 @@ _FUSED = "runtime/fp16/fused_optimizer.py", "FP16_Optimizer"
 _UNFUSED = "runtime/fp16/unfused_optimizer.py", "FP16_UnfusedOptimizer"
 
 
-def _optimizer(path_and_class: Tuple[str, str], *read_points: Tuple[str, str, AdapterCall]) -> Tuple[CallSite, ...]:
+def _optimizer(path_and_class: Tuple[str, str], *read_points: tuple) -> Tuple[CallSite, ...]:
     """An optimizer's sites: its adapter attribute (``None`` until the engine attaches one), its read
-    points, and ``get_layer_grad_norms``."""
-    return (CallSite(*path_and_class, "__init__", END,
-                     Assign(ATTRIBUTE)), *(CallSite(*path_and_class, method, where, call)
-                                           for method, where, call in read_points),
-            CallSite(*path_and_class, "get_layer_grad_norms", METHOD, Method(get_layer_grad_norms)))
+    points ``(method, where, call[, since[, before]])``, and ``get_layer_grad_norms``."""
+    attribute = CallSite(*path_and_class, "__init__", END, Assign(ATTRIBUTE))
+    getter = CallSite(*path_and_class, "get_layer_grad_norms", METHOD, Method(get_layer_grad_norms))
+    return (attribute, *(CallSite(*path_and_class, *read_point) for read_point in read_points), getter)
 
 
 _GROUPS_AND_NORM = ("grad_groups_flat", "total_norm")
@@ -102,14 +109,16 @@ CALL_SITES = (
                 ("unscale_and_clip_grads", START, AdapterCall(ZeroAdapter.unscale_and_clip_grads, _GROUPS_AND_NORM)),
                 ("_update_scale", START, AdapterCall(ZeroAdapter.update_scale, ("has_overflow", )))),
     *_optimizer(_BF16),  # BF16Adapter reads when the engine's step begins and ends
-    *_optimizer(_FUSED,
-                ("unscale_and_clip_grads", START,
-                 AdapterCall(FusedFP16Adapter.unscale_and_clip_grads, _GROUPS_AND_NORM + ("apply_scale", ))),
-                ("unscale_and_clip_grads", RESULT, AdapterCall(Adapter.applied_scale, (RETURNED, ))),
-                ("_skip_invalid_grad_norm", START, AdapterCall(FusedFP16Adapter.skip_step))),
-    *_optimizer(_UNFUSED,
-                ("unscale_and_clip_grads", START,
-                 AdapterCall(UnfusedFP16Adapter.unscale_and_clip_grads, ("total_norm", "apply_scale"))),
+    *_optimizer(
+        _FUSED,
+        ("unscale_and_clip_grads", START,
+         AdapterCall(FusedFP16Adapter.unscale_and_clip_grads, _GROUPS_AND_NORM + ("apply_scale", ))),
+        ("unscale_and_clip_grads", RESULT, AdapterCall(Adapter.applied_scale, (RETURNED, ))),
+        # a skipped step's gradients: 0.19 drops them in one method; before, after _update_scale
+        ("_skip_invalid_grad_norm", START, AdapterCall(FusedFP16Adapter.skip_step), "0.19"),
+        ("_update_scale", START, AdapterCall(FusedFP16Adapter.update_scale, ("skip", )), "0", "0.19")),
+    *_optimizer(_UNFUSED, ("unscale_and_clip_grads", START,
+                           AdapterCall(UnfusedFP16Adapter.unscale_and_clip_grads, ("total_norm", "apply_scale"))),
                 ("unscale_and_clip_grads", RESULT, AdapterCall(Adapter.applied_scale, (RETURNED, ))),
                 ("_update_scale", START, AdapterCall(UnfusedFP16Adapter.update_scale, ("skip", )))),
 )
@@ -147,14 +156,41 @@ def _wrapped(original: Callable, where: str, statement: Union[AdapterCall, Assig
     return functools.wraps(original)(wrapper)
 
 
-def apply() -> bool:
-    """Place every call site once; returns False when they were already placed."""
+def _problem(site: CallSite) -> Optional[str]:
+    """What the installed DeepSpeed lacks for ``site``, or ``None``."""
+    where = f"{site.module}.{site.cls}"
+    cls = getattr(importlib.import_module(site.module), site.cls, None)
+    if cls is None:
+        return f"no class {where}"
+    if isinstance(site.statement, Method):
+        return None
+    method = getattr(cls, site.method, None)
+    if method is None:
+        return f"no method {where}.{site.method}"
+    parameters = inspect.signature(method).parameters
+    missing = [name for name in site.statement.arguments if name not in parameters and name not in ("self", RETURNED)]
+    return f"{where}.{site.method}{inspect.signature(method)} has no parameter {missing[0]!r}" if missing else None
+
+
+def check_call_sites(version: str) -> None:
+    """Raise ``RuntimeError`` naming each method or parameter the installed DeepSpeed lacks."""
+    problems = [problem for problem in map(_problem, sites_for(version)) if problem]
+    if problems:
+        raise RuntimeError(f"layer-grad-norms cannot hook into DeepSpeed {version}: " + "; ".join(problems))
+
+
+def sites_for(version: str) -> List[CallSite]:
+    return [site for site in CALL_SITES if site.applies_to(version)]
+
+
+def apply(version: str) -> bool:
+    """Place every call site of DeepSpeed ``version`` once; returns False when they were already placed."""
     from deepspeed.runtime.engine import DeepSpeedEngine
 
     marker = "_layer_grad_norms_installed"
     if getattr(DeepSpeedEngine, marker, False):
         return False
-    for site in CALL_SITES:
+    for site in sites_for(version):
         cls = getattr(importlib.import_module(site.module), site.cls)
         statement = site.statement
         if isinstance(statement, Method):

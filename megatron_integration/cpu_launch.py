@@ -26,6 +26,9 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, qu
     try:
         import deepspeed
 
+        from .cpu_compat import apply_cpu_compat
+
+        apply_cpu_compat()
         deepspeed.init_distributed(dist_backend="gloo", verbose=False)
         # Plain pickle: tensors travel as bytes, not as shared memory that dies with this process.
         queue.put((rank, True, pickle.dumps(fn(*args))))

@@ -12,6 +12,7 @@ import torch
 
 from megatron_integration.cpu_launch import launch
 from reference import STATS, TOLERANCE, assert_close_stats, reference_bucket
+from releases import BF16_WITHOUT_ZERO_UNFUSED, STAGE0_LOSS_CARRIES_SCALE
 from zero_workers import run_cases
 
 OFFLOAD = {"offload_optimizer": {"device": "cpu"}}
@@ -116,14 +117,14 @@ def test_post_clip_is_what_the_optimizer_applied(world_size, name):
 
     DeepSpeed unscales with the loss scale already updated for the next step, so on a step where the
     dynamic scaler grows the scale, the optimizer gets the gradient times old/new scale. Without ZeRO,
-    engine.backward does not scale the loss at all (DeepSpeed 0.19.8), yet the fp16 optimizer divides
-    by the scale: the optimizer gets the gradient divided by it.
+    engine.backward does not scale the loss at all (DeepSpeed 0.18 and later), yet the fp16 optimizer
+    divides by the scale: the optimizer gets the gradient divided by it.
     """
     record, _ = case_result(world_size, name)
     case = record["case"]
     for index, measured, reference in measured_steps(record):
         old_scale, new_scale = record["on"]["loss_scales"][index]
-        if case["stage"] == 0:
+        if case["stage"] == 0 and not STAGE0_LOSS_CARRIES_SCALE:
             old_scale = 1.0  # what the gradient really carries
         total = math.sqrt(sum(ref["norm"]**2 for ref in reference.values())) * old_scale / new_scale
         clip_factor = max(1.0, (total + 1e-6) / case["clip"]) if case["clip"] > 0 else 1.0
@@ -225,9 +226,9 @@ def test_frozen_parameters_excluded_and_tied_weight_counted_once():
 def test_each_case_exercises_the_intended_optimizer():
     for world_size, name in ALL_CASES:
         record, _ = case_result(world_size, name)
-        expected = ("BF16_Optimizer" if "bf16_optimizer" in name else "FP16_UnfusedOptimizer" if "unfused" in name
-                    else "FP16_Optimizer" if "fused" in name else "SGD" if name.startswith("z0")
-                    else "DeepSpeedZeroOptimizer")
+        expected = ("BF16_Optimizer" if "bf16_optimizer" in name else BF16_WITHOUT_ZERO_UNFUSED if
+                    "bf16_unfused" in name else "FP16_UnfusedOptimizer" if "unfused" in name else "FP16_Optimizer"
+                    if "fused" in name else "SGD" if name.startswith("z0") else "DeepSpeedZeroOptimizer")
         assert record["on"]["optimizer"] == expected, name
 
 

@@ -11,6 +11,7 @@ Called once, at the end of ``DeepSpeedEngine.__init__``. A set-up that cannot be
 import weakref
 from typing import List, Optional
 
+import deepspeed
 import torch
 from deepspeed import comm as dist
 from deepspeed.runtime.utils import is_model_parallel_parameter
@@ -48,8 +49,12 @@ def attach(engine) -> Optional[LayerGradNormsAdapter]:
         group = REPLICATED
     else:
         group = _stats_group(engine, optimizer)
-    params = [param for group_params in family.param_groups(optimizer) for param in group_params]
-    adapter = family(optimizer, _setup(engine, config, params, group))
+    try:
+        params = [param for group_params in family.param_groups(optimizer) for param in group_params]
+        adapter = family(optimizer, _setup(engine, config, params, group))
+    except AttributeError as err:  # a DeepSpeed release whose optimizer keeps its layout elsewhere
+        raise UnsupportedSetupError(f"{CONFIG_KEY}: {type(optimizer).__name__} of DeepSpeed {deepspeed.__version__} "
+                                    f"has no attribute {err.name!r}, which {family.__name__} reads") from err
     optimizer.layer_grad_norms = adapter
     return adapter
 

@@ -6,19 +6,26 @@
 
 Every rank holds each parameter group's whole gradient as one flat fp32 buffer, read where the
 optimizer unscales and clips it, all groups at once; the factor it divides by is its return value. On a
-skipped step the gradient is read in ``_skip_invalid_grad_norm``, before it is dropped.
+skipped step the gradient is read before it is dropped: in ``_skip_invalid_grad_norm`` (DeepSpeed 0.19),
+or in ``_update_scale`` (before).
 
-Its gradients carry no loss scale: DeepSpeed's ``engine.backward`` scales the loss only for ZeRO
-optimizers, yet ``unscale_and_clip_grads`` divides by the loss scale. ``post_clip`` and ``clip_coef``
-(about 1 / loss scale) show what it really applies.
+Since DeepSpeed 0.18 its gradients carry no loss scale: ``engine.backward`` scales the loss only for
+ZeRO optimizers, yet ``unscale_and_clip_grads`` divides by the loss scale. ``post_clip`` and
+``clip_coef`` (about 1 / loss scale) show what it really applies. Before 0.18 the engine handed the loss
+to the optimizer's ``backward``, which multiplied it by the loss scale, as the statistics then account for.
 """
 
 from typing import List, Optional
 
+import deepspeed
 import torch
+from packaging.version import Version
 
 from ..partition_slices import back_to_back_ranges, partition_runs, slices_of_runs
 from .base import LayerGradNormsAdapter, Setup, group_of, observe_chunks, observe_partition
+
+# Whether the fp16 loss reached backward multiplied by the optimizer's loss scale (``cur_scale``).
+LOSS_SCALED_BY_OPTIMIZER = Version(Version(deepspeed.__version__).base_version) < Version("0.18")
 
 
 class FusedFP16Adapter(LayerGradNormsAdapter):
@@ -54,18 +61,31 @@ class FusedFP16Adapter(LayerGradNormsAdapter):
                 observe_partition(measurement, index, self.slices[index], flat_grad)
 
     def skip_step(self) -> None:
-        """Top of ``_skip_invalid_grad_norm``: a skipped step's gradients, before they are dropped: the fp16
-        gradients on an fp16 overflow, their flat fp32 copies on a non-finite norm."""
+        """Top of ``_skip_invalid_grad_norm`` (0.19): a skipped step's gradients, before they are dropped."""
         measurement = self.measurement
-        if measurement is None:
-            return
-        with measurement.guarded("reading a skipped step's gradients"):
-            for index, params in enumerate(self.optimizer.fp16_groups):
-                flat_grad = self.optimizer.fp32_groups_flat[index].grad
-                if flat_grad is not None:
-                    observe_partition(measurement, index, self.slices[index], flat_grad)
-                else:
-                    observe_chunks(measurement, index, self.slices[index], [grad_or_zeros(param) for param in params])
+        if measurement is not None:
+            with measurement.guarded("reading a skipped step's gradients"):
+                self._observe_skipped(measurement)
+
+    def update_scale(self, skip) -> None:
+        """Top of ``_update_scale`` (before 0.19): the loss scale the gradients carry, and on a skipped step
+        its gradients, before they are dropped."""
+        measurement = self.measurement
+        if measurement is not None:
+            with measurement.guarded("reading a skipped step's gradients"):
+                if LOSS_SCALED_BY_OPTIMIZER:
+                    measurement.set_gradient_scale(self.optimizer.cur_scale)
+                if skip:
+                    self._observe_skipped(measurement)
+
+    def _observe_skipped(self, measurement) -> None:
+        """The fp16 gradients on an fp16 overflow, their flat fp32 copies on a non-finite norm."""
+        for index, params in enumerate(self.optimizer.fp16_groups):
+            flat_grad = self.optimizer.fp32_groups_flat[index].grad
+            if flat_grad is not None:
+                observe_partition(measurement, index, self.slices[index], flat_grad)
+            else:
+                observe_chunks(measurement, index, self.slices[index], [grad_or_zeros(param) for param in params])
 
     def overflow(self) -> bool:
         return bool(self.optimizer.overflow)

@@ -8,7 +8,7 @@ Every rank holds the whole gradient, as per-parameter fp32 copies read where the
 clips them; the factor it divides by is its return value. On a skipped step the fp16 gradients are read
 in ``_update_scale``, before they are dropped (their fp32 copies may not exist yet).
 
-Like ``FP16_Optimizer``'s, these gradients carry no loss scale (see ``fused_fp16``).
+Like ``FP16_Optimizer``'s, these gradients carry no loss scale since DeepSpeed 0.18 (see ``fused_fp16``).
 """
 
 from typing import List, Optional, Tuple
@@ -16,7 +16,7 @@ from typing import List, Optional, Tuple
 import torch
 
 from .base import LayerGradNormsAdapter, Setup
-from .fused_fp16 import grad_or_zeros
+from .fused_fp16 import LOSS_SCALED_BY_OPTIMIZER, grad_or_zeros
 
 
 class UnfusedFP16Adapter(LayerGradNormsAdapter):
@@ -49,7 +49,10 @@ class UnfusedFP16Adapter(LayerGradNormsAdapter):
             self._observe(self.optimizer.fp32_groups)
 
     def update_scale(self, skip) -> None:
-        """Top of ``_update_scale``: on a skipped step, the fp16 gradients before they are dropped."""
+        """Top of ``_update_scale``: the loss scale the gradients carry, and on a skipped step the fp16
+        gradients, before they are dropped."""
+        if self.measurement is not None and LOSS_SCALED_BY_OPTIMIZER:
+            self.measurement.set_gradient_scale(self.optimizer.cur_scale)
         if self.measurement is not None and skip:
             self._observe(self.optimizer.fp16_groups)
 

@@ -11,6 +11,8 @@ the loss scaler skips, the partition is never built: its per-parameter pieces ar
 ``_update_scale``, before they are dropped.
 """
 
+import importlib
+import itertools
 import math
 from typing import List, Optional
 
@@ -47,9 +49,12 @@ class ZeroAdapter(LayerGradNormsAdapter):
         padding) and the data-parallel partitions."""
         optimizer = self.optimizer
         params = optimizer.round_robin_bit16_groups[index]
-        offsets = optimizer.round_robin_bit16_offsets[index]
         # The meta copies keep the true sizes when offload has swapped the parameters' storage out.
         sizes = [meta.numel() for meta in optimizer.round_robin_bit16_meta[index]]
+        if hasattr(optimizer, "round_robin_bit16_offsets"):  # 0.19 pads between parameters, and says where
+            offsets = optimizer.round_robin_bit16_offsets[index]
+        else:  # before, they lie back to back, the padding at the end
+            offsets = list(itertools.accumulate(sizes[:-1], initial=0))
         partitions = optimizer.parallel_partitioned_bit16_groups[index]
         rank = dist.get_rank(group=optimizer.real_dp_process_group[index])
         start = sum(part.numel() for part in partitions[:rank])
@@ -67,7 +72,8 @@ class ZeroAdapter(LayerGradNormsAdapter):
             flat_grad = grad_groups_flat[0]
             index = group_of(optimizer.single_partition_of_fp32_groups, flat_grad)
             observe_partition(measurement, index, self.slices[index], flat_grad)
-            measurement.set_applied_scale(zero_unscale_divisor(total_norm, optimizer.clip_grad, optimizer.loss_scale))
+            measurement.set_applied_scale(
+                zero_unscale_divisor(total_norm, optimizer.clip_grad, optimizer.loss_scale, INVALID_NORM_ZEROES))
 
     def update_scale(self, has_overflow=False) -> None:
         """Top of ``_update_scale``: once per step, before the loss scale changes and before a skipped
@@ -102,13 +108,22 @@ class ZeroAdapter(LayerGradNormsAdapter):
         return self.optimizer._global_grad_norm
 
 
-def zero_unscale_divisor(scaled_total_norm: Optional[torch.Tensor], clip_grad: float, loss_scale: float) -> float:
+# DeepSpeed 0.19 clips everything away when the global norm is invalid (non-finite, or its -1 sentinel);
+# before, the sentinel went into the formula like any norm.
+INVALID_NORM_ZEROES = hasattr(importlib.import_module("deepspeed.runtime.zero.stage_1_and_2"), "is_invalid_grad_norm")
+
+
+def zero_unscale_divisor(scaled_total_norm: Optional[torch.Tensor],
+                         clip_grad: float,
+                         loss_scale: float,
+                         invalid_norm_zeroes: bool = True) -> float:
     """What ZeRO's ``unscale_and_clip_grads`` divides the partition by: loss scale times clip factor, for a
-    global norm (times the loss scale) of ``scaled_total_norm``; ``inf`` for DeepSpeed's invalid-norm
-    sentinel. Mirrors DeepSpeed, including its use of the loss scale as already updated for the next step."""
+    global norm (times the loss scale) of ``scaled_total_norm``; ``inf`` for an invalid norm where
+    ``invalid_norm_zeroes``. Mirrors DeepSpeed, including its use of the loss scale as already updated
+    for the next step."""
     if clip_grad <= 0.0 or scaled_total_norm is None:
         return loss_scale
     total_norm = float(scaled_total_norm)
-    if not math.isfinite(total_norm) or total_norm < 0:
+    if invalid_norm_zeroes and (not math.isfinite(total_norm) or total_norm < 0):
         return math.inf
     return max(((total_norm / loss_scale) + 1e-6) / clip_grad, 1.0) * loss_scale

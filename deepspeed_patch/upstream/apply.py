@@ -5,12 +5,10 @@ byte. An installed package (no ``docs/`` beside ``deepspeed/``) gets the ``deeps
 """
 
 import os
-import re
 import subprocess
 from typing import Optional
 
-from .. import SUPPORTED_DEEPSPEED
-from .build import PATCH_FILE, installed_deepspeed_root
+from .build import PATCH_FILE, PATCH_RELEASES, deepspeed_version, installed_deepspeed_root
 
 APPLIED, CLEAN, CONFLICT = "applied", "not applied", "conflicts"
 COMMANDS = ("apply", "check", "revert")
@@ -33,22 +31,6 @@ def deepspeed_root(path: Optional[str] = None) -> str:
     raise PatchError(f"--deepspeed {path}: no deepspeed package there (expected {path}/deepspeed/__init__.py)")
 
 
-def deepspeed_version(root: str) -> str:
-    """The release of the DeepSpeed under ``root``: a checkout's version.txt, or the installed package's."""
-    checkout_version = os.path.join(root, "version.txt")
-    if os.path.isfile(checkout_version):
-        with open(checkout_version, encoding="utf-8") as handle:
-            return handle.read().strip()
-    installed = os.path.join(root, "deepspeed", "git_version_info_installed.py")
-    if os.path.isfile(installed):
-        with open(installed, encoding="utf-8") as handle:
-            found = re.search(r"^version\s*=\s*['\"]([^'\"]+)['\"]", handle.read(), re.MULTILINE)
-        if found:
-            return found.group(1)
-    raise PatchError(f"{root}: cannot tell the DeepSpeed release (no version.txt, no "
-                     "deepspeed/git_version_info_installed.py)")
-
-
 def _git_apply(root: str, *options: str) -> subprocess.CompletedProcess:
     include = [] if os.path.isdir(os.path.join(root, "docs")) else ["--include=deepspeed/*"]
     # GIT_CEILING_DIRECTORIES: never treat a repository above root as the one to patch
@@ -68,9 +50,9 @@ def state(root: str) -> str:
 
 def _check_release(root: str) -> None:
     version = deepspeed_version(root)
-    if version not in SUPPORTED_DEEPSPEED:
-        raise PatchError(f"{root}: DeepSpeed {version}; the patch is for DeepSpeed {', '.join(SUPPORTED_DEEPSPEED)} "
-                         f"(pip install deepspeed=={SUPPORTED_DEEPSPEED[-1]})")
+    if version not in PATCH_RELEASES:
+        raise PatchError(f"{root}: DeepSpeed {version}; the patch is for DeepSpeed {', '.join(PATCH_RELEASES)} "
+                         f"(pip install deepspeed=={PATCH_RELEASES[-1]})")
 
 
 def _run(root: str, *options: str) -> None:

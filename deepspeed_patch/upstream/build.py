@@ -14,13 +14,15 @@ import ast
 import difflib
 import inspect
 import os
+import re
 from typing import Dict, List, Optional, Tuple
 
-from ..hooks import ATTRIBUTE, CALL_SITES, END, METHOD, RESULT, RETURNED, START, AdapterCall, Assign, CallSite, Method
+from ..hooks import ATTRIBUTE, END, METHOD, RESULT, RETURNED, START, AdapterCall, Assign, CallSite, Method, sites_for
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 PACKAGE_DIR = os.path.dirname(HERE)
 PATCH_FILE = os.path.join(HERE, "layer_grad_norms.patch")
+PATCH_RELEASES = ("0.19.8", )  # the releases PATCH_FILE is made for
 TREE = os.path.join(HERE, "tree")
 
 UPSTREAM_PACKAGE = "deepspeed/runtime/layer_grad_norms"
@@ -37,6 +39,22 @@ DOCS_ANCHOR = ("| Enable gradient clipping with value | `1.0`   |\n", "\n", "\n"
                "### ZeRO Optimizations for FP16 Training\n")
 DOCS_ANCHOR_LINE = 448
 DOCS_SECTION = os.path.join(HERE, "config-json-section.md")
+
+
+def deepspeed_version(root: str) -> str:
+    """The release of the DeepSpeed under ``root``: a checkout's version.txt, or the installed package's."""
+    checkout_version = os.path.join(root, "version.txt")
+    if os.path.isfile(checkout_version):
+        with open(checkout_version, encoding="utf-8") as handle:
+            return handle.read().strip()
+    installed = os.path.join(root, "deepspeed", "git_version_info_installed.py")
+    if os.path.isfile(installed):
+        with open(installed, encoding="utf-8") as handle:
+            found = re.search(r"^version\s*=\s*['\"]([^'\"]+)['\"]", handle.read(), re.MULTILINE)
+        if found:
+            return found.group(1)
+    raise ValueError(f"{root}: cannot tell the DeepSpeed release (no version.txt, no "
+                     "deepspeed/git_version_info_installed.py)")
 
 
 def installed_deepspeed_root() -> str:
@@ -205,7 +223,7 @@ def upstream_files(deepspeed_root: str) -> Dict[str, Tuple[Optional[str], str]]:
             path = os.path.join(folder, name)
             files[os.path.relpath(path, TREE).replace(os.sep, "/")] = (None, _read(path))
     by_path: Dict[str, List[CallSite]] = {}
-    for site in CALL_SITES:
+    for site in sites_for(deepspeed_version(deepspeed_root)):
         by_path.setdefault(f"deepspeed/{site.path}", []).append(site)
     for path, sites in by_path.items():
         original = _read(os.path.join(deepspeed_root, path))

@@ -92,34 +92,13 @@ def stub_compression() -> None:
     _applied("stub deepspeed.compression.compress")
 
 
-def no_grad_all_gather() -> None:
-    """DeepSpeed 0.18's ZeRO-1/2 all-gathers the updated parameter partitions into views of a flat
-    buffer (``torch.split``); on CPU with torch 2.13, ``TorchBackend.all_gather_into_tensor`` then fails
-    with "Output 0 of Split is a view and is being modified inplace". The gather runs after the
-    optimizer step, on parameters, never on a gradient that is measured; under ``torch.no_grad()`` it
-    writes the same values without recording autograd history. Applied below 0.19 (seen on 0.18.9;
-    harmless where not needed); 0.19.8 runs without it (its ``all_gather_into_tensor`` goes through
-    ``stage_on_cpu``)."""
-    import deepspeed
+def cpu_compat() -> None:
+    """DeepSpeed's own CPU work-arounds for the installed release (``megatron_integration.cpu_compat``):
+    the same ones the package's tests and demo apply."""
+    from ..cpu_compat import apply_cpu_compat
 
-    if _release(deepspeed.__version__) >= (0, 19):
-        return
-    backend = importlib.import_module("deepspeed.comm.torch").TorchBackend  # the attribute is torch itself
-    backend.all_gather_into_tensor = _under_no_grad(backend.all_gather_into_tensor)
-    _applied("no_grad all_gather_into_tensor")
-
-
-def _release(version: str) -> tuple:
-    return tuple(int(part) for part in version.split("+")[0].split(".")[:2])
-
-
-def _under_no_grad(function: Callable) -> Callable:
-    @functools.wraps(function)
-    def wrapper(*args, **kwargs):
-        with torch.no_grad():
-            return function(*args, **kwargs)
-
-    return wrapper
+    for name in apply_cpu_compat():
+        _applied(name)
 
 
 def contiguous_attention_inputs() -> None:
@@ -190,6 +169,6 @@ def report_grad_norm_without_pipeline() -> None:
     _applied("grad norm reported on the non-pipeline path")
 
 
-BEFORE_FORK_IMPORT = (stub_torchvision, stub_compression, no_grad_all_gather)
+BEFORE_FORK_IMPORT = (stub_torchvision, stub_compression, cpu_compat)
 AFTER_FORK_IMPORT = (contiguous_attention_inputs, layer_norm_accepting_sequence_parallel,
                      report_grad_norm_without_pipeline)

@@ -311,13 +311,15 @@ def test_host_result_does_not_depend_on_threads():
 
 
 def test_stock_path_and_kernel_choice():
-    """The stock path gives accumulate_runs' table; a host partition gets the host kernel, and a dtype the
-    kernels do not take goes to the stock operators."""
+    """The stock path gives accumulate_runs' table; a host partition gets the host kernel (a CUDA one the
+    Triton kernel), and a dtype the kernels do not take goes to the stock operators."""
     flat = gradient(10_000, torch.float32, seed=15)
     runs = random_runs(flat.numel(), 6, 3, seed=16)
     stats = empty_stats(3, "cpu")
     assert torch.equal(fused(STOCK, "cpu", flat, runs, stats, ALL_EXTRA), stock(flat, runs, stats, ALL_EXTRA))
     assert run_table(slices_on(runs, "cpu"), "cpu").kernel == HOST
+    if ON_CUDA:
+        assert run_table(slices_on(runs, "cuda"), "cuda").kernel == TRITON
     wide = flat.double()
     assert torch.equal(fused(HOST, "cpu", wide, runs, stats, ALL_EXTRA), stock(wide, runs, stats, ALL_EXTRA))
 

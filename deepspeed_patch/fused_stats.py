@@ -95,6 +95,9 @@ def accumulate_partition(stats: torch.Tensor, flat: torch.Tensor, table: RunTabl
         raise ValueError(f"layer_grad_norms: a partition of {flat.numel()} elements and a table of "
                          f"{stats.shape[0]} buckets do not fit runs up to element {table.end} and bucket "
                          f"row {table.rows - 1}")
+    if not flat.device == stats.device == table.chunks.device:
+        raise ValueError(f"layer_grad_norms: partition on {flat.device}, statistics on {stats.device}, run "
+                         f"table on {table.chunks.device}: they must be on one device")
     if table.kernel == STOCK or flat.dtype not in KERNEL_DTYPES or not flat.is_contiguous():
         accumulate_runs(stats, table.slices.views(flat), table.slices.buckets, extra)
         return

@@ -330,6 +330,8 @@ def test_mismatched_partition_or_table_is_refused():
         accumulate_partition(empty_stats(3, "cpu"), torch.zeros(99), table)
     with pytest.raises(ValueError, match="do not fit"):
         accumulate_partition(empty_stats(2, "cpu"), torch.zeros(100), table)
+    with pytest.raises(ValueError, match="one device"):
+        accumulate_partition(empty_stats(3, "meta"), torch.zeros(100), table)
     kernel = importlib.import_module("deepspeed_patch.partition_stats_cpu").host_kernel()
     with pytest.raises(RuntimeError, match="outside the partition"):
         kernel(empty_stats(3, "cpu"), torch.zeros(100), torch.tensor([[50, 51, 0]]), 0)

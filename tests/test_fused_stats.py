@@ -297,7 +297,7 @@ def test_fifty_million_elements_triton():
 
 def test_host_result_does_not_depend_on_threads():
     """Threads take ranges of chunks, and rows fold in chunk order: the same bits with 1 or 2 threads."""
-    flat = gradient(300_000, torch.float32, seed=13)
+    flat = gradient(600_000, torch.float32, seed=13)  # enough work for two threads
     runs = random_runs(flat.numel(), 30, 7, seed=14)
     threads = torch.get_num_threads()
     try:

@@ -35,6 +35,8 @@ constexpr int64_t TABLE_COLUMNS = 3;  // start, length, bucket row
 constexpr int64_t WITH_L1 = 1, WITH_SUM = 2, WITH_ZEROS = 4;
 // What a chunk costs beside its elements, in elements: evens out threads over many small chunks.
 constexpr int64_t CHUNK_OVERHEAD = 64;
+// Work (elements) below which one more thread costs more to start and join than it saves.
+constexpr int64_t WORK_PER_THREAD = 1 << 18;
 
 constexpr float INF = std::numeric_limits<float>::infinity();
 constexpr double NAN64 = std::numeric_limits<double>::quiet_NaN();
@@ -94,7 +96,7 @@ inline __attribute__((always_inline)) void chunk_row(const typename In::Raw* dat
     low = std::min(low, value);
     abs_low = std::min(abs_low, magnitude);
     if constexpr (kExtra) {
-      l1 += static_cast<double>(magnitude);
+      l1 += std::fabs(wide);
       sum += wide;
       zeros += value == 0.0f;
     }
@@ -203,7 +205,8 @@ void accumulate_chunks(at::Tensor stats, const at::Tensor& flat, const at::Tenso
   if (count == 0) { return; }
   std::vector<double> rows(count * NUM_COLUMNS);
   const void* data = flat.data_ptr();
-  const int threads = static_cast<int>(std::min<int64_t>(at::get_num_threads(), count));
+  const int threads = static_cast<int>(
+      std::min<int64_t>({at::get_num_threads(), count, 1 + cumulative.back() / WORK_PER_THREAD}));
 #pragma omp parallel num_threads(threads)
   {
     // Thread `part` takes the chunks that end inside the `part`-th equal share of the total cost.

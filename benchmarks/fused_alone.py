@@ -92,7 +92,10 @@ def run(quick: bool, device: str = "cpu") -> Tuple[List[str], dict]:
         "`statistics.accumulate_runs` (today's operators). Fused: `fused_stats.accumulate_partition` with the run "
         "table built at start-up (kernel: `host` C++, `triton`). Every variant ends when its result is ready for "
         f"the host. Median over {rounds} rounds in which every variant runs once in turn; ratios are per round, "
-        "with their interquartile range in brackets. Threads: torch's intra-op threads (host only).", "",
+        "with their interquartile range in brackets. Threads: torch's intra-op threads (host only); on a machine "
+        "shared with other jobs the rows of more than one thread are erratic (a parallel region waits for threads "
+        "that other jobs keep off the cores, for the stock operators as for the fused kernel): read the "
+        "one-thread rows.", "",
         "| elements | buckets | threads | kernel | one read | DeepSpeed norm | stock | fused | fused / one read "
         "| stock / one read | fused / DeepSpeed norm | stock / fused |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",

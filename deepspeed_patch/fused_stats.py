@@ -14,13 +14,15 @@ it has NaN), the sums to float64 rounding (they are accumulated in float64, wher
 takes the squared norm and L1 in the gradient's precision).
 """
 
+import functools
 from dataclasses import dataclass
 from typing import Collection, Optional
 
 import torch
+from deepspeed.utils import logger
 
 from .partition_slices import PartitionSlices
-from .statistics import accumulate_runs
+from .statistics import NUMEL, SUMSQ, accumulate_runs, empty_stats
 
 HOST, TRITON, STOCK = "host", "triton", "stock"
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -70,17 +72,30 @@ def _best_kernel(device: torch.device) -> str:
         from .partition_stats_cpu import host_kernel
 
         return HOST if host_kernel() is not None else STOCK
-    if device.type == "cuda" and _triton_importable():
+    if device.type == "cuda" and _triton_runs(device):
         return TRITON
     return STOCK
 
 
-def _triton_importable() -> bool:
+@functools.lru_cache(maxsize=None)
+def _triton_runs(device: torch.device) -> bool:
+    """Whether the Triton kernel compiles and runs on ``device``: tried once per process, at start-up, on
+    three elements, so that a missing or unusable Triton falls back to the stock operators (with one
+    warning) instead of failing the first measured step."""
     try:
-        import triton  # noqa: F401
-    except ImportError:
+        from .partition_stats_triton import accumulate_chunks
+
+        stats = empty_stats(1, device)
+        accumulate_chunks(stats, torch.ones(3, device=device), torch.tensor([[0, 3, 0]], device=device), 0)
+        if stats[0, NUMEL].item() == 3 and stats[0, SUMSQ].item() == 3:
+            return True
+        raise RuntimeError(f"wrong result {stats.tolist()}")
+    except Exception as error:  # no triton, an unsupported device, a compiler error
+        logger.warning(
+            "layer_grad_norms: the fused statistics kernel for %s is unavailable (%s: %s); using stock "
+            "PyTorch operators instead (slower, same results)", device,
+            type(error).__name__, error)
         return False
-    return True
 
 
 def accumulate_partition(stats: torch.Tensor, flat: torch.Tensor, table: RunTable,
@@ -88,8 +103,9 @@ def accumulate_partition(stats: torch.Tensor, flat: torch.Tensor, table: RunTabl
     """Fold the runs of ``table`` in ``flat`` (this rank's 1-D gradient partition) into ``stats``.
 
     ``extra`` names the statistics of ``EXTRA_STATISTICS`` to compute as well. No host
-    synchronisation on any path but the stock one on an accelerator (one per call, as in
-    ``accumulate_runs``). A partition of another dtype, or not contiguous, takes the stock path.
+    synchronisation, no per-run Python; only the stock path keeps ``accumulate_runs``' own (on an
+    accelerator, its non-finite check and small host-to-device copies). A partition of another dtype,
+    or not contiguous, takes the stock path.
     """
     if flat.dim() != 1 or flat.numel() < table.end or stats.shape[0] < table.rows:
         raise ValueError(f"layer_grad_norms: a partition of {flat.numel()} elements and a table of "

@@ -7,6 +7,7 @@ abs-min and the counts must match both exactly (NaN where NaN); the sums must ma
 float64 rounding and the stock operators to their own (fp32) rounding.
 """
 
+import functools
 import importlib
 import logging
 import math
@@ -19,6 +20,7 @@ from typing import List, Optional, Sequence, Tuple
 import pytest
 import torch
 
+from deepspeed_patch import fused_stats
 from deepspeed_patch.fused_stats import HOST, STOCK, TRITON, accumulate_partition, run_table
 from deepspeed_patch.partition_slices import PartitionSlices, partition_runs, slices_of_runs
 from deepspeed_patch.statistics import (
@@ -362,10 +364,34 @@ def test_missing_compiler_falls_back_with_one_warning(tmp_path):
     assert output.count("could not be built") == 1, output
 
 
-def test_host_kernel_builds_once_per_process(caplog):
+@pytest.fixture
+def warnings_logged(caplog, monkeypatch):
+    """The warnings of DeepSpeed's logger (which does not propagate to pytest's handler by itself)."""
+    from deepspeed.utils import logger
+
+    monkeypatch.setattr(logger, "propagate", True)
+    with caplog.at_level(logging.WARNING):
+        yield lambda: [record.getMessage() for record in caplog.records if record.levelno >= logging.WARNING]
+
+
+def test_host_kernel_builds_once_per_process(warnings_logged):
     """The build is cached: a second request returns the same op without logging anything."""
     module = importlib.import_module("deepspeed_patch.partition_stats_cpu")
     first = module.host_kernel()
-    with caplog.at_level(logging.WARNING):
-        assert module.host_kernel() is first is not None
-    assert not caplog.records
+    assert module.host_kernel() is first is not None
+    assert not warnings_logged()
+
+
+def test_triton_probe(monkeypatch, warnings_logged):
+    """run_table tries the Triton kernel once on a device before choosing it; where it cannot run, the
+    stock operators are chosen with one warning."""
+    if triton_unavailable():
+        pytest.skip(triton_unavailable())
+    probe = fused_stats._triton_runs
+    monkeypatch.setattr(fused_stats, "_triton_runs", functools.lru_cache(maxsize=None)(probe.__wrapped__))
+    assert fused_stats._triton_runs(torch.device(TRITON_DEVICE))
+    monkeypatch.setitem(sys.modules, "deepspeed_patch.partition_stats_triton", None)  # import fails
+    fused_stats._triton_runs.cache_clear()
+    assert not fused_stats._triton_runs(torch.device(TRITON_DEVICE))
+    assert not fused_stats._triton_runs(torch.device(TRITON_DEVICE))
+    assert len([message for message in warnings_logged() if "unavailable" in message]) == 1

@@ -5,8 +5,9 @@
 #
 # 1. Installs what is missing, and nothing else: a CUDA build of torch if python3's torch has no CUDA
 #    (pip install torch==2.13.0: PyPI's Linux wheel is the CUDA build), then this project
-#    (pip install -e ., which brings DeepSpeed 0.19.8 and its requirements). --wheels DIR installs from
-#    a folder of wheels and sdists instead of an index (machines without a network).
+#    (pip install -e ., which brings DeepSpeed 0.19.8 and its requirements), and pytest and triton if
+#    missing. --wheels DIR installs from a folder of wheels and sdists instead of an index (machines
+#    without a network).
 # 2. Runs the kernels' tests on CUDA (tests/test_fused_stats.py: the Triton kernel compiled for the GPU,
 #    10,000 runs and 50M elements included, and the host kernel).
 # 3. Runs the statistics alone, 1M to 500M fp32 elements, 12 to 10,000 buckets: one read, DeepSpeed's
@@ -47,9 +48,13 @@ else
         "$python" -m pip install -q "${pip_from[@]}" torch==2.13.0
         "$python" -c "import torch; assert torch.cuda.is_available(), 'torch sees no CUDA device'"
     fi
-    if ! "$python" -c "import deepspeed_patch, deepspeed, triton" 2>/dev/null; then
+    if ! "$python" -c "import deepspeed_patch, deepspeed" 2>/dev/null; then
         step "installing the project"
-        "$python" -m pip install -q "${pip_from[@]}" -e ".[test]"
+        "$python" -m pip install -q "${pip_from[@]}" -e .
+    fi
+    if ! "$python" -c "import pytest, triton" 2>/dev/null; then  # CUDA builds of torch bring triton
+        step "installing pytest and triton"
+        "$python" -m pip install -q "${pip_from[@]}" pytest triton
     fi
     mkdir -p "$out"
 fi

@@ -93,13 +93,13 @@ def ratio_of(result: Dict[str, float]) -> Dict[str, float]:
     return {key[len("ratio_"):]: value for key, value in result.items() if key.startswith("ratio_")}
 
 
-def write_results(name: str, lines: List[str], data: Optional[dict] = None) -> None:
-    """``results/<name>.md`` and, for the plot, ``results/<name>.json``."""
-    os.makedirs(RESULTS, exist_ok=True)
-    with open(os.path.join(RESULTS, f"{name}.md"), "w", encoding="utf-8") as out:
+def write_results(name: str, lines: List[str], data: Optional[dict] = None, folder: str = RESULTS) -> None:
+    """``<folder>/<name>.md`` and, for the plot, ``<folder>/<name>.json`` (``folder``: ``results/``)."""
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, f"{name}.md"), "w", encoding="utf-8") as out:
         out.write("\n".join(lines) + "\n")
     if data is not None:
-        with open(os.path.join(RESULTS, f"{name}.json"), "w", encoding="utf-8") as out:
+        with open(os.path.join(folder, f"{name}.json"), "w", encoding="utf-8") as out:
             json.dump(data, out, indent=1, default=str)
 
 

@@ -10,6 +10,8 @@ Writes into benchmarks/results/ a Markdown table and a JSON file per part, then 
                       (step_time.py)
 - statistics_alone.md the statistics computation alone against one read of the partition and DeepSpeed's
                       norm, before and after the issue-6 change, and what each pass costs (stats_alone.py)
+- fused_statistics.md the fused kernel beside the stock operators, one read and DeepSpeed's norm, 1M to 50M
+                      elements, 12 to 10,000 buckets (fused_alone.py)
 - scaling.md          cost against layers (4 to 96) and parameters per rank; collectives per measured
                       step against layers (scaling.py)
 - memory.md           extra peak memory against layers and partition size (memory.py)
@@ -23,6 +25,7 @@ of the same run, reported as median and interquartile range. The full run takes 
 import argparse
 import time
 
+import fused_alone
 import memory
 import scaling
 import stats_alone
@@ -43,6 +46,7 @@ def main() -> None:
         write_results("overhead", *step_time.run(args.quick))
     if "stats" in wanted:
         write_results("statistics_alone", *stats_alone.run(args.quick))
+        write_results("fused_statistics", *fused_alone.run(args.quick))
     rank_rows = ()
     if "scaling" in wanted:
         lines, data = scaling.run(args.quick)

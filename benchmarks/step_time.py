@@ -67,9 +67,10 @@ def param_norm_loop(engine) -> None:
     torch.stack([torch.stack([grad.norm(), grad.min(), grad.max()]) for grad in grads]).tolist()
 
 
-def time_call_sites() -> List[float]:
+def time_call_sites(before: Callable[[], None] = lambda: None) -> List[float]:
     """Wrap every adapter method that DeepSpeed calls, to add up the seconds spent in them into the
-    returned one-element list. None of them calls another, so none counts twice."""
+    returned one-element list. None of them calls another, so none counts twice. ``before`` runs ahead
+    of each, untimed (on an accelerator: wait for the work queued before the call)."""
     from deepspeed_patch.adapters.attach import OPTIMIZER_FAMILIES
     from deepspeed_patch.adapters.base import LayerGradNormsAdapter
     from deepspeed_patch.adapters.param_grads import ParamGradAdapter
@@ -80,6 +81,7 @@ def time_call_sites() -> List[float]:
     def timed(original: Callable) -> Callable:
 
         def wrapper(*args, **kwargs):
+            before()
             start = time.perf_counter()
             try:
                 return original(*args, **kwargs)

@@ -1,0 +1,58 @@
+# Copyright (c) Microsoft Corporation.
+# SPDX-License-Identifier: Apache-2.0
+
+# DeepSpeed Team
+"""The host kernel of the fused statistics (``csrc/partition_stats.cpp``), compiled on first use.
+
+``torch.utils.cpp_extension`` builds it with the system's C++ compiler into the user's torch extensions
+cache (``TORCH_EXTENSIONS_DIR``, by default ``~/.cache/torch_extensions``), about ten seconds, once per
+source, flags and torch version: later processes load the cached library. Ranks of one machine that
+ask at the same time wait for the first one's build (``cpp_extension`` locks the build directory).
+The library holds AVX-512, AVX2 and baseline x86-64 versions of the loop and picks one when it is
+loaded, so a cache shared by machines of different kinds stays safe (no ``-march=native``).
+"""
+
+import functools
+import os
+import re
+from typing import Callable, Optional
+
+import torch
+from deepspeed.utils import logger
+
+SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc", "partition_stats.cpp")
+CFLAGS = ["-O3", "-fopenmp"]
+LDFLAGS = ["-fopenmp"]
+
+
+def extension_name() -> str:
+    """The cache entry's name; it carries torch's version, whose ABI the library is built against."""
+    return "layer_grad_norms_partition_stats_torch" + re.sub(r"[^0-9A-Za-z]", "_", torch.__version__)
+
+
+@functools.lru_cache(maxsize=None)
+def host_kernel() -> Optional[Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int], None]]:
+    """The op ``accumulate_chunks(stats, flat, chunks, extra)``, or None when it cannot be built.
+
+    A missing compiler or a failed build is logged once per process; callers then use the stock
+    operators of ``statistics.accumulate_runs``.
+    """
+    from torch.utils import cpp_extension
+
+    if hasattr(torch.ops.layer_grad_norms, "accumulate_chunks"):  # loaded by another copy of this module:
+        return torch.ops.layer_grad_norms.accumulate_chunks  # a second registration would abort the process
+    try:
+        cpp_extension.load(name=extension_name(),
+                           sources=[SOURCE],
+                           extra_cflags=CFLAGS,
+                           extra_ldflags=LDFLAGS,
+                           is_python_module=False,
+                           verbose=False)
+        return torch.ops.layer_grad_norms.accumulate_chunks
+    except Exception as error:  # no compiler, no ninja, a failed build or load: the stock path still works
+        logger.warning(
+            "layer_grad_norms: the fused statistics kernel for the host could not be built (%s: %s); "
+            "using stock PyTorch operators instead (slower, same results)",
+            type(error).__name__,
+            str(error).strip().splitlines()[-1] if str(error).strip() else "")
+        return None

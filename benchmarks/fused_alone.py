@@ -12,7 +12,7 @@ measured step needs it:
   parameters a bucket below 224 buckets, else one a bucket);
 - stock: ``statistics.accumulate_runs``, today's operators (squared norm, ``aminmax``, ``abs`` + ``amin``
   per 2 MiB piece on the host, per 4M-element piece on an accelerator);
-- fused: ``fused_stats.accumulate_partition`` with the run table built at start-up (the host's C++
+- fused: ``statistics.accumulate_partition`` with the run table built at start-up (the host's C++
   kernel, or Triton on CUDA).
 
 On the host the figures are for one thread, then for torch's default, on the shared 2-core machine;
@@ -27,9 +27,8 @@ import torch
 from common import RESULTS, interleaved, machine, ratio_of, times, write_results
 from stats_alone import equal_runs
 
-from deepspeed_patch.fused_stats import accumulate_partition, run_table
 from deepspeed_patch.partition_slices import slices_of_runs
-from deepspeed_patch.statistics import NUM_SUMMED, accumulate_runs, empty_stats
+from deepspeed_patch.statistics import NUM_SUMMED, accumulate_partition, accumulate_runs, empty_stats, run_table
 
 PARAMS_PER_BUCKET = 16
 FEW_BUCKETS = 224  # below this many buckets, each bucket holds PARAMS_PER_BUCKET parameters
@@ -89,7 +88,7 @@ def run(quick: bool, device: str = "cpu") -> Tuple[List[str], dict]:
         "model; 224: per-parameter buckets of a small model; 10,000: `granularity: param` of a large one). One "
         "read: `torch.linalg.vector_norm` of the partition. DeepSpeed norm: one `_foreach_norm` over per-parameter "
         f"views, summed ({PARAMS_PER_BUCKET} parameters a bucket below {FEW_BUCKETS} buckets, else one). Stock: "
-        "`statistics.accumulate_runs` (today's operators). Fused: `fused_stats.accumulate_partition` with the run "
+        "`statistics.accumulate_runs` (today's operators). Fused: `statistics.accumulate_partition` with the run "
         "table built at start-up (kernel: `host` C++, `triton`). Every variant ends when its result is ready for "
         f"the host. Median over {rounds} rounds in which every variant runs once in turn; ratios are per round, "
         "with their interquartile range in brackets. Threads: torch's intra-op threads (host only); on a machine "

@@ -16,9 +16,8 @@ import statistics_before
 import torch
 from common import interleaved, machine, ratio_of, times
 
-from deepspeed_patch.fused_stats import accumulate_partition, run_table
 from deepspeed_patch.partition_slices import slices_of_runs
-from deepspeed_patch.statistics import HOST_PIECE, accumulate_runs, empty_stats
+from deepspeed_patch.statistics import HOST_PIECE, accumulate_partition, accumulate_runs, empty_stats, run_table
 
 NUM_BUCKETS = 14
 PARAMS_PER_BUCKET = 16
@@ -151,8 +150,8 @@ PASS_ROWS = [
     ("abs_min_scratch_piece", f"abs_min: `abs(out=)` into one reused {PIECE_MIB} MiB scratch, `amin` (after)"),
     ("abs_min_norm_neg_inf", "abs_min: `vector_norm(x, -inf)` (no temporary)"),
     ("fused_compiled", "all four in one generated loop (`torch.compile`, not used by the package)"),
-    ("fused_kernel", "**all statistics in one hand-written loop: the fused host kernel** (`fused_stats`, C++; "
-     "see fused_statistics.md)"),
+    ("fused_kernel", "**all statistics in one hand-written loop: the fused host kernel** "
+     "(`statistics.accumulate_partition`, C++; see fused_statistics.md)"),
     ("core_loop", f"the four operators per {PIECE_MIB} MiB piece in a row, bookkeeping aside (after)"),
     ("int32_loop", "idea: `neg(out=scratch)` + `aminmax` of the int32 views of x and -x per piece, with the dot "
      "(all four statistics exactly for finite data; decoding not included)"),
@@ -252,8 +251,9 @@ def explanation(timing: Dict[str, dict], size: int) -> List[str]:
         f"{ratio('abs_min_norm_neg_inf')}; deriving abs-min from min and max is exact only when a bucket has "
         "one sign, which gradients rarely do.",
         f"- Reaching 1.5x needs a fused single-pass kernel (a C++ or CUDA extension, or `torch.compile`): {fused}"
-        "The package's fused kernel (`fused_stats`: C++ and OpenMP on the host, compiled once on first use and "
-        "cached; Triton on an accelerator) reads each element once for every statistic and costs "
+        "The package's fused kernel (`statistics.accumulate_partition`: C++ and OpenMP on the host, compiled "
+        "once on first use and cached; Triton on an accelerator) reads each element once for every statistic "
+        "and costs "
         f"{ratio('fused_kernel')} one read here; fused_statistics.md sets it beside the stock operators from 1M "
         "to 50M elements and 12 to 10,000 buckets.",
         "- On small partitions a fixed cost of some 20 us of Python and dispatch per piece adds up (14 pieces "

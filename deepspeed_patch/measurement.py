@@ -25,7 +25,16 @@ import torch
 from .config import LayerGradNormsConfig
 from .layer_map import LayerMap
 from .on_demand import ControlFile, JsonlDump, SpikeTrigger, rank_of_process
-from .statistics import NUMEL, accumulate_runs, bucket_results, empty_stats, reduce_stats, total_norm
+from .statistics import (
+    NUMEL,
+    RunTable,
+    accumulate_partition,
+    accumulate_runs,
+    bucket_results,
+    empty_stats,
+    reduce_stats,
+    total_norm,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -64,14 +73,22 @@ class Measurement:
                 "on all ranks after this step, training goes on", what, self.step)
             self.failed = True
 
+    def observe_partition(self, group_index: int, flat_grad: torch.Tensor, table: RunTable) -> None:
+        """Fold in one parameter group's flat gradient partition, laid out as ``table`` says (once per group)."""
+        if self._wanted(group_index):
+            accumulate_partition(self.stats, flat_grad, table, self.extra)
+            self.observed.add(group_index)
+
     def observe(self, group_index: int, runs: Sequence[torch.Tensor], buckets: torch.Tensor) -> None:
         """Fold in one parameter group's gradient, as 1-D tensors ``runs`` in ``buckets`` (once per group)."""
+        if self._wanted(group_index):
+            accumulate_runs(self.stats, runs, buckets, self.extra)
+            self.observed.add(group_index)
+
+    def _wanted(self, group_index: int) -> bool:
         if self.finished:
             raise RuntimeError(f"layer_grad_norms: step {self.step} is finished; nothing more can be observed")
-        if self.failed or group_index in self.observed:
-            return
-        accumulate_runs(self.stats, runs, buckets, self.extra)
-        self.observed.add(group_index)
+        return not self.failed and group_index not in self.observed
 
     def set_gradient_scale(self, loss_scale: float) -> None:
         """The loss scale the observed gradients carry; the pre-clip statistics are divided by it."""
@@ -96,8 +113,8 @@ class Measurement:
         complete = not self.failed and len(self.observed) == self.num_groups
         status = torch.zeros((1, self.stats.shape[1]), dtype=self.stats.dtype, device=self.stats.device)
         status[0, NUMEL] = 0.0 if complete else 1.0
-        stats = reduce_stats(torch.cat([self.stats, status]), group)
-        if stats[-1, NUMEL].item() > 0:
+        stats = reduce_stats(torch.cat([self.stats, status]), group).cpu()  # the step's one host sync
+        if stats[-1, NUMEL] > 0:
             return None
         if self.clip_norm:
             self.applied_scale = 1.0 / min(1.0, self.clip_norm / (total_norm(stats[:-1]) + 1e-6))

@@ -105,21 +105,17 @@ def collectives_per_step(block: Dict[str, Any], steps: int) -> List[int]:
     return counts
 
 
-class BrokenSlices:
-    """Stands in for one rank's partition slices and fails from the second measured step on."""
+def failing_from_the_second_call(function):
+    """``function``, raising from its second call on: a measurement that breaks after one good step."""
+    calls = [0]
 
-    def __init__(self, slices) -> None:
-        self.slices, self.calls = slices, 0
-
-    def views(self, flat_partition):
-        self.calls += 1
-        if self.calls > 1:
+    def wrapper(*args, **kwargs):
+        calls[0] += 1
+        if calls[0] > 1:
             raise RuntimeError("injected failure")
-        return self.slices.views(flat_partition)
+        return function(*args, **kwargs)
 
-    @property
-    def buckets(self):
-        return self.slices.buckets
+    return wrapper
 
 
 def failure_on_one_rank(steps: int) -> Dict[str, Any]:
@@ -127,9 +123,10 @@ def failure_on_one_rank(steps: int) -> Dict[str, Any]:
     from deepspeed import comm as dist
 
     engine = initialize(base_config(layer_grad_norms={"enabled": True}))
-    adapter = engine.optimizer.layer_grad_norms
+    from deepspeed_patch import measurement
+
     if dist.get_rank() == dist.get_world_size() - 1:
-        adapter.slices[0] = BrokenSlices(adapter.slices[0])
+        measurement.accumulate_partition = failing_from_the_second_call(measurement.accumulate_partition)
     record = {"losses": [], "measured": []}
     for step in range(steps):
         loss = engine(synthetic_batch(TinyGPTConfig(), 2, seed=step))

@@ -88,7 +88,9 @@ def test_config_defaults():
     assert (config.enabled, config.layers, config.interval, config.layer_pattern) == (False, None, 1, None)
 
 
-def test_install_is_idempotent_and_checks_the_deepspeed_version(monkeypatch):
+def test_install_is_idempotent_and_checks_the_deepspeed_release(monkeypatch, caplog):
+    import logging
+
     import deepspeed
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
@@ -98,8 +100,17 @@ def test_install_is_idempotent_and_checks_the_deepspeed_version(monkeypatch):
     step = DeepSpeedZeroOptimizer.step
     deepspeed_patch.install()
     assert DeepSpeedZeroOptimizer.step is step  # not wrapped twice
-    monkeypatch.setattr(deepspeed, "__version__", "0.18.0")
-    with pytest.raises(RuntimeError, match="supports DeepSpeed 0.19.8; found 0.18.0"):
+    for outside in ("0.13.2", "0.20.0", "1.0.0"):
+        monkeypatch.setattr(deepspeed, "__version__", outside)
+        with pytest.raises(RuntimeError, match=rf"supports DeepSpeed >=0.14,<0.20 .*; found {outside}"):
+            deepspeed_patch.install()
+    monkeypatch.setattr(deepspeed, "__version__", "0.18.3")
+    with caplog.at_level(logging.WARNING, logger="deepspeed_patch"):
+        deepspeed_patch.install()
+    assert "not tested on DeepSpeed 0.18.3; the last tested release of its line is 0.18.9" in caplog.text
+    monkeypatch.delattr(DeepSpeedZeroOptimizer, "_update_scale")
+    with pytest.raises(RuntimeError, match=r"cannot hook into DeepSpeed 0.18.3: no method "
+                       r"deepspeed.runtime.zero.stage_1_and_2.DeepSpeedZeroOptimizer._update_scale"):
         deepspeed_patch.install()
 
 

@@ -27,7 +27,7 @@ import torch
 from ..config import LayerGradNormsConfig
 from ..layer_map import LayerMap
 from ..measurement import Measurement, Schedule
-from ..partition_slices import PartitionSlices
+from ..statistics import RunTable
 
 BucketOf = Callable[[torch.nn.Parameter], Optional[int]]
 
@@ -122,16 +122,10 @@ class LayerGradNormsAdapter:
         self.schedule.set_options(enabled=enabled, interval=interval, layers=layers)
 
 
-def observe_partition(measurement: Measurement, group_index: int, slices: PartitionSlices,
-                      flat_grad: torch.Tensor) -> None:
-    """Fold in one parameter group's flat gradient partition, laid out as ``slices`` says."""
-    measurement.observe(group_index, slices.views(flat_grad), slices.buckets)
-
-
-def observe_chunks(measurement: Measurement, group_index: int, slices: PartitionSlices,
+def observe_chunks(measurement: Measurement, group_index: int, table: RunTable,
                    chunks: Sequence[torch.Tensor]) -> None:
-    """The same for a partition still held as per-parameter pieces laid end to end: no copy of it."""
-    measurement.observe(group_index, *slices.chunked_views(chunks))
+    """Fold in a partition still held as per-parameter pieces laid end to end: no copy of it."""
+    measurement.observe(group_index, *table.slices.chunked_views(chunks))
 
 
 def group_of(partitions: Sequence[torch.Tensor], flat_grad: torch.Tensor) -> int:

@@ -15,7 +15,8 @@ from deepspeed import comm as dist
 
 from ..measurement import Measurement
 from ..partition_slices import PartitionSlices, back_to_back_ranges, partition_runs, slices_of_runs
-from .base import LayerGradNormsAdapter, Setup, observe_partition
+from ..statistics import run_table
+from .base import LayerGradNormsAdapter, Setup
 
 
 class BF16Adapter(LayerGradNormsAdapter):
@@ -24,8 +25,10 @@ class BF16Adapter(LayerGradNormsAdapter):
     def __init__(self, optimizer, setup: Setup) -> None:
         self.optimizer = optimizer
         device = optimizer.fp32_groups_gradients_flat[0].device
-        self.slices = [self._group_slices(index, setup, device) for index in range(len(optimizer.bf16_groups))]
-        super().__init__(setup, len(self.slices), device)
+        self.tables = [
+            run_table(self._group_slices(index, setup, device), device) for index in range(len(optimizer.bf16_groups))
+        ]
+        super().__init__(setup, len(self.tables), device)
 
     @staticmethod
     def handles(optimizer) -> bool:
@@ -48,7 +51,7 @@ class BF16Adapter(LayerGradNormsAdapter):
 
     def read_at_begin(self, measurement: Measurement) -> None:
         for index, flat_grad in enumerate(self.optimizer.fp32_groups_gradient_flat_partition):
-            observe_partition(measurement, index, self.slices[index], flat_grad)
+            measurement.observe_partition(index, flat_grad, self.tables[index])
 
     def read_at_end(self, measurement: Measurement, overflow: bool) -> None:
         if not overflow:

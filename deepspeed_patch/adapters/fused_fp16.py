@@ -22,7 +22,8 @@ import torch
 from packaging.version import Version
 
 from ..partition_slices import back_to_back_ranges, partition_runs, slices_of_runs
-from .base import LayerGradNormsAdapter, Setup, group_of, observe_chunks, observe_partition
+from ..statistics import run_table
+from .base import LayerGradNormsAdapter, Setup, group_of, observe_chunks
 
 # Whether the fp16 loss reached backward multiplied by the optimizer's loss scale (``cur_scale``).
 LOSS_SCALED_BY_OPTIMIZER = Version(Version(deepspeed.__version__).base_version) < Version("0.18")
@@ -34,11 +35,12 @@ class FusedFP16Adapter(LayerGradNormsAdapter):
     def __init__(self, optimizer, setup: Setup) -> None:
         self.optimizer = optimizer
         device = optimizer.fp32_groups_flat[0].device
-        self.slices = [
-            slices_of_runs(partition_runs(back_to_back_ranges(params, setup.bucket_of), 0, flat.numel()), device)
-            for params, flat in zip(optimizer.fp16_groups, optimizer.fp32_groups_flat)
+        self.tables = [
+            run_table(
+                slices_of_runs(partition_runs(back_to_back_ranges(params, setup.bucket_of), 0, flat.numel()), device),
+                device) for params, flat in zip(optimizer.fp16_groups, optimizer.fp32_groups_flat)
         ]
-        super().__init__(setup, len(self.slices), device)
+        super().__init__(setup, len(self.tables), device)
 
     @staticmethod
     def handles(optimizer) -> bool:
@@ -58,7 +60,7 @@ class FusedFP16Adapter(LayerGradNormsAdapter):
         with measurement.guarded("reading the fp32 gradients"):
             for flat_grad in grad_groups_flat:
                 index = group_of(self.optimizer.fp32_groups_flat, flat_grad)
-                observe_partition(measurement, index, self.slices[index], flat_grad)
+                measurement.observe_partition(index, flat_grad, self.tables[index])
 
     def skip_step(self) -> None:
         """Top of ``_skip_invalid_grad_norm`` (0.19): a skipped step's gradients, before they are dropped."""
@@ -83,9 +85,9 @@ class FusedFP16Adapter(LayerGradNormsAdapter):
         for index, params in enumerate(self.optimizer.fp16_groups):
             flat_grad = self.optimizer.fp32_groups_flat[index].grad
             if flat_grad is not None:
-                observe_partition(measurement, index, self.slices[index], flat_grad)
+                measurement.observe_partition(index, flat_grad, self.tables[index])
             else:
-                observe_chunks(measurement, index, self.slices[index], [grad_or_zeros(param) for param in params])
+                observe_chunks(measurement, index, self.tables[index], [grad_or_zeros(param) for param in params])
 
     def overflow(self) -> bool:
         return bool(self.optimizer.overflow)

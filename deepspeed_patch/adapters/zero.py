@@ -20,7 +20,8 @@ import torch
 from deepspeed import comm as dist
 
 from ..partition_slices import PartitionSlices, partition_runs, slices_of_runs
-from .base import LayerGradNormsAdapter, Setup, group_of, observe_chunks, observe_partition
+from ..statistics import RunTable, run_table
+from .base import LayerGradNormsAdapter, Setup, group_of, observe_chunks
 
 
 class ZeroAdapter(LayerGradNormsAdapter):
@@ -29,8 +30,10 @@ class ZeroAdapter(LayerGradNormsAdapter):
     def __init__(self, optimizer, setup: Setup) -> None:
         self.optimizer = optimizer
         device = optimizer.single_partition_of_fp32_groups[0].device
-        self.slices = [self._group_slices(index, setup, device) for index in range(len(optimizer.bit16_groups))]
-        super().__init__(setup, len(self.slices), device)
+        self.tables = [
+            run_table(self._group_slices(index, setup, device), device) for index in range(len(optimizer.bit16_groups))
+        ]
+        super().__init__(setup, len(self.tables), device)
 
     @staticmethod
     def handles(optimizer) -> bool:
@@ -71,7 +74,7 @@ class ZeroAdapter(LayerGradNormsAdapter):
         with measurement.guarded("reading the gradient partition"):
             flat_grad = grad_groups_flat[0]
             index = group_of(optimizer.single_partition_of_fp32_groups, flat_grad)
-            observe_partition(measurement, index, self.slices[index], flat_grad)
+            measurement.observe_partition(index, flat_grad, self.tables[index])
             measurement.set_applied_scale(
                 zero_unscale_divisor(total_norm, optimizer.clip_grad, optimizer.loss_scale, INVALID_NORM_ZEROES))
 
@@ -84,22 +87,22 @@ class ZeroAdapter(LayerGradNormsAdapter):
         with measurement.guarded("reading a skipped step's gradients"):
             measurement.set_gradient_scale(self.optimizer.loss_scale)
             if has_overflow:
-                for index, slices in enumerate(self.slices):
-                    self._observe_skipped(measurement, index, slices)
+                for index, table in enumerate(self.tables):
+                    self._observe_skipped(measurement, index, table)
 
-    def _observe_skipped(self, measurement, index: int, slices: PartitionSlices) -> None:
+    def _observe_skipped(self, measurement, index: int, table: RunTable) -> None:
         """Group ``index``'s gradient on a skipped step: the offloaded fp32 partition, the flat partition a
         pre-flattening pass left, or the per-parameter pieces (fp16) the partition would be built from."""
         optimizer = self.optimizer
         if optimizer.cpu_offload:
-            observe_partition(measurement, index, slices, optimizer.single_partition_of_fp32_groups[index].grad)
+            measurement.observe_partition(index, optimizer.single_partition_of_fp32_groups[index].grad, table)
             return
         pieces = optimizer.averaged_gradients[index]
         flat = getattr(pieces, "flat_partition", None)
         if flat is not None:
-            observe_partition(measurement, index, slices, flat.view(-1))
+            measurement.observe_partition(index, flat.view(-1), table)
         else:
-            observe_chunks(measurement, index, slices, pieces)
+            observe_chunks(measurement, index, table, pieces)
 
     def overflow(self) -> bool:
         return bool(self.optimizer.overflow)

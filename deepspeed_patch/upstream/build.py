@@ -31,6 +31,8 @@ UPSTREAM_PACKAGE = "deepspeed/runtime/layer_grad_norms"
 NOT_UPSTREAM = ("__init__.py", "hooks.py")
 IMPORT_LINE = "from deepspeed.runtime import layer_grad_norms"
 LICENSE = "# Copyright (c) Microsoft Corporation.\n# SPDX-License-Identifier: Apache-2.0\n\n# DeepSpeed Team\n"
+CPP_LICENSE = LICENSE.replace("# ", "// ")
+SOURCE_SUFFIXES = {".py": LICENSE, ".cpp": CPP_LICENSE}  # the package's files that go upstream, by their header
 
 # Where the docs section goes on DeepSpeed's config-json page: after "Gradient Clipping". Only these
 # lines are known here (the docs are not in the release's package); git apply finds them by content.
@@ -70,13 +72,14 @@ def _read(path: str) -> str:
 
 
 def upstream_modules() -> List[str]:
-    """The package's modules that go upstream, as paths relative to the package."""
+    """The package's modules (and the C++ source of its host kernel) that go upstream, as paths relative to
+    the package."""
     found = []
     for folder, dirs, names in os.walk(PACKAGE_DIR):
         dirs[:] = sorted(name for name in dirs if name not in ("upstream", "__pycache__"))
         for name in sorted(names):
             relative = os.path.relpath(os.path.join(folder, name), PACKAGE_DIR).replace(os.sep, "/")
-            if name.endswith(".py") and relative not in NOT_UPSTREAM:
+            if os.path.splitext(name)[1] in SOURCE_SUFFIXES and relative not in NOT_UPSTREAM:
                 found.append(relative)
     return found
 
@@ -215,7 +218,7 @@ def upstream_files(deepspeed_root: str) -> Dict[str, Tuple[Optional[str], str]]:
     files: Dict[str, Tuple[Optional[str], str]] = {}
     for name in upstream_modules():
         text = _read(os.path.join(PACKAGE_DIR, name))
-        if not text.startswith(LICENSE):
+        if not text.startswith(SOURCE_SUFFIXES[os.path.splitext(name)[1]]):
             raise ValueError(f"deepspeed_patch/{name} lacks DeepSpeed's license header")
         files[f"{UPSTREAM_PACKAGE}/{name}"] = (None, text)
     for folder, _, names in os.walk(TREE):

@@ -96,6 +96,12 @@ class EmbeddingPipe(nn.Module):
         self.embed = nn.Embedding(config.vocab_size, config.hidden)
         self.pos_embed = nn.Embedding(config.seq_len, config.hidden)
 
+    @property
+    def embed_weight(self) -> nn.Parameter:
+        """The weight the head ties to, by an attribute name as Megatron's ``word_embeddings_weight``
+        (DeepSpeed before 0.15 cannot tie a dotted path such as ``embed.weight``)."""
+        return self.embed.weight
+
     def forward(self, inputs: torch.Tensor) -> torch.Tensor:
         return self.embed(inputs) + self.pos_embed(torch.arange(inputs.shape[1], device=inputs.device))
 
@@ -105,7 +111,7 @@ def _identity(x: torch.Tensor) -> torch.Tensor:
 
 
 def _tied_logits(embedding: EmbeddingPipe, hidden: torch.Tensor) -> torch.Tensor:
-    return F.linear(hidden, embedding.embed.weight)
+    return F.linear(hidden, embedding.embed_weight)
 
 
 def _lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -124,9 +130,9 @@ def tiny_gpt_pipe_specs(config: TinyGPTConfig, first_layer_index: int = 3) -> li
     if first_layer_index not in (2, 3):
         raise ValueError(f"first_layer_index={first_layer_index}: expected 2 or 3")
     if config.tie_embeddings:
-        embedding = TiedLayerSpec("embed", EmbeddingPipe, config, tied_weight_attr=["embed.weight"])
+        embedding = TiedLayerSpec("embed", EmbeddingPipe, config, tied_weight_attr=["embed_weight"])
         head = TiedLayerSpec("embed", EmbeddingPipe, config, forward_fn=_tied_logits,
-                             tied_weight_attr=["embed.weight"])
+                             tied_weight_attr=["embed_weight"])
     else:
         embedding = LayerSpec(EmbeddingPipe, config)
         head = LayerSpec(nn.Linear, config.hidden, config.vocab_size, bias=False)

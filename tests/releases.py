@@ -10,6 +10,11 @@ RELEASE = Version(Version(deepspeed.__version__).base_version)
 # multiplies it by the loss scale; from 0.18 on only ZeRO optimizers scale it (scale_if_loss).
 STAGE0_LOSS_CARRIES_SCALE = RELEASE < Version("0.18")
 
-# engine._do_optimizer_sanity_check: before 0.17, bf16 without ZeRO (bf16 gradient accumulation) runs
-# BF16_Optimizer; from 0.17 on, FP16_UnfusedOptimizer (or FP16_Optimizer with FusedAdam).
-BF16_WITHOUT_ZERO_UNFUSED = "BF16_Optimizer" if RELEASE < Version("0.17") else "FP16_UnfusedOptimizer"
+
+
+def bf16_without_zero(fused: bool) -> str:
+    """The optimizer bf16 without ZeRO runs (engine._do_optimizer_sanity_check): BF16_Optimizer before 0.17;
+    from 0.17 on FP16_Optimizer with DeepSpeed's FusedAdam, FP16_UnfusedOptimizer with a torch optimizer."""
+    if RELEASE < Version("0.17"):
+        return "BF16_Optimizer"
+    return "FP16_Optimizer" if fused else "FP16_UnfusedOptimizer"

@@ -12,7 +12,7 @@ import torch
 
 from megatron_integration.cpu_launch import launch
 from reference import STATS, TOLERANCE, assert_close_stats, reference_bucket
-from releases import BF16_WITHOUT_ZERO_UNFUSED, STAGE0_LOSS_CARRIES_SCALE
+from releases import STAGE0_LOSS_CARRIES_SCALE, bf16_without_zero
 from zero_workers import run_cases
 
 OFFLOAD = {"offload_optimizer": {"device": "cpu"}}
@@ -226,9 +226,14 @@ def test_frozen_parameters_excluded_and_tied_weight_counted_once():
 def test_each_case_exercises_the_intended_optimizer():
     for world_size, name in ALL_CASES:
         record, _ = case_result(world_size, name)
-        expected = ("BF16_Optimizer" if "bf16_optimizer" in name else BF16_WITHOUT_ZERO_UNFUSED if
-                    "bf16_unfused" in name else "FP16_UnfusedOptimizer" if "unfused" in name else "FP16_Optimizer"
-                    if "fused" in name else "SGD" if name.startswith("z0") else "DeepSpeedZeroOptimizer")
+        case = CASES[world_size][name]
+        if "bf16_optimizer" in name:
+            expected = "BF16_Optimizer"
+        elif case["stage"] == 0 and case.get("dtype") == "bf16":
+            expected = bf16_without_zero(fused=case.get("fused", False))
+        else:
+            expected = ("FP16_UnfusedOptimizer" if "unfused" in name else "FP16_Optimizer" if "fused" in name
+                        else "SGD" if case["stage"] == 0 else "DeepSpeedZeroOptimizer")
         assert record["on"]["optimizer"] == expected, name
 
 

@@ -1,67 +1,125 @@
 """Per-layer gradient norms in Megatron's training log and TensorBoard.
 
 ``log_layer_grad_norms`` is called once per iteration from the training loop. On iterations the
-statistics were measured it writes, on the rank that owns the TensorBoard writer, one scalar per
-layer, phase (pre-/post-clip) and statistic, against iteration and, as the forks do for their other
-scalars, also "vs samples" and "vs tokens"; and it returns a compact field for the stdout log line.
-On other iterations it returns at once: no collective, no work.
+statistics were measured it writes, on the rank that owns the TensorBoard writer, one run per layer
+(``layer-grad-norms/layer00``, beside the writer's own run) holding one scalar per phase (pre-/post-clip)
+and statistic, against the iteration (names in ``deepspeed_patch.tags``); and it returns a compact
+field for the stdout log line. On other iterations it returns at once: no collective, no work.
+
+Against the iteration only: Megatron-DeepSpeed writes its headline scalars (loss, learning rate,
+grad-norm) also ``vs samples`` and ``vs tokens``, but its per-component diagnostics (timers,
+throughput, memory) against the iteration alone, and these statistics are such diagnostics: a
+``vs`` copy would triple the cards while ``steps-vs-samples`` already maps iterations to samples.
 """
 
 import argparse
+import math
 import re
-from typing import Dict, Hashable, Iterable, List, Optional
+from dataclasses import dataclass
+from typing import Dict, Hashable, Iterable, List, Optional, Tuple
 
-from deepspeed_patch.layer_map import bucket_label
+from deepspeed_patch.tags import (
+    LOGGED_PHASES,
+    LOGGED_STATISTICS,
+    OUTSIDE_LAYERS_ROOT,
+    TAG_ROOT,
+    phase_label,
+    run_name,
+    scalar_tag,
+)
 
 from .arguments import layer_grad_norms_interval
+from .bucket_runs import bucket_runs
 
-PHASES = ("pre_clip", "post_clip")
-STATISTICS = ("norm", "min", "max")
-TAG_ROOT = "layer-grad-norms"
-
-
-def scalar_tag(phase: str, statistic: str, key: Hashable) -> str:
-    return f"{TAG_ROOT}/{phase.replace('_', '-')}/{statistic}/{bucket_label(key)}"
+_LAYER_INDEX = re.compile(r"(?:^|\.)(\d+)(?:\.|$)")
 
 
-def parameter_family(key: Hashable) -> Optional[str]:
-    """What a finer bucket is, whatever its layer: ``mlp.fc2.weight`` for ``layers.3.mlp.fc2.weight``."""
-    match = re.search(r"(?:^|\.)\d+\.(.+)$", key) if isinstance(key, str) else None
-    return match.group(1) if match else None
+def layer_and_family(key: Hashable) -> Tuple[Optional[int], Optional[str]]:
+    """Where a finer bucket (``granularity: param`` or ``group_by``) lies: ``(3, "mlp.fc2.weight")`` for
+    ``layers.3.mlp.fc2.weight``, ``(3, "dense_4h_to_h")`` for ``3.dense_4h_to_h``, ``(None, None)``
+    for a bucket with no layer index in its name."""
+    match = _LAYER_INDEX.search(key) if isinstance(key, str) else None
+    if match is None:
+        return None, None
+    return int(match.group(1)), key[match.end():] or None
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where one bucket's statistics go: the run, the root of its tags, and the name the tags end with
+    (a finer bucket's part of its layer; ``None`` for a whole bucket)."""
+
+    run: str
+    root: str
+    name: Optional[str]
+    layer: Optional[int]
+
+    def tag(self, phase: str, statistic: str) -> str:
+        return scalar_tag(phase, statistic, self.name, root=self.root)
+
+
+def placements(keys: Iterable[Hashable]) -> Dict[Hashable, Placement]:
+    """Each bucket's place: a layer in its layer's run under ``layer-grad-norms``, finer buckets in the
+    run of the layer their name carries (when no bucket is a whole layer), any other bucket in a run of
+    its own under ``non-layer-grad-norms``, so that it shares no chart, nor its colours, with the layers."""
+    keys = list(keys)
+    finer = not any(isinstance(key, int) for key in keys)
+    placed = {}
+    for key in keys:
+        layer, family = (key, None) if isinstance(key, int) else layer_and_family(key) if finer else (None, None)
+        if layer is None:
+            placed[key] = Placement(run_name(key), OUTSIDE_LAYERS_ROOT, None, None)
+        else:
+            placed[key] = Placement(run_name(layer), TAG_ROOT, family, layer)
+    return placed
 
 
 def custom_scalars_layout(keys: Iterable[Hashable] = ()) -> Dict[str, Dict[str, List]]:
-    """One multi-line chart per phase and statistic where the selected layers share it (NormFormer's
-    figure); with per-parameter or group_by buckets, one more chart per parameter family."""
+    """For the Custom Scalars tab: one multi-line chart per phase and statistic, the selected layers
+    together (NormFormer's figure); one more per part of a layer with finer buckets, and per phase for
+    the buckets outside the layers."""
+    placed = placements(keys).values()
+    names = sorted({place.name for place in placed if place.name is not None})
     layout = {}
-    for phase in PHASES:
-        tag_phase = phase.replace("_", "-")
-        layout[f"{TAG_ROOT} {tag_phase}"] = {
-            statistic: ["Multiline", [rf"^{TAG_ROOT}/{tag_phase}/{statistic}/layer\d+$"]] for statistic in STATISTICS
-        }
-        for family in sorted({parameter_family(key) for key in keys} - {None}):
-            layout[f"{TAG_ROOT} {tag_phase}: {family}"] = {
-                statistic: ["Multiline", [rf"^{TAG_ROOT}/{tag_phase}/{statistic}/(.*\.)?\d+\.{re.escape(family)}$"]]
-                for statistic in STATISTICS
-            }
+    for phase in LOGGED_PHASES:
+        title = f"{TAG_ROOT} {phase_label(phase)}"
+        layout[title] = _charts(phase, None, TAG_ROOT)
+        for name in names:
+            layout[f"{title}: {name}"] = _charts(phase, name, TAG_ROOT)
+        if any(place.root == OUTSIDE_LAYERS_ROOT for place in placed):
+            layout[f"{OUTSIDE_LAYERS_ROOT} {phase_label(phase)}"] = _charts(phase, None, OUTSIDE_LAYERS_ROOT)
     return layout
 
 
-def write_tensorboard(writer, stats: Dict, iteration: int, args: argparse.Namespace) -> None:
-    """Every selected bucket's statistics, against iteration, samples and (where counted) tokens."""
-    if not getattr(writer, "_layer_grad_norms_layout", False):
+def _charts(phase: str, name: Optional[str], root: str) -> Dict[str, List]:
+    return {
+        statistic: ["Multiline", [f"^{re.escape(scalar_tag(phase, statistic, name, root=root))}$"]]
+        for statistic in LOGGED_STATISTICS
+    }
+
+
+def drawable(value: float) -> float:
+    """``value``, or NaN for an infinite one (an fp16 overflow's pre-clip statistics): TensorBoard marks a
+    NaN point with a triangle and draws on; an infinite point it leaves unmarked, a gap in the line, and
+    its SVG renderer draws nothing of the line after it."""
+    return value if math.isfinite(value) else math.nan
+
+
+def write_tensorboard(writer, stats: Dict, iteration: int) -> None:
+    """Every selected bucket's statistics into its run, against the iteration, then flush those runs."""
+    runs = bucket_runs(writer)
+    placed = placements(stats["pre_clip"])
+    if not runs.layout_written:
         writer.add_custom_scalars(custom_scalars_layout(stats["pre_clip"]))
-        writer._layer_grad_norms_layout = True
-    axes = [("", iteration)]
-    if getattr(args, "consumed_train_samples", None) is not None:
-        axes.append((" vs samples", args.consumed_train_samples))
-    if getattr(args, "consumed_train_tokens", None) is not None:
-        axes.append((" vs tokens", args.consumed_train_tokens))
-    for phase in PHASES:
+        runs.layout_written = True
+    for place in sorted(placed.values(), key=lambda place: (place.layer is None, place.layer or 0)):
+        runs.writer(place.run)  # layers first: TensorBoard colours runs in the order they start
+    for phase in LOGGED_PHASES:
         for key, values in (stats[phase] or {}).items():
-            for statistic in STATISTICS:
-                for suffix, step in axes:
-                    writer.add_scalar(scalar_tag(phase, statistic, key) + suffix, values[statistic], step)
+            place = placed[key]
+            for statistic in LOGGED_STATISTICS:
+                runs.writer(place.run).add_scalar(place.tag(phase, statistic), drawable(values[statistic]), iteration)
+    runs.flush()
 
 
 def log_string_field(stats: Dict) -> str:
@@ -82,7 +140,7 @@ def log_layer_grad_norms(engine, iteration: int, writer, args: argparse.Namespac
     if stats is None or stats["step"] != iteration:
         return ""
     if writer is not None:
-        write_tensorboard(writer, stats, iteration, args)
+        write_tensorboard(writer, stats, iteration)
     if iteration % getattr(args, "log_interval", 1):
         return ""
     return log_string_field(stats)

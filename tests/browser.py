@@ -32,10 +32,12 @@ CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic
                   "--hide-scrollbars", "--remote-debugging-pipe"]
 TIMEOUT_S = 60
 
-# Every scalar card of the Time Series tab: its tag, the colours of its lines (the smoothed ones, drawn
-# opaque; the raw ones are drawn at 0.25 opacity) and the runs and colours of its table, its legend.
+# Every scalar card of the Time Series tab: its tag, whether it is in view, the colours of its lines (the
+# smoothed ones, drawn opaque; the raw ones are drawn at 0.25 opacity) and the runs and colours of its
+# table, its legend.
 CARDS_JS = """JSON.stringify(Array.from(document.querySelectorAll('scalar-card')).map(card => ({
   tag: card.querySelector('tb-truncated-path').getAttribute('title'),
+  in_view: card.getBoundingClientRect().top < window.innerHeight,
   lines: Array.from(card.querySelectorAll('line-chart path')).filter(p => p.style.opacity === '1')
     .map(p => p.style.stroke),
   legend: Array.from(card.querySelectorAll('tb-data-table-content-row')).map(row => ({
@@ -181,39 +183,40 @@ def _high_pipe():
     return high
 
 
-def time_series_cards(browser: Chromium, url: str, expected_lines: Dict[str, int]) -> List[Dict[str, Any]]:
-    """Open the Time Series tab (lines drawn as SVG) and wait until the cards named in
-    ``expected_lines`` draw that many lines; returns every card."""
-    browser.open(url + "?forceSVG=true#timeseries")
-
-    def drawn():
-        cards = json.loads(browser.evaluate(CARDS_JS) or "[]")
-        lines = {card["tag"]: len(card["lines"]) for card in cards}
-        return cards if all(lines.get(tag, 0) >= count for tag, count in expected_lines.items()) else None
-
-    return _wait_for(drawn, f"the cards {sorted(expected_lines)} to draw their lines")
+def cards(browser: Chromium) -> List[Dict[str, Any]]:
+    return json.loads(browser.evaluate(CARDS_JS) or "[]")
 
 
 def show_legends(browser: Chromium, tags: List[str]) -> None:
     """Close the settings pane and expand the tables (legends) of the cards of ``tags``."""
-    browser.evaluate("document.querySelector('[aria-label=\"Close side pane\"]')?.click()")
+    browser.evaluate("""document.querySelector('[aria-label="Close side pane"]')?.click()""")
     for tag in tags:
         browser.evaluate(f"""Array.from(document.querySelectorAll('scalar-card'))
             .filter(card => card.querySelector('tb-truncated-path').getAttribute('title') === {json.dumps(tag)})
             .forEach(card => card.querySelector('[aria-label="Expand Table"]')?.click())""")
 
 
-def screenshot_time_series(url: str, path: str, expected_lines: Dict[str, int], width: int = 1400,
+def screenshot_time_series(url: str, path: str, expected_lines: Dict[str, int], width: int = 1200,
                            height: int = 1000) -> List[Dict[str, Any]]:
-    """The Time Series tab of the TensorBoard at ``url`` as a PNG, the legends of the cards in
-    ``expected_lines`` shown; returns the cards as drawn."""
+    """The Time Series tab of the TensorBoard at ``url`` (lines drawn as SVG) as a PNG, once the cards
+    of ``expected_lines`` draw that many lines, their legends shown, and every card in view draws its
+    lines; returns the cards as drawn."""
     browser = Chromium(width, height)
     try:
-        cards = time_series_cards(browser, url, expected_lines)
+        browser.open(url + "?forceSVG=true#timeseries")
+        _wait_for(lambda: set(expected_lines) <= {card["tag"] for card in cards(browser)}, "the cards to appear")
         show_legends(browser, list(expected_lines))
+
+        def drawn():
+            now = cards(browser)
+            lines = {card["tag"]: len(card["lines"]) for card in now}
+            complete = all(lines.get(tag, 0) >= count for tag, count in expected_lines.items())
+            return now if complete and all(card["lines"] for card in now if card["in_view"]) else None
+
+        drawn_cards = _wait_for(drawn, f"the cards {sorted(expected_lines)} and every card in view to draw")
         browser.next_frames()
         browser.screenshot(path)
-        return cards
+        return drawn_cards
     finally:
         browser.close()
 

@@ -9,8 +9,8 @@ by ``.ci/run``); without it the test fails, naming the command.
 import urllib.parse
 
 import pytest
-from browser import chromium_path, get_json, screenshot_time_series, tensorboard
 
+from browser import chromium_path, get_json, screenshot_time_series, tensorboard
 from deepspeed_patch.tags import OUTSIDE_LAYERS_ROOT, TAG_ROOT, run_name, scalar_tag
 from megatron_integration.cpu_launch import launch
 from megatron_integration.demo import DemoOptions, train_rank
@@ -79,7 +79,7 @@ def test_time_series_tab_opens_on_the_norms_one_coloured_named_line_per_layer(se
         assert len(set(colours)) == len(SELECTED)  # one colour per layer
         assert sorted(card["lines"]) == sorted(colours)  # one line per layer, in its legend colour
     image = Image.open(screenshot).convert("RGB")
-    assert image.size == (1400, 1000)
+    assert image.size == (1200, 1000)
     pixels = image.getcolors(image.size[0] * image.size[1])
     for colour in cards[1]["lines"]:
         rgb = tuple(int(part) for part in colour[4:-1].split(","))

@@ -22,7 +22,7 @@ from typing import Dict, Hashable, Iterator, List, Optional, Tuple
 
 from deepspeed_patch.tags import LOGGED_PHASES, LOGGED_STATISTICS, TAG_ROOT, VALUES, phase_label
 
-from .training_log import layer_and_family
+from .tensorboard_layout import layer_and_family
 
 Points = List[Tuple[int, float]]
 

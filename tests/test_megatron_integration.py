@@ -13,8 +13,9 @@ import pytest
 
 from megatron_integration import layer_grad_norms_ds_config
 from megatron_integration.cpu_launch import launch
+from megatron_integration.tensorboard_layout import custom_scalars_layout, placements
 from megatron_integration.tensorboard_reader import read_layer_series
-from megatron_integration.training_log import custom_scalars_layout, log_layer_grad_norms, log_string_field, placements
+from megatron_integration.training_log import log_layer_grad_norms, log_string_field
 from megatron_workers import megatron_args, train_with_training_log
 
 STEPS = 6
@@ -256,3 +257,17 @@ def test_layout_has_a_chart_per_part_of_a_layer_and_for_the_buckets_outside():
     assert places["layers.7.mlp.fc1.weight"].run == "layer-grad-norms/layer07"
     outside = layout["non-layer-grad-norms post-clip"]["norm"][1][0]
     assert re.match(outside, places["embed.weight"].tag("post_clip", "norm"))
+
+
+def test_parts_of_a_layer_with_the_same_name_keep_their_whole_names():
+    """An encoder's and a decoder's layer 0 (``granularity: param``): one tag each, never one for both."""
+    places = placements(["encoder.layers.0.mlp.weight", "decoder.layers.0.mlp.weight", "encoder.layers.1.mlp.weight",
+                         "encoder.layers.1.attn.weight"])
+    tags = {key: (place.run, place.tag("pre_clip", "norm")) for key, place in places.items()}
+    whole = "layer-grad-norms/pre-clip/{}".format
+    assert tags == {
+        "encoder.layers.0.mlp.weight": ("layer-grad-norms/layer00", whole("encoder.layers.0.mlp.weight")),
+        "decoder.layers.0.mlp.weight": ("layer-grad-norms/layer00", whole("decoder.layers.0.mlp.weight")),
+        "encoder.layers.1.mlp.weight": ("layer-grad-norms/layer01", whole("encoder.layers.1.mlp.weight")),
+        "encoder.layers.1.attn.weight": ("layer-grad-norms/layer01", whole("attn.weight")),
+    }

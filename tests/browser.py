@@ -115,11 +115,15 @@ class Chromium:
             pass_fds=(to_browser, from_browser), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         os.close(to_browser)
         os.close(from_browser)
-        self._next_id, self._buffer = 0, b""
-        target = self.send("Target.createTarget", url="about:blank")["targetId"]
-        self.session = self.send("Target.attachToTarget", targetId=target, flatten=True)["sessionId"]
-        self.send("Emulation.setDeviceMetricsOverride", session=True, width=width, height=height,
-                  deviceScaleFactor=1, mobile=False)
+        self._next_id, self._buffer, self.session = 0, b"", None
+        try:
+            target = self.send("Target.createTarget", url="about:blank")["targetId"]
+            self.session = self.send("Target.attachToTarget", targetId=target, flatten=True)["sessionId"]
+            self.send("Emulation.setDeviceMetricsOverride", session=True, width=width, height=height,
+                      deviceScaleFactor=1, mobile=False)
+        except BaseException:
+            self.close()
+            raise
 
     def send(self, method: str, session: bool = False, **params) -> Dict[str, Any]:
         """Send one command and return its result (events in between are dropped)."""

@@ -43,7 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--world-size", type=_positive, default=defaults.world_size)
     demo.add_argument("--arch", choices=("preln", "postln"), default=defaults.arch)
     demo.add_argument("--layers", type=_layer_spec, default=defaults.layers,
-                      help=f"layers to report: {LAYER_SPEC_FORMS}")
+                      help=f"layers to report: {LAYER_SPEC_FORMS} (default: {defaults.layers})")
     demo.add_argument("--out", default=defaults.out, help="directory for TensorBoard, the figure and the report")
     plot = commands.add_parser("plot", help="draw the per-layer gradient-norm figure of a TensorBoard directory")
     plot.add_argument("logdir")

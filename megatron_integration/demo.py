@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 from tqdm import tqdm
 
-from .arguments import layer_grad_norms_ds_config
+from .arguments import DEFAULT_LAYERS, layer_grad_norms_ds_config
 from .cpu_launch import launch
 from .plot import plot_layer_norms
 from .report import format_report, summarize
@@ -29,7 +29,7 @@ class DemoOptions:
     zero_stage: int = 2
     world_size: int = 2
     arch: str = "preln"
-    layers: str = "all"
+    layers: str = DEFAULT_LAYERS  # the NormFormer figure's five: 0, 1, mid, -2, -1
     micro_batch: int = 8
     out: str = "runs/demo"
 

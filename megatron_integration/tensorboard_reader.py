@@ -1,19 +1,37 @@
-"""Per-layer statistics read back from a TensorBoard directory written by ``log_layer_grad_norms``,
-or from the JSONL post-mortem dump."""
+"""Per-layer statistics read back from a TensorBoard directory or from the JSONL post-mortem dump.
+
+A TensorBoard directory may hold any layout written so far (names in ``deepspeed_patch.tags``):
+
+- one run per bucket, as ``log_layer_grad_norms`` writes now: runs ``layer-grad-norms/layer00``, tags
+  ``layer-grad-norms/pre-clip`` and ``layer-grad-norms/values/max/pre-clip`` (``/mlp.fc2.weight``
+  appended for the parts of a layer with finer buckets);
+- the flat form, every bucket in one run: ``layer-grad-norms/pre-clip/layer00``;
+- the first release's: one run, ``layer-grad-norms/pre-clip/norm/layer00``, with copies suffixed
+  `` vs samples`` and `` vs tokens`` (skipped).
+
+Scalars are read whether written as simple values or as tensors (the bigscience fork's writer adds
+``new_style=True``).
+"""
 
 import json
 import math
 import os
 import re
 from dataclasses import dataclass, field
-from typing import Dict, List, Tuple
+from typing import Dict, Hashable, Iterator, List, Optional, Tuple
 
-from deepspeed_patch.layer_map import DEFAULT_LAYER_PATTERN, bucket_key
+from deepspeed_patch.tags import LOGGED_PHASES, LOGGED_STATISTICS, TAG_ROOT, VALUES, phase_label
 
-from .training_log import TAG_ROOT, scalar_tag
+from .tensorboard_layout import layer_and_family
 
-_TAG = re.compile(rf"^{TAG_ROOT}/(pre-clip|post-clip)/(norm|min|max)/(.+)$")
-_LAYER_BUCKET = re.compile(r"^layer(\d+)$")
+Points = List[Tuple[int, float]]
+
+_PHASE = "(pre-clip|post-clip)"
+_RELEASE_TAG = re.compile(rf"^{TAG_ROOT}/{_PHASE}/(norm|min|max)/([^/]+)$")
+_TAG = re.compile(rf"^{TAG_ROOT}/(?:{_PHASE}|{VALUES}/([^/]+)/{_PHASE})(?:/([^/]+))?$")
+_BUCKET_RUN = re.compile(rf"(?:^|/){TAG_ROOT}/([^/]+)$")
+_LAYER_LABEL = re.compile(r"^layer(\d+)$")
+_AXIS_COPY = re.compile(r" vs (?:samples|tokens)$")
 
 
 class NoLayerDataError(ValueError):
@@ -24,73 +42,120 @@ class NoLayerDataError(ValueError):
 class LayerSeries:
     """``values[(phase, statistic)][layer]`` is a list of ``(step, value)`` in step order."""
 
-    values: Dict[Tuple[str, str], Dict[int, List[Tuple[int, float]]]] = field(default_factory=dict)
+    values: Dict[Tuple[str, str], Dict[int, Points]] = field(default_factory=dict)
 
     def layers(self) -> List[int]:
         return sorted(self.values.get(("pre-clip", "norm"), {}))
 
-    def series(self, phase: str, statistic: str, layer: int) -> List[Tuple[int, float]]:
+    def series(self, phase: str, statistic: str, layer: int) -> Points:
         return self.values.get((phase, statistic), {}).get(layer, [])
 
     def finite_norms(self, layer: int, phase: str = "pre-clip") -> List[float]:
         return [value for _, value in self.series(phase, "norm", layer) if math.isfinite(value)]
 
 
+class _Collector:
+    """Whole-layer series, and the series of finer buckets grouped by the layer their name carries."""
+
+    def __init__(self) -> None:
+        self.layers = LayerSeries()
+        self.finer: Dict[Tuple[str, str, int], List[Points]] = {}
+
+    def bucket(self, phase: str, statistic: str, bucket: Hashable, points: Points) -> None:
+        """A bucket's series: ``bucket`` is a layer index, a label such as ``layer03``, or a finer key."""
+        label = _LAYER_LABEL.match(bucket) if isinstance(bucket, str) else None
+        layer = bucket if isinstance(bucket, int) else int(label.group(1)) if label else None
+        if layer is not None:
+            self.layers.values.setdefault((phase, statistic), {})[layer] = points
+        else:
+            self.part(phase, statistic, layer_and_family(bucket)[0], points)
+
+    def part(self, phase: str, statistic: str, layer: Optional[int], points: Points) -> None:
+        if layer is not None:
+            self.finer.setdefault((phase, statistic, layer), []).append(points)
+
+    def result(self) -> LayerSeries:
+        return self.layers if self.layers.layers() else _combine_into_layers(self.finer)
+
+
 def read_layer_series(source: str) -> LayerSeries:
-    """Every per-layer series of ``source``: a TensorBoard directory written by ``log_layer_grad_norms``,
-    or a JSONL file written by the ``dump`` option. Raises ``NoLayerDataError`` if it holds none."""
-    scalars = _jsonl_scalars(source) if os.path.isfile(source) else _tensorboard_scalars(source)
-    layers, finer = LayerSeries(), {}
-    for tag, points in scalars.items():
-        match = _TAG.match(tag)
-        if not match:
-            continue
-        phase, statistic, bucket = match.groups()
-        layer = _LAYER_BUCKET.match(bucket)
-        if layer:
-            layers.values.setdefault((phase, statistic), {})[int(layer.group(1))] = points
-        elif isinstance(bucket_key(bucket, _PATTERN), int):
-            finer.setdefault((phase, statistic, bucket_key(bucket, _PATTERN)), []).append(points)
-    result = layers if layers.layers() else _combine_into_layers(finer)
+    """Every per-layer series of ``source``: a TensorBoard directory, or a JSONL file written by the
+    ``dump`` option. Raises ``NoLayerDataError`` if it holds none."""
+    collector = _Collector()
+    found = []
+    if os.path.isfile(source):
+        _collect_jsonl(source, collector)
+    else:
+        for run, tag, points in _tensorboard_scalars(source):
+            found.append(tag)
+            _collect_tag(run, tag, points, collector)
+    result = collector.result()
     if not result.layers():
-        listing = ", ".join(sorted(scalars)[:10]) or "no scalars at all"
-        raise NoLayerDataError(f"{source}: no per-layer gradient statistics ({TAG_ROOT}/pre-clip/norm/layerNN "
-                               f"tags, or per-parameter tags with a layer index); found: {listing}")
+        listing = ", ".join(sorted(set(found))[:10]) or "no scalars at all"
+        raise NoLayerDataError(f"{source}: no per-layer gradient statistics (runs {TAG_ROOT}/layerNN holding "
+                               f"{TAG_ROOT}/pre-clip, or tags {TAG_ROOT}/pre-clip/layerNN); found: {listing}")
     return result
 
 
-def _tensorboard_scalars(logdir: str) -> Dict[str, List[Tuple[int, float]]]:
-    from tensorboard.backend.event_processing.event_multiplexer import EventMultiplexer
+def _collect_tag(run: str, tag: str, points: Points, collector: _Collector) -> None:
+    if _AXIS_COPY.search(tag):
+        return
+    release = _RELEASE_TAG.match(tag)
+    if release:
+        phase, statistic, bucket = release.groups()
+        collector.bucket(phase, statistic, bucket, points)
+        return
+    match = _TAG.match(tag)
+    if not match:
+        return
+    norm_phase, statistic, values_phase, suffix = match.groups()
+    phase, statistic = (norm_phase, "norm") if norm_phase else (values_phase, statistic)
+    bucket_run = _BUCKET_RUN.search(run)
+    if bucket_run is None:
+        if suffix is not None:  # the flat form: the bucket ends the tag
+            collector.bucket(phase, statistic, suffix, points)
+    elif suffix is None:
+        collector.bucket(phase, statistic, bucket_run.group(1), points)
+    else:  # a part of the run's layer, with finer buckets
+        layer = _LAYER_LABEL.match(bucket_run.group(1))
+        collector.part(phase, statistic, int(layer.group(1)) if layer else None, points)
 
-    multiplexer = EventMultiplexer(size_guidance={"scalars": 0})
+
+def _tensorboard_scalars(logdir: str) -> Iterator[Tuple[str, str, Points]]:
+    """``(run, tag, points)`` of every scalar series under ``logdir``, read as TensorBoard reads them."""
+    from tensorboard.backend.event_processing.plugin_event_multiplexer import EventMultiplexer
+    from tensorboard.plugins.scalar import metadata
+    from tensorboard.util import tensor_util
+
+    multiplexer = EventMultiplexer(tensor_size_guidance={metadata.PLUGIN_NAME: 0})
     multiplexer.AddRunsFromDirectory(logdir)
     multiplexer.Reload()
-    return {tag: [(event.step, event.value) for event in multiplexer.Scalars(run, tag)]
-            for run, tags in multiplexer.Runs().items() for tag in tags.get("scalars", [])}
+    for run, tags in multiplexer.PluginRunToTagToContent(metadata.PLUGIN_NAME).items():
+        for tag in tags:
+            events = multiplexer.Tensors(run, tag)
+            yield run, tag, [(event.step, tensor_util.make_ndarray(event.tensor_proto).item()) for event in events]
 
 
-def _jsonl_scalars(path: str) -> Dict[str, List[Tuple[int, float]]]:
-    """The dump's results as TensorBoard-style tags; a last line cut short by a killed job is skipped."""
-    scalars: Dict[str, List[Tuple[int, float]]] = {}
+def _collect_jsonl(path: str, collector: _Collector) -> None:
+    """The dump's results; a last line cut short by a killed job is skipped."""
+    series: Dict[Tuple[str, str, Hashable], Points] = {}
     with open(path) as dump:
         for line in dump:
             try:
                 record = json.loads(line)
             except ValueError:
                 continue
-            for phase in ("pre_clip", "post_clip"):
+            for phase in LOGGED_PHASES:
                 for key, values in (record.get(phase) or {}).items():
                     bucket = int(key) if key.isdigit() else key  # JSON keys are strings
-                    for statistic in ("norm", "min", "max"):
-                        tag = scalar_tag(phase, statistic, bucket)
-                        scalars.setdefault(tag, []).append((record["step"], values[statistic]))
-    return scalars
+                    for statistic in LOGGED_STATISTICS:
+                        series.setdefault((phase_label(phase), statistic, bucket), []).append(
+                            (record["step"], values[statistic]))
+    for (phase, statistic, bucket), points in series.items():
+        collector.bucket(phase, statistic, bucket, points)
 
 
-_PATTERN = re.compile(DEFAULT_LAYER_PATTERN)
-
-
-def _combine_into_layers(finer: Dict[Tuple[str, str, int], List[List[Tuple[int, float]]]]) -> LayerSeries:
+def _combine_into_layers(finer: Dict[Tuple[str, str, int], List[Points]]) -> LayerSeries:
     """Per-layer series from per-parameter ones (``granularity: param``): the norm is the root of the
     summed squares, min and max the extremes, step by step."""
     combine = {"norm": lambda values: math.sqrt(sum(v * v for v in values)), "min": min, "max": max}

@@ -1,67 +1,50 @@
 """Per-layer gradient norms in Megatron's training log and TensorBoard.
 
 ``log_layer_grad_norms`` is called once per iteration from the training loop. On iterations the
-statistics were measured it writes, on the rank that owns the TensorBoard writer, one scalar per
-layer, phase (pre-/post-clip) and statistic, against iteration and, as the forks do for their other
-scalars, also "vs samples" and "vs tokens"; and it returns a compact field for the stdout log line.
-On other iterations it returns at once: no collective, no work.
+statistics were measured it writes, on the rank that owns the TensorBoard writer, one run per layer
+(``layer-grad-norms/layer00``, beside the writer's own run) holding one scalar per phase (pre-/post-clip)
+and statistic, against the iteration (names in ``deepspeed_patch.tags``); and it returns a compact
+field for the stdout log line. On other iterations it returns at once: no collective, no work.
+
+Against the iteration only: Megatron-DeepSpeed writes its headline scalars (loss, learning rate,
+grad-norm) also ``vs samples`` and ``vs tokens``, but its per-component diagnostics (timers,
+throughput, memory) against the iteration alone, and these statistics are such diagnostics: a
+``vs`` copy would triple the cards while ``steps-vs-samples`` already maps iterations to samples.
 """
 
 import argparse
-import re
-from typing import Dict, Hashable, Iterable, List, Optional
+import math
+from typing import Dict
 
-from deepspeed_patch.layer_map import bucket_label
+from deepspeed_patch.tags import LOGGED_PHASES, LOGGED_STATISTICS
 
 from .arguments import layer_grad_norms_interval
-
-PHASES = ("pre_clip", "post_clip")
-STATISTICS = ("norm", "min", "max")
-TAG_ROOT = "layer-grad-norms"
+from .bucket_runs import bucket_runs
+from .tensorboard_layout import custom_scalars_layout, placements
 
 
-def scalar_tag(phase: str, statistic: str, key: Hashable) -> str:
-    return f"{TAG_ROOT}/{phase.replace('_', '-')}/{statistic}/{bucket_label(key)}"
+def drawable(value: float) -> float:
+    """``value``, or NaN for an infinite one (an fp16 overflow's pre-clip statistics): TensorBoard marks a
+    NaN point with a triangle and draws on; an infinite point it leaves unmarked, a gap in the line, and
+    its SVG renderer draws nothing of the line after it."""
+    return value if math.isfinite(value) else math.nan
 
 
-def parameter_family(key: Hashable) -> Optional[str]:
-    """What a finer bucket is, whatever its layer: ``mlp.fc2.weight`` for ``layers.3.mlp.fc2.weight``."""
-    match = re.search(r"(?:^|\.)\d+\.(.+)$", key) if isinstance(key, str) else None
-    return match.group(1) if match else None
-
-
-def custom_scalars_layout(keys: Iterable[Hashable] = ()) -> Dict[str, Dict[str, List]]:
-    """One multi-line chart per phase and statistic where the selected layers share it (NormFormer's
-    figure); with per-parameter or group_by buckets, one more chart per parameter family."""
-    layout = {}
-    for phase in PHASES:
-        tag_phase = phase.replace("_", "-")
-        layout[f"{TAG_ROOT} {tag_phase}"] = {
-            statistic: ["Multiline", [rf"^{TAG_ROOT}/{tag_phase}/{statistic}/layer\d+$"]] for statistic in STATISTICS
-        }
-        for family in sorted({parameter_family(key) for key in keys} - {None}):
-            layout[f"{TAG_ROOT} {tag_phase}: {family}"] = {
-                statistic: ["Multiline", [rf"^{TAG_ROOT}/{tag_phase}/{statistic}/(.*\.)?\d+\.{re.escape(family)}$"]]
-                for statistic in STATISTICS
-            }
-    return layout
-
-
-def write_tensorboard(writer, stats: Dict, iteration: int, args: argparse.Namespace) -> None:
-    """Every selected bucket's statistics, against iteration, samples and (where counted) tokens."""
-    if not getattr(writer, "_layer_grad_norms_layout", False):
+def write_tensorboard(writer, stats: Dict, iteration: int) -> None:
+    """Every selected bucket's statistics into its run, against the iteration, then flush those runs."""
+    runs = bucket_runs(writer)
+    placed = placements(stats["pre_clip"])
+    if not runs.layout_written:
         writer.add_custom_scalars(custom_scalars_layout(stats["pre_clip"]))
-        writer._layer_grad_norms_layout = True
-    axes = [("", iteration)]
-    if getattr(args, "consumed_train_samples", None) is not None:
-        axes.append((" vs samples", args.consumed_train_samples))
-    if getattr(args, "consumed_train_tokens", None) is not None:
-        axes.append((" vs tokens", args.consumed_train_tokens))
-    for phase in PHASES:
+        runs.layout_written = True
+    for place in sorted(placed.values(), key=lambda place: (place.layer is None, place.layer or 0)):
+        runs.writer(place.run)  # layers first: TensorBoard colours runs in the order they start
+    for phase in LOGGED_PHASES:
         for key, values in (stats[phase] or {}).items():
-            for statistic in STATISTICS:
-                for suffix, step in axes:
-                    writer.add_scalar(scalar_tag(phase, statistic, key) + suffix, values[statistic], step)
+            place = placed[key]
+            for statistic in LOGGED_STATISTICS:
+                runs.writer(place.run).add_scalar(place.tag(phase, statistic), drawable(values[statistic]), iteration)
+    runs.flush()
 
 
 def log_string_field(stats: Dict) -> str:
@@ -82,7 +65,7 @@ def log_layer_grad_norms(engine, iteration: int, writer, args: argparse.Namespac
     if stats is None or stats["step"] != iteration:
         return ""
     if writer is not None:
-        write_tensorboard(writer, stats, iteration, args)
+        write_tensorboard(writer, stats, iteration)
     if iteration % getattr(args, "log_interval", 1):
         return ""
     return log_string_field(stats)

@@ -3,12 +3,19 @@
 import argparse
 import json
 import logging
+import math
+import os
+import re
+import threading
+from typing import Dict, Tuple
 
 import pytest
 
 from megatron_integration import layer_grad_norms_ds_config
 from megatron_integration.cpu_launch import launch
-from megatron_integration.training_log import custom_scalars_layout, log_string_field, scalar_tag
+from megatron_integration.tensorboard_layout import custom_scalars_layout, placements
+from megatron_integration.tensorboard_reader import read_layer_series
+from megatron_integration.training_log import log_layer_grad_norms, log_string_field
 from megatron_workers import megatron_args, train_with_training_log
 
 STEPS = 6
@@ -67,42 +74,58 @@ def run(tmp_path_factory):
     return tensorboard_dir, launch(train_with_training_log, 2, tensorboard_dir, FLAGS, STEPS)
 
 
-def scalars(tensorboard_dir: str):
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+def scalars(tensorboard_dir: str) -> Dict[Tuple[str, str], Dict[int, float]]:
+    """``{(run, tag): {step: value}}`` of every scalar under ``tensorboard_dir``."""
+    from tensorboard.backend.event_processing.event_multiplexer import EventMultiplexer
 
-    events = EventAccumulator(tensorboard_dir, size_guidance={"scalars": 0, "tensors": 0})
-    events.Reload()
-    return events
+    multiplexer = EventMultiplexer(size_guidance={"scalars": 0, "tensors": 0})
+    multiplexer.AddRunsFromDirectory(tensorboard_dir)
+    multiplexer.Reload()
+    return {(run, tag): {event.step: event.value for event in multiplexer.Scalars(run, tag)}
+            for run, tags in multiplexer.Runs().items() for tag in tags["scalars"]}
 
 
-def test_tensorboard_holds_every_logged_layer_statistic(run):
+def test_tensorboard_holds_every_logged_layer_statistic_one_run_per_bucket(run):
     tensorboard_dir, records = run
-    events = scalars(tensorboard_dir)
+    logged_scalars = scalars(tensorboard_dir)
     last = records[-1]
     logged = {i + 1: m for i, m in enumerate(last["measured"]) if (i + 1) % 2 == 0}
     assert sorted(logged) == [2, 4, 6]
+    places = placements(logged[2]["pre_clip"])
+    assert sorted(place.run for place in places.values() if place.layer is not None) == [
+        f"layer-grad-norms/layer{layer:02d}" for layer in (0, 1, 3, 4, 5)]  # 6 layers
+    outside = {place.run for place in places.values() if place.layer is None}
+    assert outside and all(place.root == "non-layer-grad-norms" for place in places.values() if place.layer is None)
     for iteration, measured in logged.items():
         assert measured["step"] == iteration
-        assert sorted(k for k in measured["pre_clip"] if isinstance(k, int)) == [0, 1, 3, 4, 5]  # 6 layers
+        assert sorted(k for k in measured["pre_clip"] if isinstance(k, int)) == [0, 1, 3, 4, 5]
         for phase in ("pre_clip", "post_clip"):
             for key, values in measured[phase].items():
                 for statistic in ("norm", "min", "max"):
-                    tag = scalar_tag(phase, statistic, key)
-                    by_step = {event.step: event.value for event in events.Scalars(tag)}
-                    assert by_step[iteration] == pytest.approx(values[statistic], rel=1e-6)
-                    samples = {event.step: event.value for event in events.Scalars(tag + " vs samples")}
-                    assert samples[iteration * 4] == pytest.approx(values[statistic], rel=1e-6)
-    assert sorted(event.step for event in events.Scalars(scalar_tag("pre_clip", "norm", 0))) == [2, 4, 6]
+                    series = logged_scalars[places[key].run, places[key].tag(phase, statistic)]
+                    assert series[iteration] == pytest.approx(values[statistic], rel=1e-6)
+    assert sorted(logged_scalars["layer-grad-norms/layer00", "layer-grad-norms/pre-clip"]) == [2, 4, 6]
+    runs = {run for run, _ in logged_scalars}
+    assert runs == {place.run for place in places.values()}  # nothing in the Megatron writer's own run
+    tags = {tag for _, tag in logged_scalars}
+    assert len(tags) == 12 and not any(" vs " in tag for tag in tags)  # one per phase and statistic, twice
 
 
 def test_tensorboard_has_the_custom_scalars_layout(run):
-    from tensorboard.plugins.custom_scalar import metadata
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from tensorboard.plugins.custom_scalar import layout_pb2, metadata
 
     tensorboard_dir, _ = run
-    events = scalars(tensorboard_dir)
-    assert metadata.CONFIG_SUMMARY_TAG in events.Tags()["tensors"]
-    layout = custom_scalars_layout()
-    assert set(layout) == {"layer-grad-norms pre-clip", "layer-grad-norms post-clip"}
+    events = EventAccumulator(tensorboard_dir, size_guidance={"tensors": 0})
+    events.Reload()
+    written = layout_pb2.Layout.FromString(events.Tensors(metadata.CONFIG_SUMMARY_TAG)[0].tensor_proto.string_val[0])
+    layout = {category.title: {chart.title: list(chart.multiline.tag) for chart in category.chart}
+              for category in written.category}
+    assert set(layout) == {"layer-grad-norms pre-clip", "layer-grad-norms post-clip", "non-layer-grad-norms pre-clip",
+                           "non-layer-grad-norms post-clip"}
+    logged_tags = {(run, tag) for run, tag in scalars(tensorboard_dir)}
+    matched = {run for run, tag in logged_tags if re.match(layout["layer-grad-norms pre-clip"]["norm"][0], tag)}
+    assert matched == {f"layer-grad-norms/layer{layer:02d}" for layer in (0, 1, 3, 4, 5)}
 
 
 def test_log_line_on_log_interval_iterations_only_and_no_collective(run):
@@ -139,3 +162,112 @@ def test_fork_patches_call_only_what_the_package_exports(fork):
     for call in ("add_layer_grad_norms_args(parser)", "layer_grad_norms_ds_config(args,", "log_layer_grad_norms("):
         assert call in patch
     assert {"a/megatron/arguments.py", "a/megatron/training.py"} == set(re.findall(r"^--- (\S+)$", patch, re.M))
+
+
+class LastMeasurement:
+    """The engine's side of the hook's contract: ``get_layer_grad_norms()`` is the last measured step's result."""
+
+    def __init__(self) -> None:
+        self.stats = None
+
+    def get_layer_grad_norms(self):
+        return self.stats
+
+
+def measurement(step: int, keys, overflowed=None):
+    """A result as the engine reports it; ``overflowed``: the bucket whose pre-clip statistics are infinite (the
+    step is then an fp16 overflow, without post-clip statistics)."""
+
+    def statistics(key, factor: float):
+        norm = math.inf if key == overflowed else (3.0 - key if isinstance(key, int) else 0.5) * (1 + step / 1000)
+        return {"norm": norm * factor, "min": -norm * factor / 10, "max": norm * factor / 10, "abs_min": 0.0,
+                "abs_max": norm * factor / 10, "nonfinite": int(key == overflowed)}
+
+    pre_clip = {key: statistics(key, 1.0) for key in keys}
+    if overflowed is not None:
+        return {"step": step, "overflow": True, "clip_coef": None, "pre_clip": pre_clip, "post_clip": None}
+    return {"step": step, "overflow": False, "clip_coef": 0.5, "pre_clip": pre_clip,
+            "post_clip": {key: statistics(key, 0.5) for key in keys}}
+
+
+def event_files(logdir) -> int:
+    return sum(name.startswith("events.out.tfevents") for _, _, names in os.walk(logdir) for name in names)
+
+
+def test_bucket_writers_are_made_once_flushed_each_iteration_and_closed_with_the_megatron_writer(tmp_path):
+    from torch.utils.tensorboard import SummaryWriter
+
+    args, engine, keys = megatron_args(["--log-layer-grad-norms"]), LastMeasurement(), [0, 1, 2, "embed"]
+    threads_before = threading.active_count()
+    writer = SummaryWriter(str(tmp_path))  # as Megatron's: the last rank's, never closed by the training loop
+
+    def iterate(iteration: int) -> None:
+        engine.stats = measurement(iteration, keys)
+        log_layer_grad_norms(engine, iteration, writer, args)
+
+    iterate(1)
+    held = (threading.active_count(), len(os.listdir("/proc/self/fd")), event_files(tmp_path))
+    assert held[0] == threads_before + 1 + len(keys)  # one writer thread for Megatron's writer and each bucket's
+    assert held[2] == 1 + len(keys)
+    assert read_layer_series(str(tmp_path)).series("pre-clip", "norm", 2) == [(1, pytest.approx(1.001))]  # flushed
+    for iteration in range(2, 401):
+        iterate(iteration)
+    assert (threading.active_count(), len(os.listdir("/proc/self/fd")), event_files(tmp_path)) == held
+    writer.close()
+    assert threading.active_count() == threads_before
+    series = read_layer_series(str(tmp_path))
+    assert [step for step, _ in series.series("post-clip", "norm", 2)] == list(range(1, 401))
+    iterate(401)  # a writer used after close starts its bucket writers afresh
+    writer.close()
+    assert threading.active_count() == threads_before
+    assert read_layer_series(str(tmp_path)).series("pre-clip", "max", 0)[-1] == (401, pytest.approx(0.3 * 1.401))
+
+
+def test_an_overflowed_bucket_is_drawn_as_nan_and_reported(tmp_path):
+    """TensorBoard marks a NaN point and draws on; an infinite one would break the line."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    from megatron_integration.report import summarize
+
+    args, engine, keys = megatron_args(["--log-layer-grad-norms"]), LastMeasurement(), [0, 1, 2, 3]
+    with SummaryWriter(str(tmp_path)) as writer:
+        for iteration in range(1, 7):
+            engine.stats = measurement(iteration, keys, overflowed=1 if iteration == 4 else None)
+            log_layer_grad_norms(engine, iteration, writer, args)
+    series = read_layer_series(str(tmp_path))
+    assert [step for step, value in series.series("pre-clip", "norm", 1) if math.isnan(value)] == [4]
+    assert all(math.isfinite(value) for step, value in series.series("pre-clip", "norm", 1) if step != 4)
+    assert [step for step, _ in series.series("post-clip", "norm", 1)] == [1, 2, 3, 5, 6]
+    assert summarize(series)["overflowed"] == {1: [4]}
+
+
+def test_layout_has_a_chart_per_part_of_a_layer_and_for_the_buckets_outside():
+    keys = ["layers.0.mlp.fc2.weight", "layers.1.mlp.fc2.weight", "embed.weight", "0.dense_4h_to_h", "2"]
+    layout = custom_scalars_layout(keys)
+    assert set(layout) == {f"{root} {phase}{part}" for phase in ("pre-clip", "post-clip") for root, part in [
+        ("layer-grad-norms", ""), ("layer-grad-norms", ": mlp.fc2.weight"), ("layer-grad-norms", ": dense_4h_to_h"),
+        ("non-layer-grad-norms", "")]}
+    places = placements(keys + ["layers.7.mlp.fc1.weight"])
+    assert places["2"].run == "layer-grad-norms/layer02"
+    assert places["2"].tag("pre_clip", "norm") == "layer-grad-norms/pre-clip"
+    assert places["embed.weight"].run == "layer-grad-norms/embed.weight"
+    pattern = layout["layer-grad-norms pre-clip: mlp.fc2.weight"]["max"][1][0]
+    assert re.match(pattern, places["layers.1.mlp.fc2.weight"].tag("pre_clip", "max"))
+    assert not re.match(pattern, places["layers.7.mlp.fc1.weight"].tag("pre_clip", "max"))
+    assert places["layers.7.mlp.fc1.weight"].run == "layer-grad-norms/layer07"
+    outside = layout["non-layer-grad-norms post-clip"]["norm"][1][0]
+    assert re.match(outside, places["embed.weight"].tag("post_clip", "norm"))
+
+
+def test_parts_of_a_layer_with_the_same_name_keep_their_whole_names():
+    """An encoder's and a decoder's layer 0 (``granularity: param``): one tag each, never one for both."""
+    places = placements(["encoder.layers.0.mlp.weight", "decoder.layers.0.mlp.weight", "encoder.layers.1.mlp.weight",
+                         "encoder.layers.1.attn.weight"])
+    tags = {key: (place.run, place.tag("pre_clip", "norm")) for key, place in places.items()}
+    whole = "layer-grad-norms/pre-clip/{}".format
+    assert tags == {
+        "encoder.layers.0.mlp.weight": ("layer-grad-norms/layer00", whole("encoder.layers.0.mlp.weight")),
+        "decoder.layers.0.mlp.weight": ("layer-grad-norms/layer00", whole("decoder.layers.0.mlp.weight")),
+        "encoder.layers.1.mlp.weight": ("layer-grad-norms/layer01", whole("encoder.layers.1.mlp.weight")),
+        "encoder.layers.1.attn.weight": ("layer-grad-norms/layer01", whole("attn.weight")),
+    }

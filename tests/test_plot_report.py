@@ -1,18 +1,24 @@
-"""``plot`` and ``report`` on a TensorBoard directory written here with known values."""
+"""``plot`` and ``report`` on TensorBoard directories written here with known values, in every layout written so far:
+one run per bucket (``log_layer_grad_norms`` now), the flat form (every bucket in one run, DeepSpeed's monitors) and
+the first release's (flat, with `` vs samples`` / `` vs tokens`` copies), whose scalars the bigscience fork's writer
+stores as tensors."""
 
 import json
 import math
+from typing import Dict, Hashable, Iterable, List
 
 import pytest
 from torch.utils.tensorboard import SummaryWriter
 
+from deepspeed_patch.tags import bucket_label, phase_label, scalar_tag
 from megatron_integration.cli import main
 from megatron_integration.plot import plot_layer_norms
 from megatron_integration.tensorboard_reader import NoLayerDataError, read_layer_series
-from megatron_integration.training_log import scalar_tag
+from megatron_integration.training_log import write_tensorboard
 
 LAYERS = 6
 STEPS = 10
+LAYOUTS = ["one run per bucket", "flat", "first release", "first release, tensors"]
 
 
 def known_norm(layer: int, step: int) -> float:
@@ -20,17 +26,46 @@ def known_norm(layer: int, step: int) -> float:
     return (2.0 - 0.2 * layer) * (1 + 0.01 * step)
 
 
-@pytest.fixture
-def logdir(tmp_path):
-    writer = SummaryWriter(str(tmp_path))
-    for step in range(1, STEPS + 1):
-        clip = 0.5 if step in (3, 7) else 1.0
-        for layer in range(LAYERS):
-            pre = math.inf if (layer, step) == (2, 5) else known_norm(layer, step)
-            writer.add_scalar(scalar_tag("pre_clip", "norm", layer), pre, step)
-            writer.add_scalar(scalar_tag("post_clip", "norm", layer), pre * clip, step)
+def result(step: int, norms: Dict[Hashable, float], clip: float) -> Dict:
+    """The engine's result for ``norms`` (pre-clip), clipped by ``clip``."""
+    def statistics(norm: float, factor: float) -> Dict[str, float]:
+        return {"norm": norm * factor, "min": -norm * factor / 8, "max": norm * factor / 8}
+
+    return {"step": step, "pre_clip": {key: statistics(norm, 1.0) for key, norm in norms.items()},
+            "post_clip": {key: statistics(norm, clip) for key, norm in norms.items()}}
+
+
+def write_log(path: str, results: Iterable[Dict], layout: str) -> None:
+    writer = SummaryWriter(path)
+    for stats in results:
+        if layout == "one run per bucket":
+            write_tensorboard(writer, stats, stats["step"])
+            continue
+        for phase in ("pre_clip", "post_clip"):
+            for key, values in stats[phase].items():
+                for statistic, value in values.items():
+                    if layout == "flat":
+                        writer.add_scalar(scalar_tag(phase, statistic, key), value, stats["step"])
+                    else:  # the first release's tags, literally
+                        tag = f"layer-grad-norms/{phase_label(phase)}/{statistic}/{bucket_label(key)}"
+                        new_style = layout == "first release, tensors"
+                        writer.add_scalar(tag, value, stats["step"], new_style=new_style)
+                        writer.add_scalar(tag + " vs samples", 100 * value, 4 * stats["step"], new_style=new_style)
+                        writer.add_scalar(tag + " vs tokens", 100 * value, 64 * stats["step"], new_style=new_style)
     writer.add_scalar("lm loss", 1.0, 1)
     writer.close()
+
+
+def known_results() -> List[Dict]:
+    """Clipping at steps 3 and 7; layer 2's pre-clip norm infinite at step 5."""
+    return [result(step, {layer: math.inf if (layer, step) == (2, 5) else known_norm(layer, step)
+                          for layer in range(LAYERS)}, 0.5 if step in (3, 7) else 1.0)
+            for step in range(1, STEPS + 1)]
+
+
+@pytest.fixture(params=LAYOUTS)
+def logdir(request, tmp_path):
+    write_log(str(tmp_path), known_results(), request.param)
     return str(tmp_path)
 
 
@@ -86,35 +121,18 @@ def test_directory_without_layer_data_says_what_it_found(tmp_path, capsys):
         read_layer_series(str(tmp_path))
 
 
-def test_per_parameter_logs_are_combined_into_layers(tmp_path, capsys):
-    """A ``granularity: param`` run logs one tag per parameter; plot and report rebuild the layers."""
-    writer = SummaryWriter(str(tmp_path))
-    for step in (1, 2):
-        for layer in range(4):
-            for part, share in (("mlp.fc2.weight", 0.6), ("mlp.fc2.bias", 0.8)):
-                writer.add_scalar(scalar_tag("pre_clip", "norm", f"layers.{layer}.{part}"), share * (4 - layer), step)
-                writer.add_scalar(scalar_tag("post_clip", "norm", f"layers.{layer}.{part}"), share * (4 - layer), step)
-    writer.close()
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_per_parameter_logs_are_combined_into_layers(tmp_path, capsys, layout):
+    """A ``granularity: param`` run logs one series per parameter; plot and report rebuild the layers."""
+    parts = {"mlp.fc2.weight": 0.6, "mlp.fc2.bias": 0.8}
+    norms = {f"layers.{layer}.{part}": share * (4 - layer) for layer in range(4) for part, share in parts.items()}
+    write_log(str(tmp_path), [result(step, dict(norms, **{"embed.weight": 9.0}), 1.0) for step in (1, 2)], layout)
     series = read_layer_series(str(tmp_path))
     assert series.layers() == [0, 1, 2, 3]
     assert series.series("pre-clip", "norm", 0) == [(1, pytest.approx(4.0)), (2, pytest.approx(4.0))]
+    assert series.series("post-clip", "max", 1) == [(1, pytest.approx(0.8 * 3 / 8)), (2, pytest.approx(0.8 * 3 / 8))]
     main(["report", str(tmp_path), "--json"])
     assert json.loads(capsys.readouterr().out)["early_late_ratio"] == pytest.approx((4 + 3) / (2 + 1))
-
-
-def test_layout_has_a_chart_per_parameter_family():
-    import re
-
-    from megatron_integration.training_log import custom_scalars_layout
-
-    layout = custom_scalars_layout(["layers.0.mlp.fc2.weight", "layers.1.mlp.fc2.weight", "embed.weight",
-                                    "0.dense_4h_to_h"])
-    assert set(layout) == {"layer-grad-norms pre-clip", "layer-grad-norms post-clip",
-                           "layer-grad-norms pre-clip: mlp.fc2.weight", "layer-grad-norms post-clip: mlp.fc2.weight",
-                           "layer-grad-norms pre-clip: dense_4h_to_h", "layer-grad-norms post-clip: dense_4h_to_h"}
-    pattern = layout["layer-grad-norms pre-clip: mlp.fc2.weight"]["norm"][1][0]
-    assert re.match(pattern, scalar_tag("pre_clip", "norm", "layers.7.mlp.fc2.weight"))
-    assert not re.match(pattern, scalar_tag("pre_clip", "norm", "layers.7.mlp.fc1.weight"))
 
 
 def test_plot_and_report_read_the_jsonl_dump(tmp_path, capsys):

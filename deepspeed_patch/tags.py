@@ -1,0 +1,58 @@
+# Copyright (c) Microsoft Corporation.
+# SPDX-License-Identifier: Apache-2.0
+
+# DeepSpeed Team
+"""How per-layer gradient statistics are named in logs: one scheme for every writer.
+
+TensorBoard draws one card per tag and one coloured, named line per run. The layout that draws the
+NormFormer figure is therefore one run per layer, ``layer-grad-norms/layer00``, a subdirectory of the
+log directory, each run holding the same tags:
+
+- ``layer-grad-norms/pre-clip``, ``layer-grad-norms/post-clip``: the gradient norm;
+- ``layer-grad-norms/values/max/pre-clip``, ``.../values/min/post-clip``, ...: the other statistics.
+
+The norms sort first among the tags, so they are the first cards TensorBoard shows. Buckets outside
+the transformer layers (embeddings, final norm, head) have runs of their own but their tags under
+``non-layer-grad-norms``, so that they do not share a chart, nor its colours, with the layers.
+
+A writer that puts (tag, value, step) events into one run, as DeepSpeed's monitors do, uses the flat
+form: the bucket appended to the tag, ``layer-grad-norms/pre-clip/layer00``.
+"""
+
+from typing import Hashable, Optional
+
+from .layer_map import bucket_label
+
+__all__ = [
+    "TAG_ROOT", "OUTSIDE_LAYERS_ROOT", "VALUES", "LOGGED_PHASES", "LOGGED_STATISTICS", "bucket_label", "phase_label",
+    "scalar_tag", "run_name"
+]
+
+TAG_ROOT = "layer-grad-norms"
+"""The tags of buckets in the transformer layers, and the directory holding the runs of all buckets."""
+OUTSIDE_LAYERS_ROOT = "non-layer-grad-norms"
+"""The tags of buckets outside the transformer layers, under the one-run-per-bucket layout."""
+VALUES = "values"
+"""The statistics other than the norm (min, max, ...): of the gradient's values."""
+LOGGED_PHASES = ("pre_clip", "post_clip")
+LOGGED_STATISTICS = ("norm", "min", "max")
+"""What goes to logs, of every selected bucket; the rest of the result stays in the result."""
+
+
+def phase_label(phase: str) -> str:
+    """``pre-clip`` for the result's ``pre_clip`` key."""
+    return phase.replace("_", "-")
+
+
+def scalar_tag(phase: str, statistic: str, bucket: Optional[Hashable] = None, root: str = TAG_ROOT) -> str:
+    """The tag of one statistic: ``layer-grad-norms/pre-clip`` for the norm,
+    ``layer-grad-norms/values/max/pre-clip`` for another, with ``/{bucket_label(bucket)}`` appended
+    when a bucket is given (the flat form, every bucket in one run)."""
+    path = phase_label(phase) if statistic == "norm" else f"{VALUES}/{statistic}/{phase_label(phase)}"
+    tag = f"{root}/{path}"
+    return tag if bucket is None else f"{tag}/{bucket_label(bucket)}"
+
+
+def run_name(bucket: Hashable) -> str:
+    """The run of a bucket, a subdirectory of the log directory: ``layer-grad-norms/layer00``."""
+    return f"{TAG_ROOT}/{bucket_label(bucket)}"

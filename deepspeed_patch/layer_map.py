@@ -41,11 +41,6 @@ def bucket_key(name: str, pattern: "re.Pattern[str]") -> BucketKey:
     return module or name
 
 
-def bucket_label(key: BucketKey) -> str:
-    """How a bucket is named in logs: ``layer03`` for transformer layer 3, the bucket name otherwise."""
-    return f"layer{key:02d}" if isinstance(key, int) else str(key)
-
-
 @dataclass(frozen=True)
 class LayerMap:
     """Which bucket each parameter belongs to, and which transformer layer each bucket is in."""

@@ -3,14 +3,14 @@
 
 # DeepSpeed Team
 """Per-layer statistics to DeepSpeed's own monitors (TensorBoard, W&B, CSV), as the engine writes its
-other training scalars: one event per selected bucket, phase and statistic, against the samples seen."""
+other training scalars: one event per selected bucket, phase and statistic, against the samples seen,
+named as every other writer names them (``tags``), under DeepSpeed's ``Train/Samples/`` prefix:
+``Train/Samples/layer-grad-norms/pre-clip/layer00``."""
 
 import weakref
 from typing import Optional
 
-from .layer_map import bucket_label
-
-STATISTICS = ("norm", "min", "max")
+from .tags import LOGGED_PHASES, LOGGED_STATISTICS, scalar_tag
 
 
 class MonitorEvents:
@@ -29,8 +29,8 @@ class MonitorEvents:
     def __call__(self, result: dict) -> None:
         engine = self.engine()
         events = []
-        for phase in ("pre_clip", "post_clip"):
+        for phase in LOGGED_PHASES:
             for key, values in (result[phase] or {}).items():
-                events += [(f"Train/Samples/layer_grad_norms/{phase}/{name}/{bucket_label(key)}", values[name],
-                            engine.global_samples) for name in STATISTICS]
+                events += [(f"Train/Samples/{scalar_tag(phase, name, key)}", values[name], engine.global_samples)
+                           for name in LOGGED_STATISTICS]
         engine.monitor.write_events(events)

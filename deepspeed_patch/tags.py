@@ -21,8 +21,6 @@ form: the bucket appended to the tag, ``layer-grad-norms/pre-clip/layer00``.
 
 from typing import Hashable, Optional
 
-from .layer_map import bucket_label
-
 __all__ = [
     "TAG_ROOT", "OUTSIDE_LAYERS_ROOT", "VALUES", "LOGGED_PHASES", "LOGGED_STATISTICS", "bucket_label", "phase_label",
     "scalar_tag", "run_name"
@@ -37,6 +35,11 @@ VALUES = "values"
 LOGGED_PHASES = ("pre_clip", "post_clip")
 LOGGED_STATISTICS = ("norm", "min", "max")
 """What goes to logs, of every selected bucket; the rest of the result stays in the result."""
+
+
+def bucket_label(key: Hashable) -> str:
+    """How a bucket is named in logs: ``layer03`` for transformer layer 3, the bucket name otherwise."""
+    return f"layer{key:02d}" if isinstance(key, int) else str(key)
 
 
 def phase_label(phase: str) -> str:

@@ -59,7 +59,8 @@ def test_switching_on_and_off_through_the_control_file(runs):
 
 def test_monitor_events_in_csv_and_tensorboard(runs):
     workdir, (first, _) = runs
-    csv_files = glob.glob(os.path.join(workdir, "monitors", "csv", "*layer_grad_norms*pre_clip_norm_layer00.csv"))
+    csv_name = "Train_Samples_layer-grad-norms_pre-clip_layer00.csv"  # the csv monitor turns "/" into "_"
+    csv_files = glob.glob(os.path.join(workdir, "monitors", "csv", csv_name))
     assert len(csv_files) == 1
     with open(csv_files[0]) as values:
         rows = values.read().splitlines()
@@ -69,7 +70,7 @@ def test_monitor_events_in_csv_and_tensorboard(runs):
 
     events = EventAccumulator(os.path.join(workdir, "monitors", "tb"))
     events.Reload()
-    assert "Train/Samples/layer_grad_norms/post_clip/max/layer03" in events.Tags()["scalars"]
+    assert "Train/Samples/layer-grad-norms/values/max/post-clip/layer03" in events.Tags()["scalars"]
 
 
 def test_trigger_ignores_ordinary_steps():

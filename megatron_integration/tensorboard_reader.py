@@ -50,9 +50,6 @@ class LayerSeries:
     def series(self, phase: str, statistic: str, layer: int) -> Points:
         return self.values.get((phase, statistic), {}).get(layer, [])
 
-    def finite_norms(self, layer: int, phase: str = "pre-clip") -> List[float]:
-        return [value for _, value in self.series(phase, "norm", layer) if math.isfinite(value)]
-
 
 class _Collector:
     """Whole-layer series, and the series of finer buckets grouped by the layer their name carries."""

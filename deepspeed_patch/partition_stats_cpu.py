@@ -15,6 +15,7 @@ loaded, so a cache shared by machines of different kinds stays safe (no ``-march
 import functools
 import os
 import re
+import time
 from typing import Callable, Optional
 
 import torch
@@ -23,6 +24,10 @@ from deepspeed.utils import logger
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc", "partition_stats.cpp")
 CFLAGS = ["-O3", "-fopenmp"]
 LDFLAGS = ["-fopenmp"]
+# A build another process has under way holds a lock file in the build directory, which torch waits for
+# without limit; a build that was killed leaves it behind. Wait this long for it, at most, then use the
+# stock operators: the statistics must never stall the start of a training run.
+BUILD_WAIT_SECONDS = 300
 
 
 def extension_name() -> str:
@@ -41,6 +46,12 @@ def host_kernel() -> Optional[Callable[[torch.Tensor, torch.Tensor, torch.Tensor
 
     if hasattr(torch.ops.layer_grad_norms, "accumulate_chunks"):  # loaded by another copy of this module:
         return torch.ops.layer_grad_norms.accumulate_chunks  # a second registration would abort the process
+    lock = os.path.join(cpp_extension._get_build_directory(extension_name(), verbose=False), "lock")
+    if not _unlocked(lock, BUILD_WAIT_SECONDS):
+        logger.warning(
+            "layer_grad_norms: the fused statistics kernel's build directory is locked (%s; a build that "
+            "was interrupted leaves it behind: remove it); using stock PyTorch operators instead", lock)
+        return None
     try:
         cpp_extension.load(name=extension_name(),
                            sources=[SOURCE],
@@ -56,3 +67,16 @@ def host_kernel() -> Optional[Callable[[torch.Tensor, torch.Tensor, torch.Tensor
             type(error).__name__,
             str(error).strip().splitlines()[-1] if str(error).strip() else "")
         return None
+
+
+def _unlocked(lock: str, seconds: float) -> bool:
+    """Whether ``lock`` is gone, or goes within ``seconds`` (a lock older than that is stale at once)."""
+    deadline = time.monotonic() + seconds
+    while os.path.exists(lock):
+        try:
+            if time.time() - os.path.getmtime(lock) > seconds or time.monotonic() > deadline:
+                return False
+        except OSError:  # removed meanwhile
+            break
+        time.sleep(0.5)
+    return True

@@ -368,6 +368,28 @@ def test_missing_compiler_falls_back_with_one_warning(tmp_path):
     assert output.count("could not be built") == 1, output
 
 
+def test_a_stale_build_lock_falls_back_instead_of_waiting(tmp_path):
+    """A build killed half-way leaves its lock file; torch would wait for it forever. Start-up goes on,
+    on the stock operators, with a warning naming the file."""
+    script = textwrap.dedent("""
+        import os, time
+        from torch.utils import cpp_extension
+        from deepspeed_patch import partition_stats_cpu
+        lock = os.path.join(cpp_extension._get_build_directory(partition_stats_cpu.extension_name(), False), "lock")
+        open(lock, "w").close()
+        os.utime(lock, (time.time() - 3600, time.time() - 3600))
+        start = time.monotonic()
+        assert partition_stats_cpu.host_kernel() is None
+        print(f"fell back after {time.monotonic() - start:.1f} s")
+    """)
+    env = dict(os.environ, TORCH_EXTENSIONS_DIR=str(tmp_path / "ext"),
+               PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    output = result.stdout + result.stderr
+    assert result.returncode == 0 and "fell back after 0." in output, output
+    assert "build directory is locked" in output and "lock" in output, output
+
+
 @pytest.fixture
 def warnings_logged(caplog, monkeypatch):
     """The warnings of DeepSpeed's logger (which does not propagate to pytest's handler by itself)."""

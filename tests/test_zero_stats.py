@@ -12,7 +12,7 @@ import torch
 
 from megatron_integration.cpu_launch import launch
 from reference import STATS, TOLERANCE, assert_close_stats, reference_bucket
-from releases import STAGE0_LOSS_CARRIES_SCALE, bf16_without_zero
+from releases import NONCONTIGUOUS_GRADIENT_WRONG, RELEASE, STAGE0_LOSS_CARRIES_SCALE, bf16_without_zero
 from zero_workers import run_cases
 
 OFFLOAD = {"offload_optimizer": {"device": "cpu"}}
@@ -98,9 +98,12 @@ def measured_steps(record):
 
 
 @pytest.mark.parametrize("world_size,name", ALL_CASES)
-def test_pre_clip_matches_reference(world_size, name):
+def test_pre_clip_matches_reference(world_size, name, request):
     record, _ = case_result(world_size, name)
     case = record["case"]
+    if case["zero"].get("contiguous_gradients") is False and NONCONTIGUOUS_GRADIENT_WRONG:
+        request.applymarker(pytest.mark.xfail(strict=True, reason=f"DeepSpeed {RELEASE} steps on a wrong embedding "
+                                              "gradient without contiguous_gradients (post_clip shows it)"))
     checked = 0
     for _, measured, reference in measured_steps(record):
         selected = {key: ref for key, ref in reference.items() if key in measured["pre_clip"]}

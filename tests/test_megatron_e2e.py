@@ -76,10 +76,11 @@ def write_run(logdir: Path, layout: str, norms, grad_norm_scale: float = 1.0) ->
     for step, buckets in norms.items():
         for bucket, value in buckets.items():
             if layout == "one-run":
-                main.add_scalar(f"layer-grad-norms/pre-clip/norm/{bucket}", value, step)
+                main.add_scalar(f"layer-grad-norms/pre-clip/{bucket}", value, step)
             else:
+                root = "layer-grad-norms" if bucket.startswith("layer") else "non-layer-grad-norms"
                 writer = writers.setdefault(bucket, SummaryWriter(str(logdir / "layer-grad-norms" / bucket)))
-                writer.add_scalar("layer-grad-norms/pre-clip/norm", value, step)
+                writer.add_scalar(f"{root}/pre-clip", value, step)
         rss = math.sqrt(sum(value ** 2 for value in buckets.values()))
         main.add_scalar("grad-norm/grad-norm", rss * grad_norm_scale, step)
     for writer in [main, *writers.values()]:

@@ -1,9 +1,10 @@
 """What a fork run must show, read back from its stdout and its TensorBoard directory.
 
 TensorBoard is read through ``megatron_integration.tensorboard_reader`` (the per-layer series) and an
-``EventMultiplexer`` over every run under the directory (the raw tags), so that both the one-run layout
-(``layer-grad-norms/pre-clip/norm/layer00``) and a run-per-bucket layout (run ``.../layer00``, tag
-``layer-grad-norms/pre-clip/norm``) are understood: a bucket's series is identified by its run and tag.
+``EventMultiplexer`` over every run under the directory (the raw tags), so that both the run-per-bucket
+layout (run ``layer-grad-norms/layer00``, tag ``layer-grad-norms/pre-clip``) and the flat form of one
+run (``layer-grad-norms/pre-clip/layer00``) are understood (``deepspeed_patch.tags``): a bucket's series
+is identified by its run and tag.
 """
 
 import math
@@ -11,11 +12,14 @@ import re
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
+from deepspeed_patch.tags import OUTSIDE_LAYERS_ROOT, TAG_ROOT, scalar_tag
+
 from ..tensorboard_reader import NoLayerDataError, read_layer_series
-from ..training_log import TAG_ROOT
 
 GRAD_NORM_TAG = "grad-norm/grad-norm"  # the fork's own scalar, written by its training_log
-PRE_CLIP_NORM = f"{TAG_ROOT}/pre-clip/norm"
+# The pre-clip norm of the buckets in the layers and of those outside them; in the flat form the
+# bucket's label follows after a "/".
+PRE_CLIP_NORMS = (scalar_tag("pre_clip", "norm"), scalar_tag("pre_clip", "norm", root=OUTSIDE_LAYERS_ROOT))
 LOG_ITERATION = re.compile(r" iteration\s+(\d+)/\s*\d+ \|")
 LOG_GRAD_NORM = re.compile(r" grad norm: ([-+0-9.eEinfa]+) \|")
 LOG_LAYER_FIELD = re.compile(r" layer grad norm:((?: \d+: [-+0-9.eEinfa]+ \|)+)")
@@ -61,21 +65,17 @@ class TensorBoardData:
         return sorted({tag for _, tag in self.scalars})
 
     def layer_grad_norm_tags(self) -> List[str]:
-        return sorted(f"{run}: {tag}" if run != "." else tag for run, tag in self.scalars if tag.startswith(TAG_ROOT))
+        return sorted(f"{run}: {tag}" if run != "." else tag for run, tag in self.scalars
+                      if tag.startswith((TAG_ROOT, OUTSIDE_LAYERS_ROOT)))
 
     def bucket_norms(self) -> Dict[str, Series]:
         """Each bucket's pre-clip norm against the iteration, named by run and tag."""
         return {f"{run}: {tag}": series for (run, tag), series in self.scalars.items()
-                if tag == PRE_CLIP_NORM or (tag.startswith(PRE_CLIP_NORM + "/") and " vs " not in tag)}
+                if tag in PRE_CLIP_NORMS or tag.startswith(tuple(norm + "/" for norm in PRE_CLIP_NORMS))}
 
     def fork_grad_norm(self) -> Series:
         found = [series for (_, tag), series in self.scalars.items() if tag == GRAD_NORM_TAG]
         return found[0] if found else {}
-
-    def axis_steps(self, axis: str) -> List[List[int]]:
-        """The steps of every per-layer tag plotted against ``axis`` ("samples", "tokens")."""
-        return [sorted(series) for (_, tag), series in self.scalars.items()
-                if tag.startswith(TAG_ROOT) and tag.endswith(f" vs {axis}")]
 
 
 def read_tensorboard(logdir: str) -> TensorBoardData:

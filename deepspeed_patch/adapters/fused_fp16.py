@@ -17,16 +17,12 @@ to the optimizer's ``backward``, which multiplied it by the loss scale, as the s
 
 from typing import List, Optional
 
-import deepspeed
 import torch
 from packaging.version import Version
 
 from ..partition_slices import back_to_back_ranges, partition_runs, slices_of_runs
 from ..statistics import run_table
 from .base import LayerGradNormsAdapter, Setup, group_of, observe_chunks
-
-# Whether the fp16 loss reached backward multiplied by the optimizer's loss scale (``cur_scale``).
-LOSS_SCALED_BY_OPTIMIZER = Version(Version(deepspeed.__version__).base_version) < Version("0.18")
 
 
 class FusedFP16Adapter(LayerGradNormsAdapter):
@@ -75,7 +71,7 @@ class FusedFP16Adapter(LayerGradNormsAdapter):
         measurement = self.measurement
         if measurement is not None:
             with measurement.guarded("reading a skipped step's gradients"):
-                if LOSS_SCALED_BY_OPTIMIZER:
+                if loss_scaled_by_optimizer():
                     measurement.set_gradient_scale(self.optimizer.cur_scale)
                 if skip:
                     self._observe_skipped(measurement)
@@ -94,6 +90,14 @@ class FusedFP16Adapter(LayerGradNormsAdapter):
 
     def global_norm(self) -> Optional[float]:
         return self.optimizer._global_grad_norm
+
+
+def loss_scaled_by_optimizer() -> bool:
+    """Whether an fp16 loss without ZeRO reached backward multiplied by the optimizer's loss scale
+    (``cur_scale``): before DeepSpeed 0.18, when the engine handed it to the optimizer's ``backward``."""
+    import deepspeed
+
+    return Version(Version(deepspeed.__version__).base_version) < Version("0.18")
 
 
 def grad_or_zeros(param: torch.nn.Parameter) -> torch.Tensor:

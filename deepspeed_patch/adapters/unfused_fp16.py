@@ -16,7 +16,7 @@ from typing import List, Optional, Tuple
 import torch
 
 from .base import LayerGradNormsAdapter, Setup
-from .fused_fp16 import LOSS_SCALED_BY_OPTIMIZER, grad_or_zeros
+from .fused_fp16 import grad_or_zeros, loss_scaled_by_optimizer
 
 
 class UnfusedFP16Adapter(LayerGradNormsAdapter):
@@ -51,7 +51,7 @@ class UnfusedFP16Adapter(LayerGradNormsAdapter):
     def update_scale(self, skip) -> None:
         """Top of ``_update_scale``: the loss scale the gradients carry, and on a skipped step the fp16
         gradients, before they are dropped."""
-        if self.measurement is not None and LOSS_SCALED_BY_OPTIMIZER:
+        if self.measurement is not None and loss_scaled_by_optimizer():
             self.measurement.set_gradient_scale(self.optimizer.cur_scale)
         if self.measurement is not None and skip:
             self._observe(self.optimizer.fp16_groups)

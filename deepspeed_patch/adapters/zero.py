@@ -11,9 +11,9 @@ the loss scaler skips, the partition is never built: its per-parameter pieces ar
 ``_update_scale``, before they are dropped.
 """
 
-import importlib
 import itertools
 import math
+import sys
 from typing import List, Optional
 
 import torch
@@ -29,6 +29,9 @@ class ZeroAdapter(LayerGradNormsAdapter):
 
     def __init__(self, optimizer, setup: Setup) -> None:
         self.optimizer = optimizer
+        # DeepSpeed 0.19 clips everything away when the global norm is invalid (non-finite, or its -1
+        # sentinel), with is_invalid_grad_norm; before, the sentinel went into the formula like any norm.
+        self.invalid_norm_zeroes = hasattr(sys.modules[type(optimizer).__module__], "is_invalid_grad_norm")
         device = optimizer.single_partition_of_fp32_groups[0].device
         self.tables = [
             run_table(self._group_slices(index, setup, device), device) for index in range(len(optimizer.bit16_groups))
@@ -76,7 +79,7 @@ class ZeroAdapter(LayerGradNormsAdapter):
             index = group_of(optimizer.single_partition_of_fp32_groups, flat_grad)
             measurement.observe_partition(index, flat_grad, self.tables[index])
             measurement.set_applied_scale(
-                zero_unscale_divisor(total_norm, optimizer.clip_grad, optimizer.loss_scale, INVALID_NORM_ZEROES))
+                zero_unscale_divisor(total_norm, optimizer.clip_grad, optimizer.loss_scale, self.invalid_norm_zeroes))
 
     def update_scale(self, has_overflow=False) -> None:
         """Top of ``_update_scale``: once per step, before the loss scale changes and before a skipped
@@ -109,11 +112,6 @@ class ZeroAdapter(LayerGradNormsAdapter):
 
     def global_norm(self) -> Optional[float]:
         return self.optimizer._global_grad_norm
-
-
-# DeepSpeed 0.19 clips everything away when the global norm is invalid (non-finite, or its -1 sentinel);
-# before, the sentinel went into the formula like any norm.
-INVALID_NORM_ZEROES = hasattr(importlib.import_module("deepspeed.runtime.zero.stage_1_and_2"), "is_invalid_grad_norm")
 
 
 def zero_unscale_divisor(scaled_total_norm: Optional[torch.Tensor],

@@ -188,6 +188,8 @@ def comparison(tmp_path_factory):
         result = json.load(handle)
     with open(os.path.join(work, "comparison.md"), encoding="utf-8") as handle:
         result["markdown"] = handle.read()
+    with open(os.path.join(work, "summary.md"), encoding="utf-8") as handle:
+        result["summary"] = handle.read()
     result["work"] = work
     return result
 
@@ -262,6 +264,8 @@ def test_markdown_names_counts_and_differences(comparison):
     assert "| unpatched | 8 | 1 | 1 | 2 |" in text
     assert "`unit/test_fake.py::test_unsupported_set_up` | passed | passed | failed" in text
     assert "## Failing in every run" in text
+    assert "<details>" in text and "<details>" not in comparison["summary"]
+    assert comparison["summary"] == text[:text.index("\n<details>")] + text[text.index("## Failing in every run") - 1:]
 
 
 def test_a_patch_that_does_not_apply_stops_before_any_run(tmp_path):

@@ -254,8 +254,8 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
     selection = parser.add_mutually_exclusive_group()
     selection.add_argument("--selection", default=DEFAULT_SELECTION, help="file of test paths / node ids")
     selection.add_argument("--tests", nargs="+", help="test paths / node ids, relative to the checkout")
-    parser.add_argument("--runs", nargs="+", choices=RUN_NAMES, default=list(RUN_NAMES),
-                        help="the runs to (re)do; the others are read from the work directory")
+    parser.add_argument("--runs", nargs="*", choices=RUN_NAMES, default=list(RUN_NAMES),
+                        help="the runs to (re)do; the others are read from the work directory (none: compare only)")
     parser.add_argument("--deselect-zero-stage", type=int, action="append", default=None,
                         help="ZeRO stage whose cases are deselected (default: 3; 'none' via --all-stages)")
     parser.add_argument("--all-stages", action="store_true", help="keep every ZeRO stage's cases")

@@ -199,7 +199,7 @@ def _counts_table(comparison: dict) -> List[str]:
     return lines
 
 
-def _difference_lines(comparison: dict) -> List[str]:
+def _difference_lines(comparison: dict, details: bool) -> List[str]:
     differences = comparison["differences"]
     if not differences:
         return ["No node id has a different outcome in any run."]
@@ -211,14 +211,15 @@ def _difference_lines(comparison: dict) -> List[str]:
         said = "; ".join(f"{name}: `{line}`" for name, line in {**raised, **entry["key_lines"]}.items())
         lines.append(f"| `{entry['nodeid']}` | " + " | ".join(entry["outcomes"][name] for name in names) +
                      f" | {entry['kind']} | {said} |")
-    for entry in differences:
+    for entry in differences if details else []:
         for name, message in entry["messages"].items():
             lines += ["", f"<details><summary>{entry['nodeid']} ({name})</summary>", "", "```",
                       message[-MESSAGE_CHARS_IN_MARKDOWN:], "```", "</details>"]
     return lines
 
 
-def markdown(comparison: dict) -> str:
+def markdown(comparison: dict, details: bool = True) -> str:
+    """The comparison for people; ``details``: with each failing run's whole message."""
     checkout = comparison["checkout"]
     lines = ["# DeepSpeed's unit tests: unpatched, patched with the feature off, patched with it on", "",
              f"- Checkout: {checkout.get('label')} (version.txt {checkout.get('version', '?')}, "
@@ -236,7 +237,7 @@ def markdown(comparison: dict) -> str:
         if site["initialize_errors"]:
             lines.append(f"\n{name}: `deepspeed.initialize` raised: " + "; ".join(
                 f"{count} x `{error}`" for error, count in site["initialize_errors"].items()))
-    lines += ["", "## Differences", ""] + _difference_lines(comparison)
+    lines += ["", "## Differences", ""] + _difference_lines(comparison, details)
     lines += ["", "## Failing in every run (not a difference)", ""]
     lines += [f"- `{entry['nodeid']}` ({entry['outcome']}): `{entry['key_line']}`"
               for entry in comparison["failing_in_every_run"]] or ["None."]
@@ -248,10 +249,11 @@ def markdown(comparison: dict) -> str:
 
 
 def write_comparison(comparison: dict, folder: str) -> List[str]:
-    """``comparison.json`` and ``comparison.md`` in ``folder``; returns their paths."""
-    json_path, md_path = os.path.join(folder, "comparison.json"), os.path.join(folder, "comparison.md")
-    with open(json_path, "w", encoding="utf-8") as handle:
-        json.dump(comparison, handle, indent=1, default=asdict)
-    with open(md_path, "w", encoding="utf-8") as handle:
-        handle.write(markdown(comparison))
-    return [md_path, json_path]
+    """``comparison.json``, ``comparison.md`` and ``summary.md`` (without the whole messages) in
+    ``folder``; returns their paths."""
+    paths = [os.path.join(folder, name) for name in ("comparison.md", "summary.md", "comparison.json")]
+    for path, text in zip(paths, (markdown(comparison), markdown(comparison, details=False),
+                                  json.dumps(comparison, indent=1, default=asdict))):
+        with open(path, "w", encoding="utf-8") as handle:
+            handle.write(text)
+    return paths

@@ -191,6 +191,7 @@ def comparison(tmp_path_factory):
     with open(os.path.join(work, "summary.md"), encoding="utf-8") as handle:
         result["summary"] = handle.read()
     result["work"] = work
+    result["arguments"] = ["--deepspeed-checkout", checkout, "--patch", patch, "--work-dir", work]
     return result
 
 
@@ -266,6 +267,17 @@ def test_markdown_names_counts_and_differences(comparison):
     assert "## Failing in every run" in text
     assert "<details>" in text and "<details>" not in comparison["summary"]
     assert comparison["summary"] == text[:text.index("\n<details>")] + text[text.index("## Failing in every run") - 1:]
+
+
+def test_compare_only_reads_the_runs_again(comparison):
+    outcomes = os.path.join(comparison["work"], "runs", "unpatched", "outcomes.jsonl")
+    before = os.path.getmtime(outcomes)
+    assert deepspeed_tests.main(comparison["arguments"] + ["--runs"]) == 0
+    assert os.path.getmtime(outcomes) == before
+    with open(os.path.join(comparison["work"], "comparison.json"), encoding="utf-8") as handle:
+        again = json.load(handle)
+    assert again["runs"]["patched-on"]["counts"] == comparison["runs"]["patched-on"]["counts"]
+    assert again["differences"] == comparison["differences"]
 
 
 def test_a_patch_that_does_not_apply_stops_before_any_run(tmp_path):

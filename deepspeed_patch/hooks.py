@@ -114,9 +114,9 @@ CALL_SITES = (
         ("unscale_and_clip_grads", START,
          AdapterCall(FusedFP16Adapter.unscale_and_clip_grads, _GROUPS_AND_NORM + ("apply_scale", ))),
         ("unscale_and_clip_grads", RESULT, AdapterCall(Adapter.applied_scale, (RETURNED, ))),
-        # a skipped step's gradients: 0.19 drops them in one method; before, after _update_scale
-        ("_skip_invalid_grad_norm", START, AdapterCall(FusedFP16Adapter.skip_step), "0.19"),
-        ("_update_scale", START, AdapterCall(FusedFP16Adapter.update_scale, ("skip", )), "0", "0.19")),
+        # a skipped step's gradients: 0.19.8 drops them in one method; before, after _update_scale
+        ("_skip_invalid_grad_norm", START, AdapterCall(FusedFP16Adapter.skip_step), "0.19.8"),
+        ("_update_scale", START, AdapterCall(FusedFP16Adapter.update_scale, ("skip", )), "0", "0.19.8")),
     *_optimizer(_UNFUSED, ("unscale_and_clip_grads", START,
                            AdapterCall(UnfusedFP16Adapter.unscale_and_clip_grads, ("total_norm", "apply_scale"))),
                 ("unscale_and_clip_grads", RESULT, AdapterCall(Adapter.applied_scale, (RETURNED, ))),

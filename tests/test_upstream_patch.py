@@ -16,6 +16,7 @@ from deepspeed_patch.upstream.build import (
     DOCS_ANCHOR,
     DOCS_PAGE,
     LICENSE,
+    MASTER_PATCH_FILE,
     PATCH_FILE,
     installed_deepspeed_root,
     make_patch,
@@ -53,6 +54,26 @@ def test_committed_patch_is_current():
     with open(PATCH_FILE, encoding="utf-8") as handle:
         committed = handle.read()
     assert committed == make_patch(), "stale patch: run python -m deepspeed_patch.upstream.build"
+
+
+def file_diffs(patch: str) -> Dict[str, str]:
+    """``{path: its diff}`` of a patch."""
+    return {diff.split(" ", 1)[0][2:]: "diff --git " + diff for diff in patch.split("diff --git ")[1:]}
+
+
+def test_master_patch_carries_the_current_package():
+    """The master patch is generated in a session (CI has no master checkout), so its call-site hunks are
+    checked there (``git apply --check``); here, every file it adds and the docs section must still be what
+    the generator writes today."""
+    with open(MASTER_PATCH_FILE, encoding="utf-8") as handle:
+        master = file_diffs(handle.read())
+    current = file_diffs(make_patch())
+    assert master.keys() == current.keys()
+    for path, diff in current.items():
+        if "new file mode" in diff:
+            assert master[path] == diff, f"{path}: stale master patch, regenerate it against a master checkout"
+    docs_body = [diff.split("\n@@", 1)[1].split("\n", 1)[1] for diff in (master[DOCS_PAGE], current[DOCS_PAGE])]
+    assert docs_body[0] == docs_body[1]
 
 
 def test_new_files_follow_deepspeed_conventions():

@@ -59,7 +59,7 @@ class BF16Adapter(LayerGradNormsAdapter):
             measurement.set_applied_scale(bf16_clip_divisor(optimizer._global_grad_norm, optimizer.clip_grad))
 
     def overflow(self) -> bool:
-        return bool(getattr(self.optimizer, "overflow", False))  # before 0.19 it never skips a step
+        return bool(getattr(self.optimizer, "overflow", False))  # before 0.19.8 it never skips a step
 
     def global_norm(self) -> Optional[float]:
         return self.optimizer._global_grad_norm

@@ -6,7 +6,7 @@
 
 Every rank holds each parameter group's whole gradient as one flat fp32 buffer, read where the
 optimizer unscales and clips it, all groups at once; the factor it divides by is its return value. On a
-skipped step the gradient is read before it is dropped: in ``_skip_invalid_grad_norm`` (DeepSpeed 0.19),
+skipped step the gradient is read before it is dropped: in ``_skip_invalid_grad_norm`` (DeepSpeed 0.19.8),
 or in ``_update_scale`` (before).
 
 Since DeepSpeed 0.18 its gradients carry no loss scale: ``engine.backward`` scales the loss only for
@@ -59,14 +59,14 @@ class FusedFP16Adapter(LayerGradNormsAdapter):
                 measurement.observe_partition(index, flat_grad, self.tables[index])
 
     def skip_step(self) -> None:
-        """Top of ``_skip_invalid_grad_norm`` (0.19): a skipped step's gradients, before they are dropped."""
+        """Top of ``_skip_invalid_grad_norm`` (0.19.8): a skipped step's gradients, before they are dropped."""
         measurement = self.measurement
         if measurement is not None:
             with measurement.guarded("reading a skipped step's gradients"):
                 self._observe_skipped(measurement)
 
     def update_scale(self, skip) -> None:
-        """Top of ``_update_scale`` (before 0.19): the loss scale the gradients carry, and on a skipped step
+        """Top of ``_update_scale`` (before 0.19.8): the loss scale the gradients carry, and on a skipped step
         its gradients, before they are dropped."""
         measurement = self.measurement
         if measurement is not None:

@@ -29,7 +29,7 @@ class ZeroAdapter(LayerGradNormsAdapter):
 
     def __init__(self, optimizer, setup: Setup) -> None:
         self.optimizer = optimizer
-        # DeepSpeed 0.19 clips everything away when the global norm is invalid (non-finite, or its -1
+        # DeepSpeed 0.19.8 clips everything away when the global norm is invalid (non-finite, or its -1
         # sentinel), with is_invalid_grad_norm; before, the sentinel went into the formula like any norm.
         self.invalid_norm_zeroes = hasattr(sys.modules[type(optimizer).__module__], "is_invalid_grad_norm")
         device = optimizer.single_partition_of_fp32_groups[0].device
@@ -57,7 +57,7 @@ class ZeroAdapter(LayerGradNormsAdapter):
         params = optimizer.round_robin_bit16_groups[index]
         # The meta copies keep the true sizes when offload has swapped the parameters' storage out.
         sizes = [meta.numel() for meta in optimizer.round_robin_bit16_meta[index]]
-        if hasattr(optimizer, "round_robin_bit16_offsets"):  # 0.19 pads between parameters, and says where
+        if hasattr(optimizer, "round_robin_bit16_offsets"):  # 0.19.7 on pad between parameters, and say where
             offsets = optimizer.round_robin_bit16_offsets[index]
         else:  # before, they lie back to back, the padding at the end
             offsets = list(itertools.accumulate(sizes[:-1], initial=0))

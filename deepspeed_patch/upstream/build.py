@@ -3,6 +3,9 @@ as a change to DeepSpeed's own source tree.
 
     python -m deepspeed_patch.upstream.build [--deepspeed DIR] [-o FILE]
 
+``layer_grad_norms.patch`` is written against the 0.19.8 release, ``layer_grad_norms-master.patch``
+against a checkout of DeepSpeed's master (``--deepspeed CHECKOUT -o MASTER_PATCH_FILE``).
+
 The modules are copied as they are into ``deepspeed/runtime/layer_grad_norms/``; each call site
 becomes one line in the method it belongs to, written against the installed DeepSpeed's files (or
 those under ``DIR``). ``tree/`` holds the files the patch adds beside them (its ``__init__.py``,
@@ -23,6 +26,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 PACKAGE_DIR = os.path.dirname(HERE)
 PATCH_FILE = os.path.join(HERE, "layer_grad_norms.patch")
 PATCH_RELEASES = ("0.19.8", )  # the releases PATCH_FILE is made for
+MASTER_PATCH_FILE = os.path.join(HERE, "layer_grad_norms-master.patch")  # for a pull request to master
 TREE = os.path.join(HERE, "tree")
 
 UPSTREAM_PACKAGE = "deepspeed/runtime/layer_grad_norms"
@@ -34,12 +38,11 @@ LICENSE = "# Copyright (c) Microsoft Corporation.\n# SPDX-License-Identifier: Ap
 CPP_LICENSE = LICENSE.replace("# ", "// ")
 SOURCE_SUFFIXES = {".py": LICENSE, ".cpp": CPP_LICENSE}  # the package's files that go upstream, by their header
 
-# Where the docs section goes on DeepSpeed's config-json page: after "Gradient Clipping". Only these
-# lines are known here (the docs are not in the release's package); git apply finds them by content.
+# Where the docs section goes on DeepSpeed's config-json page: after "Gradient Clipping", before these
+# lines' last. A checkout has the page; an installed package does not (see _docs_line).
 DOCS_PAGE = "docs/_pages/config-json.md"
 DOCS_ANCHOR = ("| Enable gradient clipping with value | `1.0`   |\n", "\n", "\n", "\n",
                "### ZeRO Optimizations for FP16 Training\n")
-DOCS_ANCHOR_LINE = 448
 DOCS_SECTION = os.path.join(HERE, "config-json-section.md")
 
 
@@ -244,21 +247,41 @@ def _diff(path: str, original: Optional[str], new: str) -> str:
     return header + "".join(body)
 
 
-def _docs_diff() -> str:
+def _docs_line(deepspeed_root: str) -> int:
+    """The line the docs anchor starts at: found on the checkout's page or, for an installed package
+    (which has no docs), the one the committed patch records from its last generation against a checkout.
+    ``git apply`` places the hunk by its content anyway; the number keeps the hunk honest for a reader."""
+    page = os.path.join(deepspeed_root, DOCS_PAGE)
+    if os.path.isfile(page):
+        text = _read(page)
+        start = text.find("".join(DOCS_ANCHOR))
+        if start < 0:
+            raise ValueError(f"{page}: the lines the docs section goes among are not there: {DOCS_ANCHOR}")
+        return text.count("\n", 0, start) + 1
+    recorded = re.search(rf"^\+\+\+ b/{re.escape(DOCS_PAGE)}\n@@ -(\d+),", _read(PATCH_FILE), re.MULTILINE)
+    if recorded is None:
+        raise ValueError(f"{deepspeed_root} has no {DOCS_PAGE}, and {PATCH_FILE} has no docs hunk to take the line "
+                         "from: generate against a DeepSpeed checkout")
+    return int(recorded.group(1))
+
+
+def _docs_diff(deepspeed_root: str) -> str:
     """The docs section, as a hunk located by its surrounding lines."""
     section = _read(DOCS_SECTION).splitlines(keepends=True)
     context = len(DOCS_ANCHOR)
+    start = _docs_line(deepspeed_root)
     lines = [f" {line}" for line in DOCS_ANCHOR[:-1]] + [f"+{line}" for line in section + ["\n"]]
     lines.append(f" {DOCS_ANCHOR[-1]}")
     return (f"diff --git a/{DOCS_PAGE} b/{DOCS_PAGE}\n--- a/{DOCS_PAGE}\n+++ b/{DOCS_PAGE}\n"
-            f"@@ -{DOCS_ANCHOR_LINE},{context} +{DOCS_ANCHOR_LINE},{context + len(section) + 1} @@\n" + "".join(lines))
+            f"@@ -{start},{context} +{start},{context + len(section) + 1} @@\n" + "".join(lines))
 
 
 def make_patch(deepspeed_root: Optional[str] = None) -> str:
     """The whole patch, against the DeepSpeed under ``deepspeed_root`` (default: the installed one)."""
-    files = upstream_files(deepspeed_root or installed_deepspeed_root())
+    root = deepspeed_root or installed_deepspeed_root()
+    files = upstream_files(root)
     diffs = [_diff(path, *files[path]) for path in sorted(files)]
-    return "".join(sorted(diffs + [_docs_diff()], key=lambda diff: diff.split(" ", 3)[2]))
+    return "".join(sorted(diffs + [_docs_diff(root)], key=lambda diff: diff.split(" ", 3)[2]))
 
 
 def main(argv: Optional[List[str]] = None) -> None:

@@ -4,14 +4,16 @@ The reference is the same network as an ordinary TinyGPT with the same weights (
 all stages before each step), run in plain PyTorch on the same micro-batches.
 """
 
+import dataclasses
 import logging
-from typing import Any, Dict
+from typing import Any, Dict, Tuple
 
 import torch
 
 import deepspeed_patch
 from megatron_integration.tiny_gpt import TinyGPT, TinyGPTConfig, synthetic_batch, tiny_gpt_pipe
 from reference import averaged_gradients, bucket_stats
+from releases import pipeline_gradient_factor
 from zero_workers import DTYPES, MICRO_BATCH
 
 DEFAULT_CASE: Dict[str, Any] = {"first_layer_index": 3, "dtype": "fp32", "gas": 2, "clip": 0.0, "steps": 3,
@@ -31,8 +33,9 @@ def plain_name(pipe_name: str, first_layer_index: int, num_layers: int) -> str:
     return f"{'final_layernorm' if index == first_layer_index + num_layers else 'head'}.{rest}"
 
 
-def full_weights(engine, case) -> Dict[str, torch.Tensor]:
-    """Every stage's weights, under TinyGPT names, on every rank; the first stage's copy of tied ones."""
+def full_weights(engine, case) -> Tuple[Dict[str, torch.Tensor], Dict[str, int]]:
+    """Every stage's weights, under TinyGPT names, on every rank, and the stage that holds each; the
+    first stage's copy of tied ones."""
     import torch.distributed as dist  # deepspeed.comm has no all_gather_object before 0.15
 
     local = {plain_name(name, case["first_layer_index"], case["layers"]): p.detach().float().clone()
@@ -41,7 +44,25 @@ def full_weights(engine, case) -> Dict[str, torch.Tensor]:
     dist.all_gather_object(gathered, local)
     # A tied module's copy on a later stage is only used for its tied weight (the head); the
     # first stage's copy is the one whose other parameters (pos_embed) the model really uses.
-    return {name: weight for part in reversed(gathered) for name, weight in part.items()}
+    stage_of = {name: stage for stage, part in reversed(list(enumerate(gathered))) for name in part}
+    return {name: weight for part in reversed(gathered) for name, weight in part.items()}, stage_of
+
+
+def trained_gradients(weights: Dict[str, torch.Tensor], stage_of: Dict[str, int], config: TinyGPTConfig,
+                      case: Dict[str, Any], batches) -> Dict[str, torch.Tensor]:
+    """The gradient this DeepSpeed release's pipeline really steps on: the mean gradient, scaled per stage
+    as ``releases.pipeline_gradient_factor`` says. A tied embedding's two uses (the embedding on the first
+    stage, the head on the last) are computed apart, untied, and each scaled by its own stage's factor."""
+    stages = max(stage_of.values()) + 1
+    if config.tie_embeddings:
+        weights = {**weights, "head.weight": weights["embed.weight"]}
+        stage_of = {**stage_of, "head.weight": stages - 1}
+    untied = dataclasses.replace(config, tie_embeddings=False)
+    grads = {name: grad * pipeline_gradient_factor(case["gas"], stage_of[name], stages)
+             for name, grad in averaged_gradients(weights, untied, DTYPES[case["dtype"]], batches).items()}
+    if config.tie_embeddings:
+        grads["embed.weight"] = grads["embed.weight"] + grads.pop("head.weight")
+    return grads
 
 
 def train_pipe(case: Dict[str, Any]) -> Dict[str, Any]:
@@ -71,11 +92,11 @@ def train_pipe(case: Dict[str, Any]) -> Dict[str, Any]:
     record = {"measured": [], "global_norm": [], "reference": [], "optimizer": type(engine.optimizer).__name__}
     for step in range(1, case["steps"] + 1):
         batches = [synthetic_batch(config, MICRO_BATCH, seed=100 * step + micro) for micro in range(case["gas"])]
-        before = full_weights(engine, case)
+        before, stage_of = full_weights(engine, case)
         engine.train_batch(data_iter=iter([(batch[:, :-1], batch[:, 1:]) for batch in batches]))
         record["measured"].append(engine.get_layer_grad_norms())
         record["global_norm"].append(float(engine.get_global_grad_norm()))
-        grads = averaged_gradients(before, config, DTYPES[case["dtype"]], batches)
+        grads = trained_gradients(before, stage_of, config, case, batches)
         record["reference"].append(bucket_stats(grads))
     engine.destroy()
     return record

@@ -30,13 +30,16 @@ NONCONTIGUOUS_GRADIENT_WRONG = RELEASE < Version("0.19")
 
 # A pipeline's loss is not divided by the accumulation steps in 0.16 and 0.17 (engine._backward_prologue
 # divides only when backward all-reduces, which PipelineEngine turns off): the optimizer gets the sum of its
-# micro-batches' gradients. In 0.18 it gets that mean divided by them once more. Tested: 0.16.9, 0.17.6, 0.18.9.
+# micro-batches' gradients. In 0.18 the last stage gets their mean, and a stage before it that mean divided
+# by them once more (the engine divides the activation gradient it receives, which already carries the
+# division: _backward_prologue_per_tensor). Tested: 0.16.9, 0.17.6, 0.18.9, with 2 stages.
 
 
-def pipeline_gradient_factor(gas: int) -> float:
-    """What a pipeline's optimizer gets, as a multiple of the mean gradient of its ``gas`` micro-batches."""
+def pipeline_gradient_factor(gas: int, stage: int, stages: int) -> float:
+    """What stage ``stage`` of a ``stages``-stage pipeline's optimizer gets, as a multiple of the mean
+    gradient of its ``gas`` micro-batches."""
     if Version("0.16") <= RELEASE < Version("0.18"):
         return float(gas)
-    if Version("0.18") <= RELEASE < Version("0.19"):
+    if Version("0.18") <= RELEASE < Version("0.19") and stage < stages - 1:
         return 1.0 / gas
     return 1.0

@@ -28,6 +28,11 @@ def bf16_without_zero(fused: bool) -> str:
 # (seen on 0.14.5, 0.15.4, 0.16.9, 0.17.6 and 0.18.9; right on 0.19.8).
 NONCONTIGUOUS_GRADIENT_WRONG = RELEASE < Version("0.19")
 
+# BF16_Optimizer with data parallelism steps on a gradient that is not the ranks' average, and each rank
+# computes a global norm of its own, so clips by its own factor (0.18.9 on the CPU accelerator; shown
+# without this package, by each rank's safe_get_full_grad at the step against the averaged gradient).
+BF16_OPTIMIZER_DATA_PARALLEL_WRONG = Version("0.18") <= RELEASE < Version("0.19")
+
 # A pipeline's loss is not divided by the accumulation steps in 0.16 and 0.17 (engine._backward_prologue
 # divides only when backward all-reduces, which PipelineEngine turns off): the optimizer gets the sum of its
 # micro-batches' gradients. In 0.18 the last stage gets their mean, and a stage before it that mean divided

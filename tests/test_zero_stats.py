@@ -12,7 +12,13 @@ import torch
 
 from megatron_integration.cpu_launch import launch
 from reference import STATS, TOLERANCE, assert_close_stats, reference_bucket
-from releases import NONCONTIGUOUS_GRADIENT_WRONG, RELEASE, STAGE0_LOSS_CARRIES_SCALE, bf16_without_zero
+from releases import (
+    BF16_OPTIMIZER_DATA_PARALLEL_WRONG,
+    NONCONTIGUOUS_GRADIENT_WRONG,
+    RELEASE,
+    STAGE0_LOSS_CARRIES_SCALE,
+    bf16_without_zero,
+)
 from zero_workers import run_cases
 
 OFFLOAD = {"offload_optimizer": {"device": "cpu"}}
@@ -97,6 +103,13 @@ def measured_steps(record):
             yield index, measured, reference
 
 
+def expect_bf16_optimizer_bug(request, world_size: int, name: str) -> None:
+    """Where this release's BF16_Optimizer steps on a gradient other than the ranks' average (releases.py)."""
+    if BF16_OPTIMIZER_DATA_PARALLEL_WRONG and world_size > 1 and "bf16_optimizer" in name:
+        request.applymarker(pytest.mark.xfail(strict=True, reason=f"DeepSpeed {RELEASE}'s BF16_Optimizer steps on a "
+                                              "gradient that is not the ranks' average, with a global norm per rank"))
+
+
 @pytest.mark.parametrize("world_size,name", ALL_CASES)
 def test_pre_clip_matches_reference(world_size, name, request):
     record, _ = case_result(world_size, name)
@@ -104,6 +117,7 @@ def test_pre_clip_matches_reference(world_size, name, request):
     if case["zero"].get("contiguous_gradients") is False and NONCONTIGUOUS_GRADIENT_WRONG:
         request.applymarker(pytest.mark.xfail(strict=True, reason=f"DeepSpeed {RELEASE} steps on a wrong embedding "
                                               "gradient without contiguous_gradients (post_clip shows it)"))
+    expect_bf16_optimizer_bug(request, world_size, name)
     checked = 0
     for _, measured, reference in measured_steps(record):
         selected = {key: ref for key, ref in reference.items() if key in measured["pre_clip"]}
@@ -155,7 +169,8 @@ def covers_all_parameters(case) -> bool:
 
 
 @pytest.mark.parametrize("world_size,name", [(w, n) for w, n in ALL_CASES if covers_all_parameters(CASES[w][n])])
-def test_bucket_norms_add_up_to_global_norm(world_size, name):
+def test_bucket_norms_add_up_to_global_norm(world_size, name, request):
+    expect_bf16_optimizer_bug(request, world_size, name)
     record, _ = case_result(world_size, name)
     for index, measured, _ in measured_steps(record):
         combined = math.sqrt(sum(stats["norm"]**2 for stats in measured["pre_clip"].values()))
@@ -163,7 +178,9 @@ def test_bucket_norms_add_up_to_global_norm(world_size, name):
 
 
 @pytest.mark.parametrize("world_size,name", ALL_CASES)
-def test_identical_on_every_rank(world_size, name):
+def test_identical_on_every_rank(world_size, name, request):
+    if CASES[world_size][name].get("clip"):  # each rank's own clip factor (pre_clip agrees)
+        expect_bf16_optimizer_bug(request, world_size, name)
     _, by_rank = case_result(world_size, name)
     for other in by_rank[1:]:
         # repr, so that the NaNs of an overflow step compare equal

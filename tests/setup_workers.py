@@ -2,12 +2,12 @@
 
 import contextlib
 import logging
-from typing import Any, Dict, Iterator, List
+from typing import Any, Callable, Dict, Iterator, List
 
 import torch
 
 import deepspeed_patch
-from megatron_integration.tiny_gpt import TinyGPT, TinyGPTConfig, synthetic_batch
+from megatron_integration.tiny_gpt import TinyGPT, TinyGPTConfig, synthetic_batch, tiny_gpt_pipe
 from zero_workers import force_fp16_on_cpu
 
 COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor", "reduce_scatter",
@@ -35,13 +35,18 @@ def initialize(config: Dict[str, Any], model: torch.nn.Module = None):
     return engine
 
 
-def initialize_error(config: Dict[str, Any]) -> str:
-    """The error ``deepspeed.initialize`` raises for ``config``, as ``Type: message``; '' if none."""
+def error_of(start: Callable[[], Any]) -> str:
+    """The error ``start()`` raises, as ``Type: message``; '' if none."""
     try:
-        initialize(config).destroy()
+        start()
     except Exception as err:
         return f"{type(err).__name__}: {err}"
     return ""
+
+
+def initialize_error(config: Dict[str, Any]) -> str:
+    """The error ``deepspeed.initialize`` raises for ``config``; '' if none."""
+    return error_of(lambda: initialize(config).destroy())
 
 
 class _Records(logging.Handler):
@@ -178,12 +183,18 @@ def moe_error() -> str:
 
     model = MoEModel()
     groups = split_params_into_different_moe_groups_for_optimizer([{"params": list(model.parameters()), "name": "p"}])
-    try:
-        deepspeed.initialize(model=model, optimizer=torch.optim.SGD(groups, lr=0.1),
-                             config=base_config(layer_grad_norms={"enabled": True}))
-    except Exception as err:
-        return f"{type(err).__name__}: {err}"
-    return ""
+    return error_of(lambda: deepspeed.initialize(model=model, optimizer=torch.optim.SGD(groups, lr=0.1),
+                                                 config=base_config(layer_grad_norms={"enabled": True})))
+
+
+def pipeline_without_zero_error() -> str:
+    """The error for a one-stage pipeline trained in fp32 without ZeRO (each rank would hold one stage)."""
+    import deepspeed
+
+    pipe = tiny_gpt_pipe(TinyGPTConfig(), num_stages=1)
+    config = base_config(zero_optimization={"stage": 0}, layer_grad_norms={"enabled": True})
+    return error_of(lambda: deepspeed.initialize(model=pipe, optimizer=torch.optim.SGD(pipe.parameters(), lr=0.1),
+                                                 config=config))
 
 
 def run_setup_checks(multi_rank: bool) -> Dict[str, Any]:
@@ -205,4 +216,5 @@ def run_setup_checks(multi_rank: bool) -> Dict[str, Any]:
     results["disabled_block_ok"] = initialize_error(base_config(layer_grad_norms={"enabled": False}))
     results["no_match"] = no_match_warning()
     results["moe"] = moe_error()
+    results["pipeline_without_zero"] = pipeline_without_zero_error()
     return results

@@ -64,6 +64,11 @@ def test_unsupported_error_names_the_optimizer_in_use():
     assert "this engine uses DeepSpeedZeroOptimizer_Stage3" in single_rank()["unsupported"]["stage3"]
 
 
+def test_pipeline_without_zero_is_refused_naming_the_pipeline():
+    assert single_rank()["pipeline_without_zero"] == ("UnsupportedSetupError: layer_grad_norms: without ZeRO, "
+                                                      "pipeline and tensor parallelism are not supported")
+
+
 def test_moe_is_refused_at_initialize_naming_it():
     assert single_rank()["moe"].startswith("UnsupportedSetupError: layer_grad_norms does not support MoE")
 

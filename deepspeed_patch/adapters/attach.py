@@ -61,7 +61,9 @@ def attach(engine) -> Optional[LayerGradNormsAdapter]:
 
 def _param_grad_adapter(engine, config: LayerGradNormsConfig) -> ParamGradAdapter:
     """DeepSpeed without ZeRO in fp32: the engine clips the ``.grad`` it holds on every rank itself."""
-    if not _plain_fp32(engine):
+    if _plain_fp32(engine):
+        _check_whole_model(engine)
+    else:
         raise UnsupportedSetupError(
             f"{CONFIG_KEY} needs the ZeRO stage 1 or 2 optimizer (DeepSpeedZeroOptimizer), BF16_Optimizer, or no "
             f"ZeRO (fp32, or FP16_Optimizer / FP16_UnfusedOptimizer for fp16/bf16); this engine uses "
@@ -127,9 +129,9 @@ def _check_whole_model(engine) -> None:
 
 
 def _plain_fp32(engine) -> bool:
-    """fp32 without ZeRO, on one data-parallel group: every rank holds the averaged gradient in ``.grad``."""
+    """fp32 without ZeRO and a torch optimizer: every rank holds its averaged gradient in ``.grad``."""
     return (engine.zero_optimization_stage() == 0 and not engine.fp16_enabled() and not engine.bfloat16_enabled()
-            and isinstance(engine.optimizer, torch.optim.Optimizer) and _whole_model_on_each_rank(engine))
+            and isinstance(engine.optimizer, torch.optim.Optimizer))
 
 
 def _whole_model_on_each_rank(engine) -> bool:

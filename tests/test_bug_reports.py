@@ -28,8 +28,15 @@ def run_script(name: str, *args: str) -> dict:
                                                         f"layer-grad-norms-bug-reports-{deepspeed.__version__}"))
     result = subprocess.run([sys.executable, os.path.join(BUG_REPORTS, name), "--json", *args], capture_output=True,
                             text=True, env=env, cwd=BUG_REPORTS, timeout=900)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    return json.loads(result.stdout.strip().splitlines()[-1])
+    output = result.stdout[-3000:] + result.stderr[-3000:]
+    lines = result.stdout.strip().splitlines()
+    assert lines and lines[-1].startswith("{"), output
+    # The JSON line comes after the last collective and destroy_process_group. Once, under load, the
+    # interpreter then aborted at exit ("terminate called without an active exception": a C++ thread of
+    # DeepSpeed's CPU communication op or of gloo torn down): that does not touch the result; anything
+    # else does.
+    assert result.returncode == 0 or "terminate called without an active exception" in result.stderr, output
+    return json.loads(lines[-1])
 
 
 @pytest.mark.parametrize("stage", [1, 2])

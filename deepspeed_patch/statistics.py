@@ -224,7 +224,7 @@ def accumulate_partition(stats: torch.Tensor, flat: torch.Tensor, table: RunTabl
         accumulate_chunks(stats, flat, table.chunks, bits)
 
 
-# The group of a tracker whose gradients are already complete and identical on every rank (plain
+# The group of a measurement whose gradients are already complete and identical on every rank (plain
 # PyTorch, DistributedDataParallel, DeepSpeed without ZeRO): nothing to combine.
 REPLICATED = "replicated"
 

@@ -44,9 +44,9 @@ def error_of(start: Callable[[], Any]) -> str:
     return ""
 
 
-def initialize_error(config: Dict[str, Any]) -> str:
-    """The error ``deepspeed.initialize`` raises for ``config``; '' if none."""
-    return error_of(lambda: initialize(config).destroy())
+def initialize_error(config: Dict[str, Any], model: torch.nn.Module = None) -> str:
+    """The error ``deepspeed.initialize`` raises for ``config`` (and ``model``); '' if none."""
+    return error_of(lambda: initialize(config, model).destroy())
 
 
 class _Records(logging.Handler):
@@ -189,12 +189,8 @@ def moe_error() -> str:
 
 def pipeline_without_zero_error() -> str:
     """The error for a one-stage pipeline trained in fp32 without ZeRO (each rank would hold one stage)."""
-    import deepspeed
-
-    pipe = tiny_gpt_pipe(TinyGPTConfig(), num_stages=1)
-    config = base_config(zero_optimization={"stage": 0}, layer_grad_norms={"enabled": True})
-    return error_of(lambda: deepspeed.initialize(model=pipe, optimizer=torch.optim.SGD(pipe.parameters(), lr=0.1),
-                                                 config=config))
+    return initialize_error(base_config(zero_optimization={"stage": 0}, layer_grad_norms={"enabled": True}),
+                            tiny_gpt_pipe(TinyGPTConfig(), num_stages=1))
 
 
 def run_setup_checks(multi_rank: bool) -> Dict[str, Any]:

@@ -11,8 +11,9 @@ launch with an error naming the key and the value instead of silently measuring 
 import re
 from typing import Any, List, Optional, Tuple, Union
 
-from deepspeed.runtime.config_utils import DeepSpeedConfigModel
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
+
+from .capabilities import DeepSpeedConfigModel
 
 CONFIG_KEY = "layer_grad_norms"
 
@@ -24,14 +25,6 @@ LAYER_SPEC_FORMS = '"all", a list such as [0, 1, "mid", -2, -1], or the string "
 GRANULARITIES = ("layer", "param", "group_by")
 # Statistics beyond norm, min, max, abs_min, abs_max and nonfinite, which are always reported.
 EXTRA_STATISTICS = ("l1", "mean", "zeros", "numel")
-
-if not hasattr(DeepSpeedConfigModel, "model_fields"):  # DeepSpeed before 0.15 builds its configs on pydantic v1
-
-    class DeepSpeedConfigModel(BaseModel):  # noqa: F811 - the same settings, on pydantic v2
-        model_config = ConfigDict(validate_default=True, validate_assignment=True, extra="forbid")
-
-        def __init__(self, strict: bool = False, **data: Any) -> None:
-            super().__init__(**data)
 
 
 class LayerGradNormsConfigError(ValueError):

@@ -3,8 +3,9 @@
 ``install()`` applies each entry to DeepSpeed's classes at run time; ``deepspeed_patch.upstream`` writes
 the same statements into DeepSpeed's source. One table keeps the two identical.
 
-A call site is ``(file, class, method, where, statement, since, before)``: it applies to the DeepSpeed
-releases from ``since`` up to but not including ``before`` (by default all of them). ``where`` is
+A call site is ``(file, class, method, where, statement, needs, unless)``: it applies to the DeepSpeed
+releases whose ``capabilities.Capabilities`` record has the capability ``needs`` and lacks ``unless``
+(by default all of them). ``where`` is
 ``START`` (first, after the docstring), ``END`` (last; the method returns nothing), ``RESULT`` (just
 before its single ``return``) or ``METHOD`` (a new method of the class). The statements:
 
@@ -22,13 +23,12 @@ import inspect
 from dataclasses import dataclass
 from typing import Callable, List, Optional, Tuple, Union
 
-from packaging.version import Version
-
 from .adapters import attach, get_layer_grad_norms, set_layer_grad_norms
 from .adapters.base import LayerGradNormsAdapter as Adapter
 from .adapters.fused_fp16 import FusedFP16Adapter
 from .adapters.unfused_fp16 import UnfusedFP16Adapter
 from .adapters.zero import ZeroAdapter
+from .capabilities import Capabilities
 from .config import load_config
 
 START, END, RESULT, METHOD = "start", "end", "result", "method"
@@ -69,15 +69,18 @@ class CallSite:
     method: str
     where: str
     statement: Statement
-    since: str = "0"
-    before: str = "999"
+    needs: Optional[str] = None
+    """A capability the release must have for this site (a field of ``Capabilities``)."""
+    unless: Optional[str] = None
+    """A capability the release must lack."""
 
     @property
     def module(self) -> str:
         return "deepspeed." + self.path.removesuffix(".py").replace("/", ".")
 
-    def applies_to(self, version: str) -> bool:
-        return Version(self.since) <= Version(Version(version).base_version) < Version(self.before)
+    def applies_to(self, capabilities: Capabilities) -> bool:
+        return ((self.needs is None or capabilities.has(self.needs))
+                and (self.unless is None or not capabilities.has(self.unless)))
 
 
 _CONFIG = "runtime/config.py", "DeepSpeedConfig"
@@ -90,7 +93,7 @@ _UNFUSED = "runtime/fp16/unfused_optimizer.py", "FP16_UnfusedOptimizer"
 
 def _optimizer(path_and_class: Tuple[str, str], *read_points: tuple) -> Tuple[CallSite, ...]:
     """An optimizer's sites: its adapter attribute (``None`` until the engine attaches one), its read
-    points ``(method, where, call[, since[, before]])``, and ``get_layer_grad_norms``."""
+    points ``(method, where, call[, needs[, unless]])``, and ``get_layer_grad_norms``."""
     attribute = CallSite(*path_and_class, "__init__", END, Assign(ATTRIBUTE))
     getter = CallSite(*path_and_class, "get_layer_grad_norms", METHOD, Method(get_layer_grad_norms))
     return (attribute, *(CallSite(*path_and_class, *read_point) for read_point in read_points), getter)
@@ -115,8 +118,8 @@ CALL_SITES = (
          AdapterCall(FusedFP16Adapter.unscale_and_clip_grads, _GROUPS_AND_NORM + ("apply_scale", ))),
         ("unscale_and_clip_grads", RESULT, AdapterCall(Adapter.applied_scale, (RETURNED, ))),
         # a skipped step's gradients: 0.19.8 drops them in one method; before, after _update_scale
-        ("_skip_invalid_grad_norm", START, AdapterCall(FusedFP16Adapter.skip_step), "0.19.8"),
-        ("_update_scale", START, AdapterCall(FusedFP16Adapter.update_scale, ("skip", )), "0", "0.19.8")),
+        ("_skip_invalid_grad_norm", START, AdapterCall(FusedFP16Adapter.skip_step), "fp16_skip_method"),
+        ("_update_scale", START, AdapterCall(FusedFP16Adapter.update_scale, ("skip", )), None, "fp16_skip_method")),
     *_optimizer(_UNFUSED, ("unscale_and_clip_grads", START,
                            AdapterCall(UnfusedFP16Adapter.unscale_and_clip_grads, ("total_norm", "apply_scale"))),
                 ("unscale_and_clip_grads", RESULT, AdapterCall(Adapter.applied_scale, (RETURNED, ))),
@@ -172,25 +175,28 @@ def _problem(site: CallSite) -> Optional[str]:
     return f"{where}.{site.method}{inspect.signature(method)} has no parameter {missing[0]!r}" if missing else None
 
 
-def check_call_sites(version: str) -> None:
+def check_call_sites(capabilities: Capabilities) -> None:
     """Raise ``RuntimeError`` naming each method or parameter the installed DeepSpeed lacks."""
-    problems = [problem for problem in map(_problem, sites_for(version)) if problem]
+    problems = [problem for problem in map(_problem, sites_for(capabilities)) if problem]
     if problems:
-        raise RuntimeError(f"layer-grad-norms cannot hook into DeepSpeed {version}: " + "; ".join(problems))
+        raise RuntimeError(f"layer-grad-norms cannot hook into DeepSpeed {capabilities.release}: " +
+                           "; ".join(problems))
 
 
-def sites_for(version: str) -> List[CallSite]:
-    return [site for site in CALL_SITES if site.applies_to(version)]
+def sites_for(capabilities: Capabilities) -> List[CallSite]:
+    """The call sites of the release ``capabilities`` describes."""
+    return [site for site in CALL_SITES if site.applies_to(capabilities)]
 
 
-def apply(version: str) -> bool:
-    """Place every call site of DeepSpeed ``version`` once; returns False when they were already placed."""
+def apply(capabilities: Capabilities) -> bool:
+    """Place every call site of the installed DeepSpeed (described by ``capabilities``) once; returns False
+    when they were already placed."""
     from deepspeed.runtime.engine import DeepSpeedEngine
 
     marker = "_layer_grad_norms_installed"
     if getattr(DeepSpeedEngine, marker, False):
         return False
-    for site in sites_for(version):
+    for site in sites_for(capabilities):
         cls = getattr(importlib.import_module(site.module), site.cls)
         statement = site.statement
         if isinstance(statement, Method):

@@ -22,6 +22,7 @@ from typing import Callable, Hashable, List, Optional, Sequence
 
 import torch
 
+from .clipping import torch_clip_divisor
 from .config import LayerGradNormsConfig
 from .layer_map import LayerMap
 from .on_demand import ControlFile, JsonlDump, SpikeTrigger, rank_of_process
@@ -117,7 +118,7 @@ class Measurement:
         if stats[-1, NUMEL] > 0:
             return None
         if self.clip_norm:
-            self.applied_scale = 1.0 / min(1.0, self.clip_norm / (total_norm(stats[:-1]) + 1e-6))
+            self.applied_scale = torch_clip_divisor(total_norm(stats[:-1]), self.clip_norm)
         pre_clip = bucket_results(stats[:-1], keys, selected, 1.0 / self.gradient_scale, self.extra)
         clip_coef = post_clip = None
         if not overflow:

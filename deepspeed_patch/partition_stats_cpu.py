@@ -44,8 +44,9 @@ def host_kernel() -> Optional[Callable[[torch.Tensor, torch.Tensor, torch.Tensor
     """
     from torch.utils import cpp_extension
 
-    if hasattr(torch.ops.layer_grad_norms, "accumulate_chunks"):  # loaded by another copy of this module:
-        return torch.ops.layer_grad_norms.accumulate_chunks  # a second registration would abort the process
+    loaded = getattr(torch.ops.layer_grad_norms, "accumulate_chunks", None)
+    if loaded is not None:  # loaded by another copy of this module: a second registration would abort the process
+        return loaded
     lock = os.path.join(cpp_extension._get_build_directory(extension_name(), verbose=False), "lock")
     if not _unlocked(lock, BUILD_WAIT_SECONDS):
         logger.warning(

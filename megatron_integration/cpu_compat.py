@@ -11,27 +11,24 @@ import importlib
 from typing import List
 
 import torch
-from packaging.version import Version
 
-# ZeRO-1/2's parameter all-gather fails on CPU: "RuntimeError: Output 0 of Split is a view and is being
-# modified inplace" from TorchBackend.all_gather_into_tensor (deepspeed/comm/torch.py), which autograd
-# records because the gather runs with gradients enabled. Under torch.no_grad() it runs, with the same values.
-ALL_GATHER_NO_GRAD_RELEASES = ("0.18", "0.19")  # from, up to but not including
+from deepspeed_patch import capabilities
 
 
 def apply_cpu_compat() -> List[str]:
-    """Apply the work-arounds the installed DeepSpeed needs on CPU; returns their names."""
-    import deepspeed
-
-    release = Version(Version(deepspeed.__version__).base_version)
+    """Apply the work-arounds the installed DeepSpeed needs on CPU (``capabilities``); returns their names."""
     applied = []
-    if Version(ALL_GATHER_NO_GRAD_RELEASES[0]) <= release < Version(ALL_GATHER_NO_GRAD_RELEASES[1]):
+    if capabilities.installed().cpu_all_gather_needs_no_grad:
         _all_gather_without_autograd()
         applied.append("all_gather_into_tensor under no_grad")
     return applied
 
 
 def _all_gather_without_autograd() -> None:
+    """ZeRO-1/2's parameter all-gather fails on CPU: "RuntimeError: Output 0 of Split is a view and is being
+    modified inplace" from TorchBackend.all_gather_into_tensor (deepspeed/comm/torch.py), which autograd
+    records because the gather runs with gradients enabled. Under torch.no_grad() it runs, with the same
+    values."""
     backend = importlib.import_module("deepspeed.comm.torch").TorchBackend  # deepspeed.comm.torch is torch
     original = backend.all_gather_into_tensor
     if getattr(original, "_cpu_compat", False):

@@ -5,8 +5,7 @@ import re
 
 import pytest
 
-from deepspeed_patch.adapters.bf16 import bf16_clip_divisor
-from deepspeed_patch.adapters.zero import zero_unscale_divisor
+from deepspeed_patch.clipping import bf16_clip_divisor, zero_unscale_divisor
 from deepspeed_patch.config import LayerGradNormsConfig, parse_layer_spec
 from deepspeed_patch.layer_map import DEFAULT_LAYER_PATTERN, bucket_key, build_layer_map, resolve_layers
 from deepspeed_patch.partition_slices import partition_runs

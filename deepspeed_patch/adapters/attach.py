@@ -17,6 +17,7 @@ from deepspeed import comm as dist
 from deepspeed.runtime.utils import is_model_parallel_parameter
 from deepspeed.utils.bwc import bwc_tensor_model_parallel_rank
 
+from .. import capabilities
 from ..config import CONFIG_KEY, LayerGradNormsConfig, UnsupportedSetupError
 from ..layer_map import model_layer_map
 from ..monitor import MonitorEvents
@@ -95,7 +96,8 @@ def _setup(engine, config: LayerGradNormsConfig, params: List[torch.nn.Parameter
                  bucket_of,
                  group,
                  completed_steps=lambda: engine_ref().global_steps,
-                 monitor=MonitorEvents.wanted(engine, config.monitor))
+                 monitor=MonitorEvents.wanted(engine, config.monitor),
+                 capabilities=capabilities.installed())
 
 
 def _stats_group(engine, optimizer):

@@ -24,6 +24,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
+from ..capabilities import Capabilities
 from ..config import LayerGradNormsConfig
 from ..layer_map import LayerMap
 from ..measurement import Measurement, Schedule
@@ -39,13 +40,15 @@ class Setup:
     config: LayerGradNormsConfig
     layer_map: LayerMap
     bucket_of: BucketOf
-    """A parameter's bucket position; ``None`` for one no bucket measures, or another rank counts."""
+    """A parameter's row in the statistics table (``LayerMap.bucket_of``); ``None`` for one another rank counts."""
     group: object
     """The ranks whose tables add up to the whole model; ``REPLICATED`` where each holds it all."""
     completed_steps: Callable[[], int]
     """The engine's optimizer steps so far, restored from checkpoints: the step numbering."""
     monitor: Optional[Callable[[dict], None]] = None
     """Writes a measured step's result to DeepSpeed's monitors, when the ds_config enables any."""
+    capabilities: Optional[Capabilities] = None
+    """How the DeepSpeed release behaves where an adapter depends on it; ``None`` outside DeepSpeed."""
 
 
 class LayerGradNormsAdapter:
@@ -120,6 +123,21 @@ class LayerGradNormsAdapter:
                     layers: Optional[object] = None) -> None:
         """``engine.set_layer_grad_norms()``: change what is measured; every rank at the same step."""
         self.schedule.set_options(enabled=enabled, interval=interval, layers=layers)
+
+
+class OptimizerAdapter(LayerGradNormsAdapter):
+    """An adapter of a DeepSpeed optimizer that reports its own loss-scaler overflow and global norm."""
+
+    def __init__(self, optimizer, setup: Setup, num_groups: int, device) -> None:
+        self.optimizer = optimizer
+        self.capabilities = setup.capabilities
+        super().__init__(setup, num_groups, device)
+
+    def overflow(self) -> bool:
+        return bool(self.optimizer.overflow)
+
+    def global_norm(self) -> Optional[float]:
+        return self.optimizer._global_grad_norm
 
 
 def observe_chunks(measurement: Measurement, group_index: int, table: RunTable,

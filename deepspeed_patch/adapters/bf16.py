@@ -8,27 +8,28 @@ Its flat gradient partitions are complete, reduced and carry no loss scale when 
 they are read then; once the step is done, its global norm gives the clip factor it applied.
 """
 
-from typing import List, Optional
+from typing import List
 
 import torch
 from deepspeed import comm as dist
 
+from ..clipping import bf16_clip_divisor
 from ..measurement import Measurement
 from ..partition_slices import PartitionSlices, back_to_back_ranges, partition_runs, slices_of_runs
 from ..statistics import run_table
-from .base import LayerGradNormsAdapter, Setup
+from .base import OptimizerAdapter, Setup
 
 
-class BF16Adapter(LayerGradNormsAdapter):
+class BF16Adapter(OptimizerAdapter):
     """Reads ``BF16_Optimizer``'s flat gradient partitions."""
 
     def __init__(self, optimizer, setup: Setup) -> None:
-        self.optimizer = optimizer
         device = optimizer.fp32_groups_gradients_flat[0].device
         self.tables = [
-            run_table(self._group_slices(index, setup, device), device) for index in range(len(optimizer.bf16_groups))
+            run_table(_group_slices(optimizer, index, setup, device), device)
+            for index in range(len(optimizer.bf16_groups))
         ]
-        super().__init__(setup, len(self.tables), device)
+        super().__init__(optimizer, setup, len(self.tables), device)
 
     @staticmethod
     def handles(optimizer) -> bool:
@@ -40,15 +41,6 @@ class BF16Adapter(LayerGradNormsAdapter):
     def param_groups(optimizer) -> List[List[torch.nn.Parameter]]:
         return optimizer.bf16_groups
 
-    def _group_slices(self, index: int, setup: Setup, device) -> PartitionSlices:
-        """Its flat buffer holds the parameters back to back (padding only at the end) and splits into
-        equal data-parallel partitions."""
-        group = self.optimizer.real_dp_process_group[index]
-        partition_size = self.optimizer.bf16_groups_flat[index].numel() // dist.get_world_size(group=group)
-        ranges = back_to_back_ranges(self.optimizer.bf16_groups[index], setup.bucket_of)
-        start = dist.get_rank(group=group) * partition_size
-        return slices_of_runs(partition_runs(ranges, start, partition_size), device)
-
     def read_at_begin(self, measurement: Measurement) -> None:
         for index, flat_grad in enumerate(self.optimizer.fp32_groups_gradient_flat_partition):
             measurement.observe_partition(index, flat_grad, self.tables[index])
@@ -59,15 +51,14 @@ class BF16Adapter(LayerGradNormsAdapter):
             measurement.set_applied_scale(bf16_clip_divisor(optimizer._global_grad_norm, optimizer.clip_grad))
 
     def overflow(self) -> bool:
-        return bool(getattr(self.optimizer, "overflow", False))  # before 0.19.8 it never skips a step
-
-    def global_norm(self) -> Optional[float]:
-        return self.optimizer._global_grad_norm
+        return self.capabilities.bf16_skips_steps and bool(self.optimizer.overflow)
 
 
-def bf16_clip_divisor(total_norm: torch.Tensor, clip_grad: float) -> float:
-    """What ``BF16_Optimizer`` divides the gradient by: 1, or the inverse of its clip coefficient."""
-    if clip_grad <= 0.0:
-        return 1.0
-    clip_coef = clip_grad / (float(total_norm) + 1e-6)
-    return 1.0 / clip_coef if clip_coef < 1 else 1.0
+def _group_slices(optimizer, index: int, setup: Setup, device) -> PartitionSlices:
+    """Its flat buffer holds the parameters back to back (padding only at the end) and splits into equal
+    data-parallel partitions."""
+    group = optimizer.real_dp_process_group[index]
+    partition_size = optimizer.bf16_groups_flat[index].numel() // dist.get_world_size(group=group)
+    ranges = back_to_back_ranges(optimizer.bf16_groups[index], setup.bucket_of)
+    start = dist.get_rank(group=group) * partition_size
+    return slices_of_runs(partition_runs(ranges, start, partition_size), device)

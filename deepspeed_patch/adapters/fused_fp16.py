@@ -15,28 +15,26 @@ ZeRO optimizers, yet ``unscale_and_clip_grads`` divides by the loss scale. ``pos
 to the optimizer's ``backward``, which multiplied it by the loss scale, as the statistics then account for.
 """
 
-from typing import List, Optional
+from typing import List
 
 import torch
-from packaging.version import Version
 
 from ..partition_slices import back_to_back_ranges, partition_runs, slices_of_runs
 from ..statistics import run_table
-from .base import LayerGradNormsAdapter, Setup, group_of, observe_chunks
+from .base import OptimizerAdapter, Setup, group_of, observe_chunks
 
 
-class FusedFP16Adapter(LayerGradNormsAdapter):
+class FusedFP16Adapter(OptimizerAdapter):
     """Reads ``FP16_Optimizer``'s flat fp32 gradients."""
 
     def __init__(self, optimizer, setup: Setup) -> None:
-        self.optimizer = optimizer
         device = optimizer.fp32_groups_flat[0].device
         self.tables = [
             run_table(
                 slices_of_runs(partition_runs(back_to_back_ranges(params, setup.bucket_of), 0, flat.numel()), device),
                 device) for params, flat in zip(optimizer.fp16_groups, optimizer.fp32_groups_flat)
         ]
-        super().__init__(setup, len(self.tables), device)
+        super().__init__(optimizer, setup, len(self.tables), device)
 
     @staticmethod
     def handles(optimizer) -> bool:
@@ -71,7 +69,7 @@ class FusedFP16Adapter(LayerGradNormsAdapter):
         measurement = self.measurement
         if measurement is not None:
             with measurement.guarded("reading a skipped step's gradients"):
-                if loss_scaled_by_optimizer():
+                if self.capabilities.fp16_loss_scaled_by_optimizer:
                     measurement.set_gradient_scale(self.optimizer.cur_scale)
                 if skip:
                     self._observe_skipped(measurement)
@@ -84,20 +82,6 @@ class FusedFP16Adapter(LayerGradNormsAdapter):
                 measurement.observe_partition(index, flat_grad, self.tables[index])
             else:
                 observe_chunks(measurement, index, self.tables[index], [grad_or_zeros(param) for param in params])
-
-    def overflow(self) -> bool:
-        return bool(self.optimizer.overflow)
-
-    def global_norm(self) -> Optional[float]:
-        return self.optimizer._global_grad_norm
-
-
-def loss_scaled_by_optimizer() -> bool:
-    """Whether an fp16 loss without ZeRO reached backward multiplied by the optimizer's loss scale
-    (``cur_scale``): before DeepSpeed 0.18, when the engine handed it to the optimizer's ``backward``."""
-    import deepspeed
-
-    return Version(Version(deepspeed.__version__).base_version) < Version("0.18")
 
 
 def grad_or_zeros(param: torch.nn.Parameter) -> torch.Tensor:

@@ -11,19 +11,18 @@ in ``_update_scale``, before they are dropped (their fp32 copies may not exist y
 Like ``FP16_Optimizer``'s, these gradients carry no loss scale since DeepSpeed 0.18 (see ``fused_fp16``).
 """
 
-from typing import List, Optional, Tuple
+from typing import List, Tuple
 
 import torch
 
-from .base import LayerGradNormsAdapter, Setup
-from .fused_fp16 import grad_or_zeros, loss_scaled_by_optimizer
+from .base import OptimizerAdapter, Setup
+from .fused_fp16 import grad_or_zeros
 
 
-class UnfusedFP16Adapter(LayerGradNormsAdapter):
+class UnfusedFP16Adapter(OptimizerAdapter):
     """Reads ``FP16_UnfusedOptimizer``'s per-parameter gradients."""
 
     def __init__(self, optimizer, setup: Setup) -> None:
-        self.optimizer = optimizer
         device = optimizer.fp16_groups[0][0].device
         self.members: List[Tuple[List[int], torch.Tensor]] = []
         """Per group: the positions of its measured parameters, and their buckets."""
@@ -31,7 +30,7 @@ class UnfusedFP16Adapter(LayerGradNormsAdapter):
             measured = [index for index, param in enumerate(params) if setup.bucket_of(param) is not None]
             buckets = [setup.bucket_of(params[index]) for index in measured]
             self.members.append((measured, torch.tensor(buckets, dtype=torch.int64, device=device)))
-        super().__init__(setup, len(self.members), device)
+        super().__init__(optimizer, setup, len(self.members), device)
 
     @staticmethod
     def handles(optimizer) -> bool:
@@ -51,7 +50,7 @@ class UnfusedFP16Adapter(LayerGradNormsAdapter):
     def update_scale(self, skip) -> None:
         """Top of ``_update_scale``: the loss scale the gradients carry, and on a skipped step the fp16
         gradients, before they are dropped."""
-        if self.measurement is not None and loss_scaled_by_optimizer():
+        if self.measurement is not None and self.capabilities.fp16_loss_scaled_by_optimizer:
             self.measurement.set_gradient_scale(self.optimizer.cur_scale)
         if self.measurement is not None and skip:
             self._observe(self.optimizer.fp16_groups)
@@ -62,9 +61,3 @@ class UnfusedFP16Adapter(LayerGradNormsAdapter):
         with measurement.guarded("reading the gradients"):
             for index, (params, (measured, buckets)) in enumerate(zip(groups, self.members)):
                 measurement.observe(index, [grad_or_zeros(params[position]) for position in measured], buckets)
-
-    def overflow(self) -> bool:
-        return bool(self.optimizer.overflow)
-
-    def global_norm(self) -> Optional[float]:
-        return self.optimizer._global_grad_norm

@@ -12,31 +12,26 @@ the loss scaler skips, the partition is never built: its per-parameter pieces ar
 """
 
 import itertools
-import math
-import sys
-from typing import List, Optional
+from typing import List
 
 import torch
 from deepspeed import comm as dist
 
+from ..clipping import zero_unscale_divisor
 from ..partition_slices import PartitionSlices, partition_runs, slices_of_runs
 from ..statistics import RunTable, run_table
-from .base import LayerGradNormsAdapter, Setup, group_of, observe_chunks
+from .base import OptimizerAdapter, Setup, group_of, observe_chunks
 
 
-class ZeroAdapter(LayerGradNormsAdapter):
+class ZeroAdapter(OptimizerAdapter):
     """Reads ``DeepSpeedZeroOptimizer``'s flat fp32 gradient partitions."""
 
     def __init__(self, optimizer, setup: Setup) -> None:
-        self.optimizer = optimizer
-        # DeepSpeed 0.19.8 clips everything away when the global norm is invalid (non-finite, or its -1
-        # sentinel), with is_invalid_grad_norm; before, the sentinel went into the formula like any norm.
-        self.invalid_norm_zeroes = hasattr(sys.modules[type(optimizer).__module__], "is_invalid_grad_norm")
         device = optimizer.single_partition_of_fp32_groups[0].device
         self.tables = [
-            run_table(self._group_slices(index, setup, device), device) for index in range(len(optimizer.bit16_groups))
+            run_table(_group_slices(optimizer, index, setup), device) for index in range(len(optimizer.bit16_groups))
         ]
-        super().__init__(setup, len(self.tables), device)
+        super().__init__(optimizer, setup, len(self.tables), device)
 
     @staticmethod
     def handles(optimizer) -> bool:
@@ -48,24 +43,6 @@ class ZeroAdapter(LayerGradNormsAdapter):
     def param_groups(optimizer) -> List[List[torch.nn.Parameter]]:
         """The trainable parameters of each group, in the order of its flat buffer."""
         return optimizer.bit16_groups
-
-    def _group_slices(self, index: int, setup: Setup, device) -> PartitionSlices:
-        """The runs of group ``index`` on this rank, from the optimizer's own layout bookkeeping: the
-        parameter order and offsets of the flat buffer (after round-robin reordering and alignment
-        padding) and the data-parallel partitions."""
-        optimizer = self.optimizer
-        params = optimizer.round_robin_bit16_groups[index]
-        # The meta copies keep the true sizes when offload has swapped the parameters' storage out.
-        sizes = [meta.numel() for meta in optimizer.round_robin_bit16_meta[index]]
-        if hasattr(optimizer, "round_robin_bit16_offsets"):  # 0.19.7 on pad between parameters, and say where
-            offsets = optimizer.round_robin_bit16_offsets[index]
-        else:  # before, they lie back to back, the padding at the end
-            offsets = list(itertools.accumulate(sizes[:-1], initial=0))
-        partitions = optimizer.parallel_partitioned_bit16_groups[index]
-        rank = dist.get_rank(group=optimizer.real_dp_process_group[index])
-        start = sum(part.numel() for part in partitions[:rank])
-        ranges = [(offset, size, setup.bucket_of(param)) for param, offset, size in zip(params, offsets, sizes)]
-        return slices_of_runs(partition_runs(ranges, start, partitions[rank].numel()), device)
 
     def unscale_and_clip_grads(self, grad_groups_flat, total_norm) -> None:
         """Top of ``unscale_and_clip_grads``, once per group: the flat fp32 partition about to be divided by
@@ -79,7 +56,8 @@ class ZeroAdapter(LayerGradNormsAdapter):
             index = group_of(optimizer.single_partition_of_fp32_groups, flat_grad)
             measurement.observe_partition(index, flat_grad, self.tables[index])
             measurement.set_applied_scale(
-                zero_unscale_divisor(total_norm, optimizer.clip_grad, optimizer.loss_scale, self.invalid_norm_zeroes))
+                zero_unscale_divisor(total_norm, optimizer.clip_grad, optimizer.loss_scale,
+                                     self.capabilities.zero_zeroes_invalid_norm))
 
     def update_scale(self, has_overflow=False) -> None:
         """Top of ``_update_scale``: once per step, before the loss scale changes and before a skipped
@@ -107,24 +85,21 @@ class ZeroAdapter(LayerGradNormsAdapter):
         else:
             observe_chunks(measurement, index, table, pieces)
 
-    def overflow(self) -> bool:
-        return bool(self.optimizer.overflow)
 
-    def global_norm(self) -> Optional[float]:
-        return self.optimizer._global_grad_norm
-
-
-def zero_unscale_divisor(scaled_total_norm: Optional[torch.Tensor],
-                         clip_grad: float,
-                         loss_scale: float,
-                         invalid_norm_zeroes: bool = True) -> float:
-    """What ZeRO's ``unscale_and_clip_grads`` divides the partition by: loss scale times clip factor, for a
-    global norm (times the loss scale) of ``scaled_total_norm``; ``inf`` for an invalid norm where
-    ``invalid_norm_zeroes``. Mirrors DeepSpeed, including its use of the loss scale as already updated
-    for the next step."""
-    if clip_grad <= 0.0 or scaled_total_norm is None:
-        return loss_scale
-    total_norm = float(scaled_total_norm)
-    if invalid_norm_zeroes and (not math.isfinite(total_norm) or total_norm < 0):
-        return math.inf
-    return max(((total_norm / loss_scale) + 1e-6) / clip_grad, 1.0) * loss_scale
+def _group_slices(optimizer, index: int, setup: Setup) -> PartitionSlices:
+    """The runs of group ``index`` on this rank, from the optimizer's own layout bookkeeping: the parameter
+    order and offsets of the flat buffer (after round-robin reordering and alignment padding) and the
+    data-parallel partitions."""
+    params = optimizer.round_robin_bit16_groups[index]
+    # The meta copies keep the true sizes when offload has swapped the parameters' storage out.
+    sizes = [meta.numel() for meta in optimizer.round_robin_bit16_meta[index]]
+    if setup.capabilities.zero_records_offsets:  # it may pad between parameters, and says where
+        offsets = optimizer.round_robin_bit16_offsets[index]
+    else:  # back to back, the padding at the end
+        offsets = list(itertools.accumulate(sizes[:-1], initial=0))
+    partitions = optimizer.parallel_partitioned_bit16_groups[index]
+    rank = dist.get_rank(group=optimizer.real_dp_process_group[index])
+    start = sum(part.numel() for part in partitions[:rank])
+    ranges = [(offset, size, setup.bucket_of(param)) for param, offset, size in zip(params, offsets, sizes)]
+    device = optimizer.single_partition_of_fp32_groups[index].device
+    return slices_of_runs(partition_runs(ranges, start, partitions[rank].numel()), device)

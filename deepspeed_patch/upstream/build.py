@@ -20,6 +20,7 @@ import os
 import re
 from typing import Dict, List, Optional, Tuple
 
+from ..capabilities import of_source_tree
 from ..hooks import ATTRIBUTE, END, METHOD, RESULT, RETURNED, START, AdapterCall, Assign, CallSite, Method, sites_for
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -229,7 +230,8 @@ def upstream_files(deepspeed_root: str) -> Dict[str, Tuple[Optional[str], str]]:
             path = os.path.join(folder, name)
             files[os.path.relpath(path, TREE).replace(os.sep, "/")] = (None, _read(path))
     by_path: Dict[str, List[CallSite]] = {}
-    for site in sites_for(deepspeed_version(deepspeed_root)):
+    release = of_source_tree(os.path.join(deepspeed_root, "deepspeed"), deepspeed_version(deepspeed_root))
+    for site in sites_for(release):
         by_path.setdefault(f"deepspeed/{site.path}", []).append(site)
     for path, sites in by_path.items():
         original = _read(os.path.join(deepspeed_root, path))
@@ -289,8 +291,9 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--deepspeed", help="the directory holding the deepspeed package (default: installed)")
     parser.add_argument("-o", "--output", default=PATCH_FILE)
     args = parser.parse_args(argv)
+    patch = make_patch(args.deepspeed)  # before opening: it may read the committed patch being replaced
     with open(args.output, "w", encoding="utf-8") as handle:
-        handle.write(make_patch(args.deepspeed))
+        handle.write(patch)
     print(f"wrote {args.output}")
 
 

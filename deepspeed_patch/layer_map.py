@@ -49,12 +49,17 @@ class LayerMap:
     """The buckets, in reporting order."""
     layer_of: Tuple[Optional[int], ...]
     """The transformer layer of each bucket; ``None`` for buckets outside the layers."""
-    param_bucket: Dict[int, Optional[int]]
-    """``id(param)`` to bucket position; ``None`` for a parameter no bucket measures."""
+    param_bucket: Dict[int, int]
+    """``id(param)`` to its row in the statistics table: its bucket's position in ``keys``, or the
+    unreported row."""
     num_layers: int
     """Transformer layers in the model, frozen ones included: what ``-1`` and ``"mid"`` refer to."""
+    num_rows: int
+    """Rows of the statistics table: one per bucket, and one more, never reported, where some parameters
+    are in no bucket (``group_by`` matches only some). They are measured all the same, because the
+    clipping the post-clip statistics follow is over every parameter."""
 
-    def bucket_of(self, param) -> Optional[int]:
+    def bucket_of(self, param) -> int:
         return self.param_bucket[id(param)]
 
     def select(self, layers: Optional[Sequence[LayerToken]]) -> Tuple[BucketKey, ...]:
@@ -89,7 +94,7 @@ def build_layer_map(named_params: Iterable[Tuple[str, object]],
 
     ``granularity``: ``layer`` (the layer index, or the module for parameters outside the layers),
     ``param`` (the parameter's name) or ``group_by`` (the capture groups of ``group_by``, joined by
-    ``.``; unmatched parameters are not measured). ``all_names`` are the names of all the model's
+    ``.``; unmatched parameters go to the unreported row). ``all_names`` are the names of all the model's
     parameters, frozen ones included; they fix the number of layers that ``-1`` and ``"mid"`` count from.
     """
     named_params = list(named_params)
@@ -118,14 +123,16 @@ def build_layer_map(named_params: Iterable[Tuple[str, object]],
     if granularity == "layer":
         keys = sorted(key for key in keys if isinstance(key, int)) + [key for key in keys if not isinstance(key, int)]
     position = {key: index for index, key in enumerate(keys)}
+    position[None] = len(keys)  # the unreported row
     model_layers = [layer for layer in map(layer_of_name, all_names) if layer is not None]
     return LayerMap(keys=tuple(keys),
                     layer_of=tuple(next(iter(key_layers[key])) if len(key_layers[key]) == 1 else None for key in keys),
                     param_bucket={
-                        pid: None if key is None else position[key]
+                        pid: position[key]
                         for pid, key in param_key.items()
                     },
-                    num_layers=max(model_layers) + 1 if model_layers else 0)
+                    num_layers=max(model_layers) + 1 if model_layers else 0,
+                    num_rows=len(keys) + (None in param_key.values()))
 
 
 def build_pipeline_layer_map(specs: Sequence[object], named_params: Iterable[Tuple[str, object]]) -> LayerMap:
@@ -172,7 +179,8 @@ def build_pipeline_layer_map(specs: Sequence[object], named_params: Iterable[Tup
                         id(param): position[key_of(name)]
                         for name, param in named_params
                     },
-                    num_layers=len(layer_of_spec))
+                    num_layers=len(layer_of_spec),
+                    num_rows=len(keys))
 
 
 def model_layer_map(module: nn.Module, config: LayerGradNormsConfig, trainable: Sequence[Tuple[str, object]],

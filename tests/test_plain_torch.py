@@ -10,7 +10,7 @@ from deepspeed_patch.plain import LayerGradNorms
 from megatron_integration.cpu_launch import launch
 from megatron_integration.tiny_gpt import TinyGPT, TinyGPTConfig, synthetic_batch
 from plain_workers import ddp_measure
-from reference import TOLERANCE, assert_close_stats, bucket_stats
+from reference import TOLERANCE, assert_close_stats, bucket_stats, reference_key_of
 
 
 def backward_once(model: torch.nn.Module, seed: int = 0) -> None:
@@ -32,6 +32,27 @@ def test_clip_grad_norm_reports_the_gradient_before_and_after_clipping():
     total = math.sqrt(sum(stats["norm"]**2 for stats in before.values()))
     assert result["clip_coef"] == pytest.approx(0.1 / (total + 1e-6), rel=1e-6)  # torch adds 1e-6
     assert result["pre_clip"][0]["numel"] == before[0]["numel"]
+
+
+@pytest.mark.parametrize("options", [{"granularity": "group_by", "group_by": r"layers\.(\d+)\.(dense_4h_to_h)\."},
+                                     {"granularity": "param"}], ids=["group_by", "param"])
+def test_clip_factor_covers_every_parameter_whatever_the_granularity(options):
+    """group_by reports some parameters only; clipping (torch's) is over all of them, and so is clip_coef."""
+    torch.manual_seed(0)
+    model = TinyGPT(TinyGPTConfig())
+    norms = LayerGradNorms(model, **options)
+    backward_once(model)
+    grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+    total = math.sqrt(sum(stats["norm"]**2 for stats in bucket_stats(grads).values()))
+    result = norms.clip_grad_norm_(0.1)
+    assert 0.1 / total < 0.5  # clipping is active
+    assert result["clip_coef"] == pytest.approx(0.1 / (total + 1e-6), rel=1e-6)
+    key_of = reference_key_of(options)
+    reported = {name for name in grads if key_of(name) is not None}
+    assert len(reported) == (8 if options["granularity"] == "group_by" else len(grads))  # weight, bias x 4 layers
+    clipped = bucket_stats({name: p.grad for name, p in model.named_parameters() if name in reported}, key_of)
+    assert set(result["post_clip"]) == set(clipped)
+    assert_close_stats(result["post_clip"], clipped, TOLERANCE["fp32"])
 
 
 def test_measure_follows_the_interval_and_the_selection():

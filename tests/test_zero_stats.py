@@ -29,6 +29,9 @@ CASES = {
     1: {
         "z1_fp32_clip": {"stage": 1, "clip": 0.1, "compare_off": True},
         "z0_fp32_clip": {"stage": 0, "clip": 0.1, "compare_off": True},
+        "z0_fp32_group_by_clip": {"stage": 0, "clip": 0.05, "block": {"granularity": "group_by", "group_by": FC2}},
+        "z0_fp32_param_clip": {"stage": 0, "clip": 0.05, "block": {"granularity": "param"}},
+        "z2_fp32_group_by_clip": {"stage": 2, "clip": 0.05, "block": {"granularity": "group_by", "group_by": FC2}},
         "z0_bf16_unfused": {"stage": 0, "dtype": "bf16", "clip": 0.1},
         "z2_bf16_gas2": {"stage": 2, "dtype": "bf16", "gas": 2},
         "z2_fp16_overflow": {"stage": 2, "dtype": "fp16", "overflow_step": 2, "compare_off": True},
@@ -70,10 +73,11 @@ CASES = {
         "z2_bf16": {"stage": 2, "dtype": "bf16", "layers": 5},
         "z1_fp16_overflow": {"stage": 1, "dtype": "fp16", "overflow_step": 2, "layers": 5},
         "z2_round_robin": {"stage": 2, "layers": 5, "zero": {"round_robin_gradients": True}},
-        "z1_group_by_fc2_selection": {"stage": 1, "layers": 5, "groups": True,
+        "z1_group_by_fc2_selection": {"stage": 1, "layers": 5, "groups": True, "clip": 0.05,
                                       "block": {"granularity": "group_by", "group_by": FC2, "layers": "0,-1",
                                                 "statistics": ["l1", "zeros"]}},
-        "z2_param_granularity_mid": {"stage": 2, "layers": 5, "block": {"granularity": "param", "layers": "mid"}},
+        "z2_param_granularity_mid": {"stage": 2, "layers": 5, "clip": 0.05,
+                                     "block": {"granularity": "param", "layers": "mid"}},
         "z1_bf16_optimizer_groups": {"stage": 1, "dtype": "bf16", "grad_accum_dtype": "fp32", "layers": 5,
                                      "groups": True},
     },
@@ -139,11 +143,12 @@ def test_post_clip_is_what_the_optimizer_applied(world_size, name):
     """
     record, _ = case_result(world_size, name)
     case = record["case"]
-    for index, measured, reference in measured_steps(record):
+    for index, measured, _ in measured_steps(record):
         old_scale, new_scale = record["on"]["loss_scales"][index]
         if case["stage"] == 0 and not STAGE0_LOSS_CARRIES_SCALE:
             old_scale = 1.0  # what the gradient really carries
-        total = math.sqrt(sum(ref["norm"]**2 for ref in reference.values())) * old_scale / new_scale
+        every_parameter = record["on"]["layer_reference"][index].values()  # clipping is over all of them
+        total = math.sqrt(sum(ref["norm"]**2 for ref in every_parameter)) * old_scale / new_scale
         clip_factor = max(1.0, (total + 1e-6) / case["clip"]) if case["clip"] > 0 else 1.0
         expected_coef = old_scale / (new_scale * clip_factor)
         assert measured["clip_coef"] == pytest.approx(expected_coef, rel=10 * TOLERANCE[case["dtype"]])
@@ -160,6 +165,26 @@ def test_post_clip_is_what_the_optimizer_applied(world_size, name):
         if case["dtype"] == "fp16" and case["stage"] > 0:  # stage 0 fp16 updates are below the weights' ulp
             layers = {key: stats for key, stats in applied.items() if isinstance(key, int)}
             assert_close_stats(measured["post_clip"], layers, 3e-2, stats=("norm", ))
+
+
+GRANULAR_CLIP_CASES = [(1, "z0_fp32_group_by_clip"), (1, "z0_fp32_param_clip"), (1, "z2_fp32_group_by_clip"),
+                       (2, "z2_param_granularity_extras"), (3, "z1_group_by_fc2_selection"),
+                       (3, "z2_param_granularity_mid")]
+
+
+@pytest.mark.parametrize("world_size,name", GRANULAR_CLIP_CASES)
+def test_granular_buckets_clip_by_the_norm_of_every_parameter(world_size, name):
+    """With group_by (some parameters reported) or param buckets, clipping is active and clip_coef is
+    clip / the norm of every parameter's gradient, not of the reported buckets only."""
+    record, _ = case_result(world_size, name)
+    case = record["case"]
+    checked = 0
+    for index, measured, _ in measured_steps(record):
+        total = math.sqrt(sum(ref["norm"]**2 for ref in record["on"]["layer_reference"][index].values()))
+        assert case["clip"] / total < 0.9  # clipping is active
+        assert measured["clip_coef"] == pytest.approx(case["clip"] / (total + 1e-6), rel=1e-5)
+        checked += 1
+    assert checked == case["steps"]
 
 
 def covers_all_parameters(case) -> bool:

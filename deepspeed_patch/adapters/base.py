@@ -71,7 +71,7 @@ class LayerGradNormsAdapter:
         if not self.schedule.next_step():
             return
         self.measurement = Measurement(self.schedule.step,
-                                       len(self.layer_map.keys),
+                                       self.layer_map.num_rows,
                                        self.num_groups,
                                        self.device,
                                        self.extra,

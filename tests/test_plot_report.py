@@ -39,7 +39,7 @@ def write_log(path: str, results: Iterable[Dict], layout: str) -> None:
     writer = SummaryWriter(path)
     for stats in results:
         if layout == "one run per bucket":
-            write_tensorboard(writer, stats, stats["step"])
+            write_tensorboard(writer, stats)
             continue
         for phase in ("pre_clip", "post_clip"):
             for key, values in stats[phase].items():

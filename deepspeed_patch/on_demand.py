@@ -90,7 +90,13 @@ class ControlFile:
 
 
 class JsonlDump:
-    """One JSON line per measured step, flushed as written, rotated past ``max_bytes`` (rank 0 only)."""
+    """One JSON line per measured step, flushed as written, rotated past ``max_bytes`` (rank 0 only).
+
+    Lines are only ever appended: a run resumed or rolled back to an earlier checkpoint writes its repeated
+    steps again, after the first run's. The rule for readers (``plot``, ``report``): one entry per step, the
+    line written last wins, and the later steps only the abandoned run wrote are dropped: training went on
+    from the new lines.
+    """
 
     def __init__(self, path: str, max_bytes: int, backups: int) -> None:
         self.path, self.max_bytes, self.backups = path, max_bytes, backups

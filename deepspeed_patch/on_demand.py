@@ -28,9 +28,20 @@ def rank_of_process() -> int:
     return int(os.environ.get("RANK", "0"))
 
 
+WARM_UP = 5
+"""Global norms the trigger needs before it judges a spike (fewer if its window is shorter): a median of
+one or two steps would fire on ordinary noise."""
+
+
 class SpikeTrigger:
     """Fires when the global gradient norm jumps above ``factor`` times its running median over the
-    last ``window`` steps, or (``on_overflow``) when the loss scaler skips a step."""
+    last ``window`` steps, or (``on_overflow``) when the loss scaler skips a step.
+
+    The window lives in memory: it starts empty at every start, a resume from a checkpoint included, and
+    the median is judged once it holds ``min(window, WARM_UP)`` norms. Until then (the warm-up) only an
+    overflow fires it. Saving the window with the checkpoint would need call sites in the engine's
+    checkpoint methods, beyond the optimizer step this package hooks.
+    """
 
     def __init__(self, factor: float, window: int, capture_steps: int, on_overflow: bool) -> None:
         self.factor, self.capture_steps, self.on_overflow = factor, capture_steps, on_overflow
@@ -47,7 +58,7 @@ class SpikeTrigger:
         if global_norm is None:
             return None
         fired = None
-        if len(self.recent) >= min(self.recent.maxlen, 5):  # a median of at least a few steps
+        if len(self.recent) >= min(self.recent.maxlen, WARM_UP):
             median = statistics.median(self.recent)
             if global_norm > self.factor * median:
                 fired = self._fired(step, f"grad norm {global_norm:.4g} > {self.factor} x median {median:.4g}")
@@ -90,7 +101,13 @@ class ControlFile:
 
 
 class JsonlDump:
-    """One JSON line per measured step, flushed as written, rotated past ``max_bytes`` (rank 0 only)."""
+    """One JSON line per measured step, flushed as written, rotated past ``max_bytes`` (rank 0 only).
+
+    Lines are only ever appended: a run resumed or rolled back to an earlier checkpoint writes its repeated
+    steps again, after the first run's. The rule for readers (``plot``, ``report``): one entry per step, the
+    line written last wins, and the later steps only the abandoned run wrote are dropped: training went on
+    from the new lines.
+    """
 
     def __init__(self, path: str, max_bytes: int, backups: int) -> None:
         self.path, self.max_bytes, self.backups = path, max_bytes, backups

@@ -8,7 +8,7 @@ each measured iteration's writes, so that a job that dies keeps every measured s
 """
 
 import os
-from typing import Dict
+from typing import Dict, Optional
 
 _ATTRIBUTE = "_layer_grad_norms_runs"
 
@@ -20,6 +20,8 @@ class BucketRuns:
         self.parent = parent
         self.writers: Dict[str, object] = {}
         self.layout_written = False
+        self.logged_step: Optional[int] = None
+        """The step of the last result written: each result is written once, however often it is read."""
         self._parent_flush, self._parent_close = parent.flush, parent.close
         parent.flush, parent.close = self._flush_with_parent, self._close_with_parent
 

@@ -7,6 +7,7 @@ of the early layers larger than those of the late layers?
 
 import argparse
 import os
+import shutil
 from dataclasses import dataclass
 
 import torch
@@ -85,9 +86,15 @@ def train_rank(options: DemoOptions) -> None:
 
 
 def run_demo(options: DemoOptions) -> str:
-    """Train, then write the figure and the report into ``options.out``; returns the report and paths."""
-    launch(train_rank, options.world_size, options)
+    """Train, then write the figure and the report into ``options.out``; returns the report and paths.
+
+    A previous demo's TensorBoard directory in ``options.out`` is removed first: TensorBoard would draw
+    both runs, each line going from the last step back to step 1.
+    """
     tensorboard_dir = os.path.join(options.out, "tensorboard")
+    if os.path.isdir(tensorboard_dir):
+        shutil.rmtree(tensorboard_dir)
+    launch(train_rank, options.world_size, options)
     series = read_layer_series(tensorboard_dir)
     figure = os.path.join(options.out, "layer_grad_norms.png")
     plot_layer_norms(series, figure)

@@ -11,6 +11,11 @@ A TensorBoard directory may hold any layout written so far (names in ``deepspeed
 
 Scalars are read whether written as simple values or as tensors (the bigscience fork's writer adds
 ``new_style=True``).
+
+A step written more than once (a run resumed or rolled back into the same directory or dump, the demo
+run twice into the same ``--out``) is read once: the value written last wins, and the later steps of the run
+it replaced are dropped (``latest_per_step``), as in TensorBoard's data server; TensorBoard's Python
+``EventMultiplexer``, read here, keeps every point of files written by PyTorch.
 """
 
 import json
@@ -18,7 +23,7 @@ import math
 import os
 import re
 from dataclasses import dataclass, field
-from typing import Dict, Hashable, Iterator, List, Optional, Tuple
+from typing import Dict, Hashable, Iterable, Iterator, List, Optional, Tuple
 
 from deepspeed_patch.tags import LOGGED_PHASES, LOGGED_STATISTICS, TAG_ROOT, VALUES, phase_label
 
@@ -34,13 +39,25 @@ _LAYER_LABEL = re.compile(r"^layer(\d+)$")
 _AXIS_COPY = re.compile(r" vs (?:samples|tokens)$")
 
 
+def latest_per_step(points: Iterable[Tuple[int, float]]) -> Points:
+    """One value per step, in step order, from ``points`` in the order they were written: a step written
+    again (a run resumed or rolled back to an earlier checkpoint) replaces that step and every later one
+    written before it, the abandoned run's, as TensorBoard's data server does."""
+    kept: Points = []
+    for step, value in points:
+        while kept and kept[-1][0] >= step:
+            kept.pop()
+        kept.append((step, value))
+    return kept
+
+
 class NoLayerDataError(ValueError):
     """The directory holds no per-layer gradient statistics."""
 
 
 @dataclass
 class LayerSeries:
-    """``values[(phase, statistic)][layer]`` is a list of ``(step, value)`` in step order."""
+    """``values[(phase, statistic)][layer]`` is a list of ``(step, value)`` in step order, one per step."""
 
     values: Dict[Tuple[str, str], Dict[int, Points]] = field(default_factory=dict)
 
@@ -59,7 +76,9 @@ class _Collector:
         self.finer: Dict[Tuple[str, str, int], List[Points]] = {}
 
     def bucket(self, phase: str, statistic: str, bucket: Hashable, points: Points) -> None:
-        """A bucket's series: ``bucket`` is a layer index, a label such as ``layer03``, or a finer key."""
+        """A bucket's series, in the order written: ``bucket`` is a layer index, a label such as ``layer03``,
+        or a finer key."""
+        points = latest_per_step(points)
         label = _LAYER_LABEL.match(bucket) if isinstance(bucket, str) else None
         layer = bucket if isinstance(bucket, int) else int(label.group(1)) if label else None
         if layer is not None:
@@ -69,7 +88,7 @@ class _Collector:
 
     def part(self, phase: str, statistic: str, layer: Optional[int], points: Points) -> None:
         if layer is not None:
-            self.finer.setdefault((phase, statistic, layer), []).append(points)
+            self.finer.setdefault((phase, statistic, layer), []).append(latest_per_step(points))
 
     def result(self) -> LayerSeries:
         return self.layers if self.layers.layers() else _combine_into_layers(self.finer)
@@ -119,7 +138,8 @@ def _collect_tag(run: str, tag: str, points: Points, collector: _Collector) -> N
 
 
 def _tensorboard_scalars(logdir: str) -> Iterator[Tuple[str, str, Points]]:
-    """``(run, tag, points)`` of every scalar series under ``logdir``, read as TensorBoard reads them."""
+    """``(run, tag, points)`` of every scalar series under ``logdir``, read as TensorBoard reads them, the
+    points in the order written (by wall time: a run's later event files come from a later process)."""
     from tensorboard.backend.event_processing.plugin_event_multiplexer import EventMultiplexer
     from tensorboard.plugins.scalar import metadata
     from tensorboard.util import tensor_util
@@ -129,12 +149,12 @@ def _tensorboard_scalars(logdir: str) -> Iterator[Tuple[str, str, Points]]:
     multiplexer.Reload()
     for run, tags in multiplexer.PluginRunToTagToContent(metadata.PLUGIN_NAME).items():
         for tag in tags:
-            events = multiplexer.Tensors(run, tag)
+            events = sorted(multiplexer.Tensors(run, tag), key=lambda event: event.wall_time)
             yield run, tag, [(event.step, tensor_util.make_ndarray(event.tensor_proto).item()) for event in events]
 
 
 def _collect_jsonl(path: str, collector: _Collector) -> None:
-    """The dump's results; a last line cut short by a killed job is skipped."""
+    """The dump's results, in the order written; a last line cut short by a killed job is skipped."""
     series: Dict[Tuple[str, str, Hashable], Points] = {}
     with open(path) as dump:
         for line in dump:

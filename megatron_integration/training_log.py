@@ -1,10 +1,12 @@
 """Per-layer gradient norms in Megatron's training log and TensorBoard.
 
-``log_layer_grad_norms`` is called once per iteration from the training loop. On iterations the
-statistics were measured it writes, on the rank that owns the TensorBoard writer, one run per layer
-(``layer-grad-norms/layer00``, beside the writer's own run) holding one scalar per phase (pre-/post-clip)
-and statistic, against the iteration (names in ``deepspeed_patch.tags``); and it returns a compact
-field for the stdout log line. On other iterations it returns at once: no collective, no work.
+``log_layer_grad_norms`` is called once per iteration from the training loop. Whenever the engine holds a
+result not yet logged (a step on the interval, a step a trigger captured, a step a ds_config block
+measures on an interval of its own) it writes, on the rank that owns the TensorBoard writer, one run per
+layer (``layer-grad-norms/layer00``, beside the writer's own run) holding one scalar per phase
+(pre-/post-clip) and statistic, against the step the result belongs to (names in
+``deepspeed_patch.tags``); and it returns a compact field for the stdout log line. Otherwise it returns
+at once: no collective, no work.
 
 Against the iteration only: Megatron-DeepSpeed writes its headline scalars (loss, learning rate,
 grad-norm) also ``vs samples`` and ``vs tokens``, but its per-component diagnostics (timers,
@@ -18,7 +20,6 @@ from typing import Dict
 
 from deepspeed_patch.tags import LOGGED_PHASES, LOGGED_STATISTICS
 
-from .arguments import layer_grad_norms_interval
 from .bucket_runs import bucket_runs
 from .tensorboard_layout import custom_scalars_layout, placements
 
@@ -30,9 +31,9 @@ def drawable(value: float) -> float:
     return value if math.isfinite(value) else math.nan
 
 
-def write_tensorboard(writer, stats: Dict, iteration: int) -> None:
-    """Every selected bucket's statistics into its run, against the iteration, then flush those runs."""
-    runs = bucket_runs(writer)
+def write_tensorboard(writer, stats: Dict) -> None:
+    """Every selected bucket's statistics into its run, against their step, then flush those runs."""
+    runs, iteration = bucket_runs(writer), stats["step"]
     placed = placements(stats["pre_clip"])
     if not runs.layout_written:
         writer.add_custom_scalars(custom_scalars_layout(stats["pre_clip"]))
@@ -44,6 +45,7 @@ def write_tensorboard(writer, stats: Dict, iteration: int) -> None:
             place = placed[key]
             for statistic in LOGGED_STATISTICS:
                 runs.writer(place.run).add_scalar(place.tag(phase, statistic), drawable(values[statistic]), iteration)
+    runs.logged_step = iteration
     runs.flush()
 
 
@@ -54,18 +56,22 @@ def log_string_field(stats: Dict) -> str:
 
 
 def log_layer_grad_norms(engine, iteration: int, writer, args: argparse.Namespace) -> str:
-    """Log this iteration's per-layer statistics, if it was measured; returns the log-line field.
+    """Log the engine's newest per-layer statistics, once, at the step they belong to; returns the
+    log-line field.
 
     ``engine`` is the DeepSpeed engine, ``writer`` the TensorBoard writer (``None`` on ranks without
-    one). The field is returned on ``args.log_interval`` iterations, else ``''``.
+    one). Every result the engine publishes is written to TensorBoard once, whatever the interval that
+    measured it, provided the hook runs before the next one replaces it (each iteration, as Megatron
+    calls it). The field is returned on ``args.log_interval`` iterations measured at that iteration,
+    else ``''``.
     """
-    if not getattr(args, "log_layer_grad_norms", False) or iteration % layer_grad_norms_interval(args):
+    if not getattr(args, "log_layer_grad_norms", False):
         return ""
     stats = engine.get_layer_grad_norms()
-    if stats is None or stats["step"] != iteration:
+    if stats is None:
         return ""
-    if writer is not None:
-        write_tensorboard(writer, stats, iteration)
-    if iteration % getattr(args, "log_interval", 1):
+    if writer is not None and bucket_runs(writer).logged_step != stats["step"]:
+        write_tensorboard(writer, stats)
+    if stats["step"] != iteration or iteration % getattr(args, "log_interval", 1):
         return ""
     return log_string_field(stats)

@@ -13,6 +13,15 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_demo_end_to_end(tmp_path, capsys):
+    """Into an ``--out`` that holds a longer demo's log: the demo starts its TensorBoard directory afresh."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    from megatron_integration.training_log import write_tensorboard
+
+    stale = {"step": 0, "pre_clip": {layer: {"norm": 1.0, "min": 0.0, "max": 1.0} for layer in range(5)}}
+    with SummaryWriter(str(tmp_path / "tensorboard")) as writer:
+        for step in range(1, 201):
+            write_tensorboard(writer, dict(stale, step=step, post_clip=stale["pre_clip"]))
     main(["demo", "--steps", "6", "--num-layers", "5", "--hidden", "16", "--layers", "0,1,mid,-2,-1",
           "--out", str(tmp_path)])
     output = capsys.readouterr().out
@@ -22,7 +31,7 @@ def test_demo_end_to_end(tmp_path, capsys):
     assert "in this run early layers' gradients (layers 0, 1)" in (tmp_path / "report.txt").read_text()
     main(["report", str(tmp_path / "tensorboard"), "--json"])
     summary = json.loads(capsys.readouterr().out)
-    assert summary["steps"] == [1, 6]
+    assert summary["steps"] == [1, 6]  # not 1 to 200
     assert list(summary["median_norm"]) == ["0", "1", "2", "3", "4"]  # 0, 1, mid = 2, -2 = 3, -1 = 4
 
 

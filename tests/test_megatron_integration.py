@@ -241,6 +241,31 @@ def test_an_overflowed_bucket_is_drawn_as_nan_and_reported(tmp_path):
     assert summarize(series)["overflowed"] == {1: [4]}
 
 
+def test_every_step_the_engine_measured_is_logged_once_at_its_own_step(tmp_path):
+    """Not only the hook's interval (2 here): steps a trigger captured or a ds_config block measured on an interval
+    of its own reach TensorBoard too, each once, however often the hook reads the same result."""
+    from tensorboard.backend.event_processing.event_multiplexer import EventMultiplexer
+    from torch.utils.tensorboard import SummaryWriter
+
+    args, engine, keys = megatron_args(FLAGS), LastMeasurement(), [0, 1, "embed"]
+    measured = {3: "a trigger's capture", 4: "the interval", 5: "not read at its own iteration", 7: "another interval"}
+    fields = {}
+    with SummaryWriter(str(tmp_path)) as writer:
+        for iteration in range(1, 10):
+            if iteration in measured:
+                engine.stats = measurement(iteration, keys)
+            if iteration != 5:  # its result is read at iteration 6, and logged at step 5
+                fields[iteration] = log_layer_grad_norms(engine, iteration, writer, args)
+    multiplexer = EventMultiplexer(size_guidance={"scalars": 0})
+    multiplexer.AddRunsFromDirectory(str(tmp_path))
+    multiplexer.Reload()
+    events = multiplexer.Scalars("layer-grad-norms/layer01", "layer-grad-norms/post-clip")
+    assert [event.step for event in events] == sorted(measured)  # each once, in step order
+    assert [event.value for event in events] == pytest.approx(
+        [measurement(step, keys)["post_clip"][1]["norm"] for step in sorted(measured)])
+    assert [iteration for iteration, field in fields.items() if field] == [4]  # the --log-interval, when measured
+
+
 def test_layout_has_a_chart_per_part_of_a_layer_and_for_the_buckets_outside():
     keys = ["layers.0.mlp.fc2.weight", "layers.1.mlp.fc2.weight", "embed.weight", "0.dense_4h_to_h", "2"]
     layout = custom_scalars_layout(keys)

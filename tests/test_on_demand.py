@@ -81,6 +81,18 @@ def test_trigger_ignores_ordinary_steps():
     assert SpikeTrigger(3.0, 5, 4, on_overflow=False).update(1, None, True) is None
 
 
+def test_trigger_after_a_resume_fires_on_overflow_at_once_and_on_a_spike_after_its_warm_up():
+    """A resumed run's trigger starts with an empty window (step 101 after a checkpoint at 100)."""
+    from deepspeed_patch.on_demand import WARM_UP
+
+    assert SpikeTrigger(3.0, 50, 4, on_overflow=True).update(101, None, True)["fired_at"] == 101
+    trigger = SpikeTrigger(factor=3.0, window=50, capture_steps=4, on_overflow=True)
+    warm_up = [1.0, 1.0, 50.0, 1.0, 1.0]  # a spike at step 103, within the warm-up: not judged
+    assert len(warm_up) == WARM_UP
+    assert [trigger.update(101 + index, norm, False) for index, norm in enumerate(warm_up)] == [None] * WARM_UP
+    assert trigger.update(106, 9.0, False)["fired_at"] == 106  # 9 > 3 x median 1
+
+
 def test_dump_rotates(tmp_path):
     dump = JsonlDump(str(tmp_path / "d.jsonl"), max_bytes=1024, backups=2)
     for step in range(100):

@@ -5,7 +5,9 @@ stores as tensors."""
 
 import json
 import math
-from typing import Dict, Hashable, Iterable, List
+import statistics
+import time
+from typing import Dict, Hashable, Iterable, List, Tuple
 
 import pytest
 from torch.utils.tensorboard import SummaryWriter
@@ -13,7 +15,7 @@ from torch.utils.tensorboard import SummaryWriter
 from deepspeed_patch.tags import bucket_label, phase_label, scalar_tag
 from megatron_integration.cli import main
 from megatron_integration.plot import plot_layer_norms
-from megatron_integration.tensorboard_reader import NoLayerDataError, read_layer_series
+from megatron_integration.tensorboard_reader import NoLayerDataError, latest_per_step, read_layer_series
 from megatron_integration.training_log import write_tensorboard
 
 LAYERS = 6
@@ -39,7 +41,7 @@ def write_log(path: str, results: Iterable[Dict], layout: str) -> None:
     writer = SummaryWriter(path)
     for stats in results:
         if layout == "one run per bucket":
-            write_tensorboard(writer, stats, stats["step"])
+            write_tensorboard(writer, stats)
             continue
         for phase in ("pre_clip", "post_clip"):
             for key, values in stats[phase].items():
@@ -151,3 +153,59 @@ def test_plot_and_report_read_the_jsonl_dump(tmp_path, capsys):
     assert summary["early_larger"] is True
     figure = plot_layer_norms(read_layer_series(str(path)), str(tmp_path / "figure.png"))
     assert len(figure.axes[0].get_lines()) == 5
+
+
+def rolled_back_runs() -> Tuple[List[Dict], List[Dict]]:
+    """Steps 1 to 10 clipped at 3 and 7, then, rolled back, steps 6 to 12 again with three times the norms,
+    clipped at 8 and 11."""
+    first = [result(step, {layer: known_norm(layer, step) for layer in range(LAYERS)}, 0.5 if step in (3, 7) else 1.0)
+             for step in range(1, 11)]
+    second = [result(step, {layer: 3 * known_norm(layer, step) for layer in range(LAYERS)},
+                     0.5 if step in (8, 11) else 1.0) for step in range(6, 13)]
+    return first, second
+
+
+@pytest.mark.parametrize("source", ["dump"] + LAYOUTS)
+def test_a_rolled_back_run_is_read_one_value_per_step_the_later_one(tmp_path, capsys, source):
+    """Steps written twice (a resume or a rollback into the same dump or log directory, the demo run twice)
+    count once, with the value written last, in the series, the report and the figure."""
+    from deepspeed_patch.on_demand import JsonlDump
+
+    first, second = rolled_back_runs()
+    path = str(tmp_path / "dump.jsonl") if source == "dump" else str(tmp_path / "tensorboard")
+    for run in (first, second):
+        if source == "dump":
+            dump = JsonlDump(path, max_bytes=10**6, backups=0)
+            for stats in run:
+                dump.write(dict(stats, overflow=False))
+        else:
+            write_log(path, run, source)  # a new writer in the same directory, as a resumed job makes
+            time.sleep(0.01)  # its events are later than the first run's
+    expected = first[:5] + second  # steps 1 to 5 of the first run, 6 to 12 of the second
+    series = read_layer_series(path)
+    for layer in range(LAYERS):
+        for phase in ("pre_clip", "post_clip"):
+            assert series.series(phase_label(phase), "norm", layer) == [
+                (stats["step"], pytest.approx(stats[phase][layer]["norm"])) for stats in expected]
+    main(["report", path, "--json"])
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["steps"] == [1, 12] and summary["window"] == [7, 12]
+    assert summary["clipped_steps"] == [3, 8, 11]
+    assert summary["median_norm"] == {
+        str(layer): pytest.approx(statistics.median(3 * known_norm(layer, step) for step in range(7, 13)))
+        for layer in range(LAYERS)}
+    figure = plot_layer_norms(series, str(tmp_path / "figure.png"))
+    lines = figure.axes[0].get_lines()
+    assert len(lines) == 5
+    for line in lines:
+        layer = int(line.get_label().split()[1])
+        assert list(line.get_xdata()) == list(range(1, 13))
+        assert list(line.get_ydata()) == pytest.approx([stats["pre_clip"][layer]["norm"] for stats in expected])
+    assert figure.axes[2].images[0].get_array().shape == (LAYERS, 12)
+
+
+def test_a_step_written_again_replaces_it_and_the_abandoned_run_s_later_steps():
+    """Steps 1 to 4, then a resume at 3 that stops there: step 4 belongs to the abandoned run. The two runs
+    need not measure the same steps."""
+    assert latest_per_step([(1, 1.0), (2, 2.0), (3, 3.0), (4, 4.0), (3, 30.0)]) == [(1, 1.0), (2, 2.0), (3, 30.0)]
+    assert latest_per_step([(1, 1.0), (3, 3.0), (5, 5.0), (2, 20.0), (4, 40.0)]) == [(1, 1.0), (2, 20.0), (4, 40.0)]

@@ -289,8 +289,9 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--deepspeed", help="the directory holding the deepspeed package (default: installed)")
     parser.add_argument("-o", "--output", default=PATCH_FILE)
     args = parser.parse_args(argv)
+    patch = make_patch(args.deepspeed)  # before opening: with no docs page, it reads the line from PATCH_FILE
     with open(args.output, "w", encoding="utf-8") as handle:
-        handle.write(make_patch(args.deepspeed))
+        handle.write(patch)
     print(f"wrote {args.output}")
 
 

@@ -1,19 +1,27 @@
-"""The ``layer-grad-norms`` command."""
+"""The ``layer-grad-norms`` command.
+
+Its stdout carries results only (``report --json`` is piped into other tools): DeepSpeed logs to
+stdout, from its import on (the accelerator it picked), so the modules that import it are imported
+with stdout sent to stderr, where DeepSpeed's logger, which keeps the stream it was made with, stays.
+"""
 
 import argparse
+import contextlib
 import json
 import os
+import sys
 from typing import List, Optional
 
-from deepspeed_patch.config import LAYER_SPEC_FORMS, parse_layer_spec
-from deepspeed_patch.upstream.apply import COMMANDS, run_patch_command
+with contextlib.redirect_stdout(sys.stderr):
+    from deepspeed_patch.config import LAYER_SPEC_FORMS, parse_layer_spec
+    from deepspeed_patch.upstream.apply import COMMANDS, run_patch_command
 
-from .demo import DemoOptions, run_demo
-from .fork_e2e.run import E2EOptions, run_e2e, summary_markdown
-from .fork_e2e.setups import SETUPS
-from .plot import plot_layer_norms
-from .report import format_report, summarize
-from .tensorboard_reader import NoLayerDataError, read_layer_series
+    from .demo import DemoOptions, run_demo
+    from .fork_e2e.run import E2EOptions, run_e2e, summary_markdown
+    from .fork_e2e.setups import SETUPS
+    from .plot import plot_layer_norms
+    from .report import format_report, summarize
+    from .tensorboard_reader import NoLayerDataError, read_layer_series
 
 
 def _layer_spec(value: str) -> str:

@@ -4,6 +4,7 @@ import glob
 import json
 import os
 import subprocess
+import sys
 from typing import List
 
 import pytest
@@ -45,6 +46,14 @@ def test_readme_quickstart_runs_on_two_ranks():
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "step 3 clip_coef" in result.stdout
     assert "  head  norm" in result.stdout
+
+
+def test_patch_check_prints_its_one_line_only():
+    """What scripts read from ``patch check``, in a fresh process: no DeepSpeed log line on stdout."""
+    check = subprocess.run([sys.executable, "-m", "megatron_integration.cli", "patch", "check"], capture_output=True,
+                           text=True, cwd=ROOT, timeout=120)
+    assert check.returncode in (0, 1), check.stdout + check.stderr[-3000:]
+    assert len(check.stdout.splitlines()) == 1 and "applied in " in check.stdout, check.stdout
 
 
 def test_readme_shows_the_quickstart_as_written():

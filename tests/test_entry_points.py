@@ -35,6 +35,20 @@ def test_demo_rejects_a_bad_layer_spec(capsys):
     assert "'first' is not a layer index or 'mid'" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("command, fragments", [
+    ("demo", ["optimizer steps (default: 200)", "(default: 0,1,mid,-2,-1)", "(default: runs/demo)"]),
+    ("plot", ["a TensorBoard directory written by"]),
+    ("report", ["a TensorBoard directory written by"]),
+    ("patch", ["apply: add the feature", "check: exit 0 when applied", "revert: take it out"]),
+])
+def test_help_shows_defaults_and_says_what_each_argument_is(command, fragments, capsys):
+    with pytest.raises(SystemExit):
+        main([command, "--help"])
+    text = " ".join(capsys.readouterr().out.split())  # argparse wraps the lines
+    for fragment in fragments:
+        assert fragment in text, text
+
+
 def test_readme_quickstart_runs_on_two_ranks():
     port = free_port()
     try:

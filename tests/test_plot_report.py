@@ -5,7 +5,10 @@ stores as tensors."""
 
 import json
 import math
+import os
 import statistics
+import subprocess
+import sys
 import time
 from typing import Dict, Hashable, Iterable, List, Tuple
 
@@ -80,6 +83,18 @@ def test_report_gives_the_known_ratio_and_answer(logdir, capsys):
     assert summary["clipped_steps"] == [3, 7]
     assert summary["overflowed"] == {"2": [5]}
     assert summary["window"] == [6, 10]
+
+
+def test_report_json_is_all_that_a_piped_command_prints(tmp_path):
+    """As a user pipes it, in a fresh process: DeepSpeed's import-time log lines must not reach stdout."""
+    write_log(str(tmp_path), known_results(), LAYOUTS[0])
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    report = subprocess.run([sys.executable, "-m", "megatron_integration.cli", "report", str(tmp_path), "--json"],
+                            capture_output=True, text=True, cwd=repo, timeout=120)
+    assert report.returncode == 0, report.stderr[-3000:]
+    assert json.loads(report.stdout)["clipped_steps"] == [3, 7], report.stdout[:500]
+    subprocess.run([sys.executable, "-m", "json.tool"], input=report.stdout, capture_output=True, text=True,
+                   check=True, timeout=60)
 
 
 def test_report_text(logdir, capsys):

@@ -6,7 +6,7 @@ import re
 import pytest
 
 from deepspeed_patch.clipping import bf16_clip_divisor, zero_unscale_divisor
-from deepspeed_patch.config import LayerGradNormsConfig, parse_layer_spec
+from deepspeed_patch.config import LayerGradNormsConfig, LayerGradNormsConfigError, load_config, parse_layer_spec
 from deepspeed_patch.layer_map import DEFAULT_LAYER_PATTERN, bucket_key, build_layer_map, resolve_layers
 from deepspeed_patch.partition_slices import partition_runs
 
@@ -85,6 +85,27 @@ def test_bf16_clip_divisor_mirrors_bf16_optimizer():
 def test_config_defaults():
     config = LayerGradNormsConfig()
     assert (config.enabled, config.layers, config.interval, config.layer_pattern) == (False, None, 1, None)
+
+
+MISSPELLED_BLOCK_NAMES = ("layer_grad_norm", "layerGradNorms", "layer-grad-norms", "LAYER_GRAD_NORMS",
+                          "layergradnorms", "layers_grad_norms", "lyer_grad_norms", "layer_grad_norms_")
+
+
+@pytest.mark.parametrize("key", MISSPELLED_BLOCK_NAMES)
+def test_misspelled_block_name_is_an_error_naming_it_at_deepspeed_config(key):
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    import deepspeed_patch
+
+    deepspeed_patch.install()
+    expected = re.escape(f"ds_config key {key!r}: unknown; did you mean 'layer_grad_norms'?")
+    with pytest.raises(LayerGradNormsConfigError, match=expected):
+        DeepSpeedConfig({"train_batch_size": 4, key: {"enabled": True}})
+
+
+@pytest.mark.parametrize("key", ["gradient_clipping", "layer_norms", "grad_norms", "zero_optimization", "tensorboard"])
+def test_keys_not_close_to_the_block_name_pass(key):
+    assert load_config({key: {}, "layer_grad_norms": {"enabled": True}}).enabled
 
 
 def test_install_is_idempotent_and_checks_the_deepspeed_release(monkeypatch, caplog):

@@ -109,6 +109,7 @@ def run_recorder(workdir: str) -> Dict[str, Any]:
         "z1_fp32": recorder_case(stage=1),
         "z2_fp32_clip_two_fires": recorder_case(stage=2, clip=0.5, steps=12, spikes=(7, 11),
                                                 dump=os.path.join(workdir, f"dump-{world}.jsonl")),
+        "z0_fp32_clip": recorder_case(stage=0, clip=0.5),
         "bf16_optimizer": recorder_case(stage=1, dtype="bf16", grad_accum_dtype="fp32"),
         "z2_fp16_overflow": recorder_case(stage=2, dtype="fp16", spikes=(), overflow_step=7),
         "z2_loss_trigger": recorder_case(stage=2, report_loss=True,
@@ -120,7 +121,7 @@ def run_recorder(workdir: str) -> Dict[str, Any]:
             results[name] = {"case": case, "on": train(case, enabled=True)}
             if name == "z2_fp32_clip_two_fires":
                 results[name]["off"] = train(case, enabled=False)
-                without_ring = recorder_case(**{**case, "trigger": {**TRIGGER, "history": 0}})
+                without_ring = recorder_case(**{**case, "trigger": {**TRIGGER, "history": 0}, "dump": None})
                 results[name]["no_history"] = train(without_ring, enabled=True, count=True)
         except Exception:
             results[name] = {"case": case, "error": traceback.format_exc()}

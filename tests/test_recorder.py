@@ -18,7 +18,9 @@ from recorder_workers import HISTORY, run_recorder
 from reference import TOLERANCE, assert_close_stats
 
 WORLDS = (2, 3)
-STATISTICS_CASES = ("z1_fp32", "z2_fp32_clip_two_fires", "bf16_optimizer", "z2_fp16_overflow")
+OPTIMIZERS = {"z1_fp32": "DeepSpeedZeroOptimizer", "z2_fp32_clip_two_fires": "DeepSpeedZeroOptimizer",
+              "z0_fp32_clip": "SGD", "bf16_optimizer": "BF16_Optimizer", "z2_fp16_overflow": "DeepSpeedZeroOptimizer"}
+STATISTICS_CASES = ("z1_fp32", "z2_fp32_clip_two_fires", "z0_fp32_clip", "bf16_optimizer", "z2_fp16_overflow")
 
 
 @lru_cache(maxsize=None)
@@ -50,6 +52,7 @@ def first_fire(history):
 def test_every_recorded_step_matches_the_reference(workdir, world_size, name):
     record, _ = case_result(workdir, world_size, name)
     case, on = record["case"], record["on"]
+    assert on["optimizer"] == OPTIMIZERS[name]
     fire_step = (case["spikes"] or (case["overflow_step"], ))[0]
     index, history = first_fire(on["history"])
     assert index == fire_step - 1

@@ -87,6 +87,12 @@ class TriggerConfig(DeepSpeedConfigModel):
     capture_steps: int = Field(20, ge=1)
     on_overflow: bool = True
     """Fire also when the fp16 loss scaler skips a step."""
+    history: int = Field(0, ge=0)
+    """Record every step's local statistics in a ring of this many steps, reduced when the trigger fires
+    (``engine.get_layer_grad_norms_history()``); 0: no recorder."""
+    loss_factor: Optional[float] = Field(None, gt=1.0)
+    """Fire also when the loss the training loop reports (``report_loss``) exceeds this many times its
+    running median; ``None``: the loss is not watched."""
 
 
 class DumpConfig(DeepSpeedConfigModel):

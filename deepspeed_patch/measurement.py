@@ -18,6 +18,7 @@ a result the others do not have.
 
 import contextlib
 import logging
+from dataclasses import dataclass
 from typing import Callable, Hashable, List, Optional, Sequence
 
 import torch
@@ -104,6 +105,18 @@ class Measurement:
         the statistics' own total norm once they are reduced, with no extra read."""
         self.clip_norm = max_norm
 
+    def local_table(self) -> torch.Tensor:
+        """This rank's table and, as its last row, a status row whose element count flags a step this rank
+        failed to measure or left incomplete: it survives any reduction, as a count does."""
+        complete = not self.failed and len(self.observed) == self.num_groups
+        status = torch.zeros((1, self.stats.shape[1]), dtype=self.stats.dtype, device=self.stats.device)
+        status[0, NUMEL] = 0.0 if complete else 1.0
+        return torch.cat([self.stats, status])
+
+    def scales(self, overflow: bool) -> "StepScales":
+        """What the step's result needs beside its reduced table."""
+        return StepScales(self.step, bool(overflow), self.gradient_scale, self.applied_scale, self.clip_norm)
+
     def finish(self, group, overflow: bool, keys: Sequence[Hashable], selected: Sequence[Hashable]) -> Optional[dict]:
         """Reduce the step across ``group`` (one collective, every rank must call it) and return the
         result of the ``selected`` buckets; ``None`` when any rank failed to measure.
@@ -111,26 +124,46 @@ class Measurement:
         ``overflow``: the loss scaler skipped the step; pre-clip statistics only.
         """
         self.finished = True
-        complete = not self.failed and len(self.observed) == self.num_groups
-        status = torch.zeros((1, self.stats.shape[1]), dtype=self.stats.dtype, device=self.stats.device)
-        status[0, NUMEL] = 0.0 if complete else 1.0
-        stats = reduce_stats(torch.cat([self.stats, status]), group).cpu()  # the step's one host sync
-        if stats[-1, NUMEL] > 0:
-            return None
-        if self.clip_norm:
-            self.applied_scale = torch_clip_divisor(total_norm(stats[:-1]), self.clip_norm)
-        pre_clip = bucket_results(stats[:-1], keys, selected, 1.0 / self.gradient_scale, self.extra)
-        clip_coef = post_clip = None
-        if not overflow:
-            clip_coef = self.gradient_scale / self.applied_scale
-            post_clip = bucket_results(stats[:-1], keys, selected, 1.0 / self.applied_scale, self.extra)
-        return {
-            "step": self.step,
-            "overflow": bool(overflow),
-            "clip_coef": clip_coef,
-            "pre_clip": pre_clip,
-            "post_clip": post_clip
-        }
+        stats = reduce_stats(self.local_table(), group).cpu()  # the step's one host sync
+        return step_result(stats, self.scales(overflow), keys, selected, self.extra)
+
+
+@dataclass(frozen=True)
+class StepScales:
+    """One step's number, overflow and the factors its gradient carries and is divided by."""
+
+    step: int
+    overflow: bool
+    gradient_scale: float
+    """The loss scale the observed gradients carry."""
+    applied_scale: float
+    """What the optimizer divides them by: loss scale and clipping together."""
+    clip_norm: Optional[float]
+    """Clipping as ``torch.nn.utils.clip_grad_norm_`` does it (the factor follows from the table)."""
+
+
+def step_result(stats: torch.Tensor, scales: StepScales, keys: Sequence[Hashable], selected: Sequence[Hashable],
+                extra: Sequence[str]) -> Optional[dict]:
+    """The result dict of one step from its reduced table (status row last, on the host) and its scales:
+    ``step``, ``overflow``, ``clip_coef``, ``pre_clip`` and ``post_clip`` of the ``selected`` buckets;
+    ``None`` when the status row says a rank failed to measure the step."""
+    if stats[-1, NUMEL] > 0:
+        return None
+    applied_scale = scales.applied_scale
+    if scales.clip_norm:
+        applied_scale = torch_clip_divisor(total_norm(stats[:-1]), scales.clip_norm)
+    pre_clip = bucket_results(stats[:-1], keys, selected, 1.0 / scales.gradient_scale, extra)
+    clip_coef = post_clip = None
+    if not scales.overflow:
+        clip_coef = scales.gradient_scale / applied_scale
+        post_clip = bucket_results(stats[:-1], keys, selected, 1.0 / applied_scale, extra)
+    return {
+        "step": scales.step,
+        "overflow": scales.overflow,
+        "clip_coef": clip_coef,
+        "pre_clip": pre_clip,
+        "post_clip": post_clip
+    }
 
 
 class Schedule:
@@ -151,7 +184,8 @@ class Schedule:
         self.trigger = None
         if config.trigger is not None:
             self.trigger = SpikeTrigger(config.trigger.grad_norm_factor, config.trigger.window,
-                                        config.trigger.capture_steps, config.trigger.on_overflow)
+                                        config.trigger.capture_steps, config.trigger.on_overflow,
+                                        config.trigger.loss_factor)
         self.capture: Optional[dict] = None
         self.control = ControlFile(config.control_file, config.control_interval) if config.control_file else None
         self.dump = None
@@ -161,6 +195,8 @@ class Schedule:
         self.broken = False
         self.failed_locally = False
         self.result: Optional[dict] = None
+        self.history: Optional[List[dict]] = None
+        self.loss: Optional[float] = None
 
     def next_step(self) -> bool:
         """Number the optimizer step about to run; whether it is measured."""
@@ -226,16 +262,32 @@ class Schedule:
             self.result = None
             self.failed_locally = True
 
-    def after_step(self, global_norm, overflow: bool) -> None:
-        """Feed the trigger the step's global gradient norm (the same on every rank)."""
+    def report_loss(self, loss: float) -> None:
+        """The training loop's loss, the same on every rank; judged at the end of the next optimizer step."""
+        self.loss = float(loss)
+
+    def after_step(self, global_norm, overflow: bool) -> Optional[dict]:
+        """Feed the trigger the step's global gradient norm (the same on every rank) and the loss reported
+        since the last step; what fired, or ``None``."""
+        loss, self.loss = self.loss, None
         if self.trigger is None or self.broken:
-            return
+            return None
         norm = None if global_norm is None else float(global_norm)
-        fired = self.trigger.update(self.step, norm, bool(overflow))
+        fired = self.trigger.update(self.step, norm, bool(overflow), loss)
         if fired is not None:
             logger.warning("layer_grad_norms: trigger fired at step %d (%s); capturing every layer until step %d",
                            self.step, fired["reason"], fired["capture_until"])
             self.capture = fired
+        return fired
+
+    def publish_history(self, history: List[dict], fired: dict) -> None:
+        """The recorded steps reduced when the trigger fired, oldest first; they replace the last fire's.
+        Each carries the trigger's record; the dump gets one line per step, marked ``"history": true``."""
+        for entry in history:
+            entry["trigger"] = dict(fired)
+            if self.dump is not None:
+                self.dump.write({**entry, "history": True})
+        self.history = history
 
     def get(self) -> Optional[dict]:
         """The last measurement, or ``None`` before the first measured step."""

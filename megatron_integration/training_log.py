@@ -55,7 +55,7 @@ def log_string_field(stats: Dict) -> str:
     return " layer grad norm:" + "".join(f" {key}: {norm:.3E} |" for key, norm in layers)
 
 
-def log_layer_grad_norms(engine, iteration: int, writer, args: argparse.Namespace) -> str:
+def log_layer_grad_norms(engine, iteration: int, writer, args: argparse.Namespace, loss=None) -> str:
     """Log the engine's newest per-layer statistics, once, at the step they belong to; returns the
     log-line field.
 
@@ -64,9 +64,14 @@ def log_layer_grad_norms(engine, iteration: int, writer, args: argparse.Namespac
     measured it, provided the hook runs before the next one replaces it (each iteration, as Megatron
     calls it). The field is returned on ``args.log_interval`` iterations measured at that iteration,
     else ``''``.
+
+    ``loss``: the iteration's loss as Megatron reduces it (``loss_dict["lm loss"]``, the same on every rank),
+    reported to the engine for ``trigger.loss_factor``; it is judged at the end of the next optimizer step.
     """
     if not getattr(args, "log_layer_grad_norms", False):
         return ""
+    if loss is not None and getattr(engine, "layer_grad_norms", None) is not None:
+        engine.layer_grad_norms.report_loss(loss)
     stats = engine.get_layer_grad_norms()
     if stats is None:
         return ""

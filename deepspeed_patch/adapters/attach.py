@@ -70,9 +70,10 @@ def _param_grad_adapter(engine, config: LayerGradNormsConfig) -> ParamGradAdapte
             f"ZeRO (fp32, or FP16_Optimizer / FP16_UnfusedOptimizer for fp16/bf16); this engine uses "
             f"{type(engine.optimizer).__name__} (zero_optimization.stage={engine.zero_optimization_stage()}, "
             f"bf16={engine.bfloat16_enabled()}, fp16={engine.fp16_enabled()})")
-    if config.trigger is not None:
+    if config.trigger is not None and not config.trigger.history:
         raise UnsupportedSetupError(f"{CONFIG_KEY}.trigger needs an optimizer that reports the global "
-                                    "gradient norm (ZeRO-1/2, BF16_Optimizer, fp16/bf16 without ZeRO)")
+                                    "gradient norm (ZeRO-1/2, BF16_Optimizer, fp16/bf16 without ZeRO), or, in fp32 "
+                                    "without ZeRO, trigger.history > 0 (the recorder reads every step's norm)")
     params = [param for param in engine.module.parameters() if param.requires_grad]
     return ParamGradAdapter(params, _setup(engine, config, params, REPLICATED), max_norm=engine.gradient_clipping)
 

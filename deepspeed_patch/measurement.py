@@ -8,7 +8,7 @@ A ``Schedule`` lives as long as the optimizer: it numbers the steps, decides whi
 interval, a runtime switch, a trigger's capture window, the control file), holds the last result and
 writes the dump. For each measured step it hands out a fresh ``Measurement``, which the optimizer's
 read points fill (this rank's partial statistics, the loss scale the gradients carry, the factor the
-optimizer divides them by) and which ``finish`` reduces across the ranks with one collective.
+optimizer divides them by) and which ``finish`` reduces across the ranks (``reduction.reduce_stats``).
 
 An error while measuring (a bug, an unforeseen layout) must not stop the training run: it is logged,
 the step's table carries a failure flag through the same collective, and every rank then switches the
@@ -18,7 +18,7 @@ a result the others do not have.
 
 import contextlib
 import logging
-from typing import Callable, Hashable, List, Optional, Sequence
+from typing import Callable, Hashable, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -26,6 +26,7 @@ from .clipping import torch_clip_divisor
 from .config import LayerGradNormsConfig
 from .layer_map import LayerMap
 from .on_demand import ControlFile, JsonlDump, SpikeTrigger, rank_of_process
+from .reduction import reduce_stats
 from .statistics import (
     NUMEL,
     RunTable,
@@ -33,7 +34,6 @@ from .statistics import (
     accumulate_runs,
     bucket_results,
     empty_stats,
-    reduce_stats,
     total_norm,
 )
 
@@ -60,6 +60,7 @@ class Measurement:
         self.gradient_scale = 1.0
         self.applied_scale = 1.0
         self.clip_norm: Optional[float] = None
+        self.scale_of_norm: Optional[Tuple[torch.Tensor, Callable[[float], float]]] = None
         self.failed = failed
         self.finished = False
 
@@ -99,6 +100,15 @@ class Measurement:
         """What the optimizer divides the observed gradients by: loss scale and clipping together."""
         self.applied_scale = float(divisor)
 
+    def set_applied_scale_of_norm(self, norm, formula: Callable[[float], float]) -> None:
+        """The applied scale as ``formula(float(norm))``, for the optimizer's global norm still on its device:
+        ``finish`` reads it with the statistics, in the step's one host transfer, rather than each
+        parameter group's read point forcing a host synchronisation of its own."""
+        if isinstance(norm, torch.Tensor):
+            self.scale_of_norm = (norm, formula)
+        else:
+            self.set_applied_scale(formula(norm))
+
     def set_clip_norm(self, max_norm: float) -> None:
         """Clipping to ``max_norm`` as ``torch.nn.utils.clip_grad_norm_`` does it: the factor comes from
         the statistics' own total norm once they are reduced, with no extra read."""
@@ -114,7 +124,7 @@ class Measurement:
         complete = not self.failed and len(self.observed) == self.num_groups
         status = torch.zeros((1, self.stats.shape[1]), dtype=self.stats.dtype, device=self.stats.device)
         status[0, NUMEL] = 0.0 if complete else 1.0
-        stats = reduce_stats(torch.cat([self.stats, status]), group).cpu()  # the step's one host sync
+        stats = self._to_host(reduce_stats(torch.cat([self.stats, status]), group))
         if stats[-1, NUMEL] > 0:
             return None
         if self.clip_norm:
@@ -131,6 +141,16 @@ class Measurement:
             "pre_clip": pre_clip,
             "post_clip": post_clip
         }
+
+    def _to_host(self, reduced: torch.Tensor) -> torch.Tensor:
+        """The reduced table on the host, with the global norm of ``set_applied_scale_of_norm`` in the same
+        copy: the step's one host synchronisation."""
+        if self.scale_of_norm is None:
+            return reduced.cpu()
+        norm, formula = self.scale_of_norm
+        host = torch.cat([reduced.flatten(), norm.reshape(1).to(reduced)]).cpu()
+        self.set_applied_scale(formula(host[-1].item()))
+        return host[:-1].view(reduced.shape)
 
 
 class Schedule:

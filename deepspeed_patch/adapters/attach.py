@@ -21,7 +21,7 @@ from .. import capabilities
 from ..config import CONFIG_KEY, LayerGradNormsConfig, UnsupportedSetupError
 from ..layer_map import model_layer_map
 from ..monitor import MonitorEvents
-from ..statistics import REPLICATED
+from ..reduction import REPLICATED
 from .base import LayerGradNormsAdapter, Setup
 from .bf16 import BF16Adapter
 from .fused_fp16 import FusedFP16Adapter

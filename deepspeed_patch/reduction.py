@@ -9,8 +9,11 @@ zeros, element count), the others take the maximum (max, -min, -abs_min). So one
 the summed columns and one MAX all-reduce of the others give every rank the statistics of the full
 gradient. Each rank sends and receives about ``2 * 72 * buckets`` bytes (ring algorithm), the same at
 2 ranks as at 16,384, where an all-gather of the tables brought ``72 * buckets * world_size`` to each
-rank. The all-gather is not kept for small worlds: it saves one collective's latency at most
-(``benchmarks/reduction_cost.py`` gives the figures), and a second code path would cost more than that.
+rank. The all-gather is not kept for small worlds, although it is cheaper there while latency
+dominates (one collective of ``W - 1`` ring steps against two of ``2 (W - 1)``): by 6 to 60 us per
+measured step up to 64 ranks in NCCL's own latency model, where the new reduction saves 0.2 to 17 ms
+from 384 to 16,384 ranks (``benchmarks/results/reduction_cost.md``). A second path chosen by world
+size would save microseconds, make the bytes per rank depend on the world again, and need its own tests.
 
 Every rank gets the same bits: an all-reduce leaves one result on all ranks (NCCL's ring and tree, and
 gloo's, compute each element's sum once and copy it), so no rank can see a different order of float64

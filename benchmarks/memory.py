@@ -78,11 +78,17 @@ def synthetic_rows(points: Sequence[Tuple[int, int, str]]) -> List[dict]:
         after = peak_allocated(functools.partial(local_path, accumulate_runs, runs, buckets, part.num_buckets))
         before = peak_allocated(
             functools.partial(local_path, statistics_before.accumulate_runs, runs, buckets, part.num_buckets))
-        rows.append({"sweep": sweep, "layers": num_layers, "hidden": hidden, "buckets": part.num_buckets,
-                     "runs": len(runs),
-                     "partition_bytes": part.flat.numel() * part.flat.element_size(), "after": after,
-                     "scratch_bytes": min(HOST_PIECE, max(run.numel() for run in runs)) * part.flat.element_size(),
-                     "before": before})
+        rows.append({
+            "sweep": sweep,
+            "layers": num_layers,
+            "hidden": hidden,
+            "buckets": part.num_buckets,
+            "runs": len(runs),
+            "partition_bytes": part.flat.numel() * part.flat.element_size(),
+            "after": after,
+            "scratch_bytes": min(HOST_PIECE, max(run.numel() for run in runs)) * part.flat.element_size(),
+            "before": before
+        })
     return rows
 
 

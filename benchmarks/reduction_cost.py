@@ -50,10 +50,28 @@ BYTES_PER_ROW = 9 * 8
 SUMMED_COLUMNS = 6
 # link: (base latency per collective, tree, ring; per-step latency, tree, ring; bandwidth), seconds and bytes/s
 LINKS = {
-    "InfiniBand NDR": {"base": {"tree": 4.4e-6, "ring": 3.6e-6}, "hop": {"tree": 5.0e-6, "ring": 0.9e-6},
-                       "bandwidth": 50e9},
-    "NVLink 4": {"base": {"tree": 4.4e-6, "ring": 3.6e-6}, "hop": {"tree": 0.5e-6, "ring": 0.4e-6},
-                 "bandwidth": 450e9},
+    "InfiniBand NDR": {
+        "base": {
+            "tree": 4.4e-6,
+            "ring": 3.6e-6
+        },
+        "hop": {
+            "tree": 5.0e-6,
+            "ring": 0.9e-6
+        },
+        "bandwidth": 50e9
+    },
+    "NVLink 4": {
+        "base": {
+            "tree": 4.4e-6,
+            "ring": 3.6e-6
+        },
+        "hop": {
+            "tree": 0.5e-6,
+            "ring": 0.4e-6
+        },
+        "bandwidth": 450e9
+    },
 }
 
 
@@ -96,7 +114,7 @@ def model_rows() -> List[Dict]:
                 for name, link in LINKS.items():
                     for algorithm in ("ring", "tree"):
                         row[f"{reduction}_{algorithm}_{name}"] = modelled_seconds(world, buckets, reduction, algorithm,
-                                                                                 link)
+                                                                                  link)
             rows.append(row)
     return rows
 
@@ -163,7 +181,8 @@ def measure(repeats: int) -> Dict[int, Dict]:
                 "old": max(rank[buckets]["old"] for rank in by_rank),
                 "new": max(rank[buckets]["new"] for rank in by_rank),
                 "bytes": by_rank[0][buckets]["bytes"],
-                "bytes_same_on_every_rank": len({repr(rank[buckets]["bytes"]) for rank in by_rank}) == 1,
+                "bytes_same_on_every_rank": len({repr(rank[buckets]["bytes"])
+                                                 for rank in by_rank}) == 1,
             }
             for buckets in BUCKETS
         }
@@ -207,23 +226,28 @@ def microseconds(value: float) -> str:
 
 
 def model_markdown(rows: List[Dict]) -> List[str]:
-    lines = ["| buckets | ranks | bytes in, old (all-gather) | bytes in, new (ring / tree) | "
-             "IB ring: old -> new | IB tree: old -> new | NVLink ring: old -> new |",
-             "| ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    lines = [
+        "| buckets | ranks | bytes in, old (all-gather) | bytes in, new (ring / tree) | "
+        "IB ring: old -> new | IB tree: old -> new | NVLink ring: old -> new |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: |"
+    ]
     for row in rows:
-        pairs = [f"{microseconds(row[f'old_{column}'])} -> {microseconds(row[f'new_{column}'])}"
-                 for column in ("ring_InfiniBand NDR", "tree_InfiniBand NDR", "ring_NVLink 4")]
+        pairs = [
+            f"{microseconds(row[f'old_{column}'])} -> {microseconds(row[f'new_{column}'])}"
+            for column in ("ring_InfiniBand NDR", "tree_InfiniBand NDR", "ring_NVLink 4")
+        ]
         lines.append(f"| {row['buckets']:,} | {row['world']:,} | {human_bytes(row['old_bytes_ring'])} | "
-                     f"{human_bytes(row['new_bytes_ring'])} / {human_bytes(row['new_bytes_tree'])} | "
-                     + " | ".join(pairs) + " |")
+                     f"{human_bytes(row['new_bytes_ring'])} / {human_bytes(row['new_bytes_tree'])} | " +
+                     " | ".join(pairs) + " |")
     return lines
 
 
 def measured_markdown(measured: Dict[int, Dict], hop: float, bandwidth: float) -> List[str]:
-    lines = [f"gloo fitted to these: {hop * 1e6:.1f} us per ring step, {bandwidth / 1e9:.2f} GB/s.", "",
-             "| ranks | buckets | old, measured (model) | new, measured (model) | old / new, measured (model) | "
-             "bytes handed to the collectives per rank: old / new |",
-             "| ---: | ---: | ---: | ---: | ---: | ---: |"]
+    lines = [
+        f"gloo fitted to these: {hop * 1e6:.1f} us per ring step, {bandwidth / 1e9:.2f} GB/s.", "",
+        "| ranks | buckets | old, measured (model) | new, measured (model) | old / new, measured (model) | "
+        "bytes handed to the collectives per rank: old / new |", "| ---: | ---: | ---: | ---: | ---: | ---: |"
+    ]
     for world, by_buckets in measured.items():
         for buckets, times in by_buckets.items():
             old_model = gloo_predicted(world, buckets, "old", hop, bandwidth)
@@ -248,8 +272,9 @@ def plot(rows: List[Dict], path: str) -> None:
         for reduction, colour in (("old", "tab:red"), ("new", "tab:blue")):
             label = f"{'all-gather' if reduction == 'old' else '2 all-reduces'}, {buckets:,} buckets"
             axes[0].plot(worlds, [row[f"{reduction}_bytes_ring"] for row in chosen], style, color=colour, label=label)
-            best = [min(row[f"{reduction}_ring_InfiniBand NDR"], row[f"{reduction}_tree_InfiniBand NDR"])
-                    for row in chosen]
+            best = [
+                min(row[f"{reduction}_ring_InfiniBand NDR"], row[f"{reduction}_tree_InfiniBand NDR"]) for row in chosen
+            ]
             axes[1].plot(worlds, [seconds * 1e6 for seconds in best], style, color=colour, label=label)
     axes[0].set_ylabel("bytes received per rank per measured step")
     axes[1].set_ylabel("modelled time per measured step (us), InfiniBand, best of ring and tree")
@@ -270,18 +295,22 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=30)
     args = parser.parse_args()
     rows = model_rows()
-    lines = ["# The step's reduction: all-gather (before) against SUM + MAX all-reduce (now)", "",
-             "Model: `benchmarks/reduction_cost.py` (alpha-beta; NCCL 2.8's LL-protocol latencies from its "
-             "`src/graph/tuning.cc`, InfiniBand NDR 50 GB/s and NVLink 4 450 GB/s per GPU), per rank and "
-             "measured step; a table of `buckets + 1` rows of 72 bytes.", ""] + model_markdown(rows)
+    lines = [
+        "# The step's reduction: all-gather (before) against SUM + MAX all-reduce (now)", "",
+        "Model: `benchmarks/reduction_cost.py` (alpha-beta; NCCL 2.8's LL-protocol latencies from its "
+        "`src/graph/tuning.cc`, InfiniBand NDR 50 GB/s and NVLink 4 450 GB/s per GPU), per rank and "
+        "measured step; a table of `buckets + 1` rows of 72 bytes.", ""
+    ] + model_markdown(rows)
     result = {"model": rows}
     if not args.no_measure:
         measured = measure(args.repeats)
         hop, bandwidth = fit_gloo(measured)
         result.update(measured=measured, gloo_hop_seconds=hop, gloo_bandwidth=bandwidth, machine=machine())
-        lines += ["", f"## gloo on this machine ({machine()})", "",
-                  f"Median of {args.repeats} of each, alternating, slowest rank; 8 ranks on 2 shared cores are "
-                  "oversubscribed, so the times there are the scheduler's as much as gloo's."] + [""]
+        lines += [
+            "", f"## gloo on this machine ({machine()})", "",
+            f"Median of {args.repeats} of each, alternating, slowest rank; 8 ranks on 2 shared cores are "
+            "oversubscribed, so the times there are the scheduler's as much as gloo's."
+        ] + [""]
         lines += measured_markdown(measured, hop, bandwidth)
     os.makedirs(RESULTS, exist_ok=True)
     with open(os.path.join(RESULTS, "reduction_cost.md"), "w", encoding="utf-8") as handle:

@@ -8,7 +8,7 @@ A ``Schedule`` lives as long as the optimizer: it numbers the steps, decides whi
 interval, a runtime switch, a trigger's capture window, the control file), holds the last result and
 writes the dump. For each measured step it hands out a fresh ``Measurement``, which the optimizer's
 read points fill (this rank's partial statistics, the loss scale the gradients carry, the factor the
-optimizer divides them by) and which ``finish`` reduces across the ranks with one collective.
+optimizer divides them by) and which ``finish`` reduces across the ranks (``reduction.reduce_stats``).
 
 An error while measuring (a bug, an unforeseen layout) must not stop the training run: it is logged,
 the step's table carries a failure flag through the same collective, and every rank then switches the
@@ -18,8 +18,8 @@ a result the others do not have.
 
 import contextlib
 import logging
-from dataclasses import dataclass
-from typing import Callable, Hashable, List, Optional, Sequence
+from dataclasses import dataclass, replace
+from typing import Callable, Hashable, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -27,6 +27,7 @@ from .clipping import torch_clip_divisor
 from .config import LayerGradNormsConfig
 from .layer_map import LayerMap
 from .on_demand import ControlFile, JsonlDump, SpikeTrigger, rank_of_process
+from .reduction import reduce_stats
 from .statistics import (
     NUMEL,
     RunTable,
@@ -34,7 +35,6 @@ from .statistics import (
     accumulate_runs,
     bucket_results,
     empty_stats,
-    reduce_stats,
     total_norm,
 )
 
@@ -61,6 +61,7 @@ class Measurement:
         self.gradient_scale = 1.0
         self.applied_scale = 1.0
         self.clip_norm: Optional[float] = None
+        self.scale_of_norm: Optional["NormFormula"] = None
         self.failed = failed
         self.finished = False
 
@@ -100,6 +101,15 @@ class Measurement:
         """What the optimizer divides the observed gradients by: loss scale and clipping together."""
         self.applied_scale = float(divisor)
 
+    def set_applied_scale_of_norm(self, norm, formula: Callable[[float], float]) -> None:
+        """The applied scale as ``formula(float(norm))``, for the optimizer's global norm still on its device:
+        ``finish`` reads it with the statistics, in the step's one host transfer, rather than each
+        parameter group's read point forcing a host synchronisation of its own."""
+        if isinstance(norm, torch.Tensor):
+            self.scale_of_norm = (norm, formula)
+        else:
+            self.set_applied_scale(formula(norm))
+
     def set_clip_norm(self, max_norm: float) -> None:
         """Clipping to ``max_norm`` as ``torch.nn.utils.clip_grad_norm_`` does it: the factor comes from
         the statistics' own total norm once they are reduced, with no extra read."""
@@ -115,7 +125,8 @@ class Measurement:
 
     def scales(self, overflow: bool) -> "StepScales":
         """What the step's result needs beside its reduced table."""
-        return StepScales(self.step, bool(overflow), self.gradient_scale, self.applied_scale, self.clip_norm)
+        return StepScales(self.step, bool(overflow), self.gradient_scale, self.applied_scale, self.clip_norm,
+                          self.scale_of_norm)
 
     def finish(self, group, overflow: bool, keys: Sequence[Hashable], selected: Sequence[Hashable]) -> Optional[dict]:
         """Reduce the step across ``group`` (one collective, every rank must call it) and return the
@@ -124,8 +135,11 @@ class Measurement:
         ``overflow``: the loss scaler skipped the step; pre-clip statistics only.
         """
         self.finished = True
-        stats = reduce_stats(self.local_table(), group).cpu()  # the step's one host sync
-        return step_result(stats, self.scales(overflow), keys, selected, self.extra)
+        stats, scales = host_copy(reduce_stats(self.local_table(), group), [self.scales(overflow)])
+        return step_result(stats, scales[0], keys, selected, self.extra)
+
+
+NormFormula = Tuple[torch.Tensor, Callable[[float], float]]
 
 
 @dataclass(frozen=True)
@@ -140,13 +154,29 @@ class StepScales:
     """What the optimizer divides them by: loss scale and clipping together."""
     clip_norm: Optional[float]
     """Clipping as ``torch.nn.utils.clip_grad_norm_`` does it (the factor follows from the table)."""
+    scale_of_norm: Optional[NormFormula] = None
+    """The applied scale as ``formula(norm)`` of an optimizer's global norm still on its device, resolved by
+    ``host_copy`` (then ``None``)."""
+
+
+def host_copy(reduced: torch.Tensor, scales: Sequence[StepScales]) -> Tuple[torch.Tensor, List[StepScales]]:
+    """A reduced table on the host, and ``scales`` with the applied scales of their global norms resolved:
+    the norms travel in the same copy, the one host synchronisation of a measured step (or of a fire)."""
+    norms = [entry.scale_of_norm[0].reshape(1).to(reduced) for entry in scales if entry.scale_of_norm is not None]
+    host = torch.cat([reduced.flatten(), *norms]).cpu()
+    values = iter(host[reduced.numel():].tolist())
+    resolved = [
+        entry if entry.scale_of_norm is None else replace(
+            entry, applied_scale=float(entry.scale_of_norm[1](next(values))), scale_of_norm=None) for entry in scales
+    ]
+    return host[:reduced.numel()].view(reduced.shape), resolved
 
 
 def step_result(stats: torch.Tensor, scales: StepScales, keys: Sequence[Hashable], selected: Sequence[Hashable],
                 extra: Sequence[str]) -> Optional[dict]:
-    """The result dict of one step from its reduced table (status row last, on the host) and its scales:
-    ``step``, ``overflow``, ``clip_coef``, ``pre_clip`` and ``post_clip`` of the ``selected`` buckets;
-    ``None`` when the status row says a rank failed to measure the step."""
+    """The result dict of one step from its reduced table (status row last, on the host) and its resolved
+    scales: ``step``, ``overflow``, ``clip_coef``, ``pre_clip`` and ``post_clip`` of the ``selected``
+    buckets; ``None`` when the status row says a rank failed to measure the step."""
     if stats[-1, NUMEL] > 0:
         return None
     applied_scale = scales.applied_scale

@@ -13,12 +13,14 @@ rank reduces the whole ring in one collective, and each recorded step becomes a 
 """
 
 from collections import deque
+from dataclasses import replace
 from typing import Collection, Deque, Hashable, List, Sequence
 
 import torch
 
-from .measurement import StepScales, step_result
-from .statistics import NUM_COLUMNS, empty_stats, reduce_stats
+from .measurement import StepScales, host_copy, step_result
+from .reduction import reduce_stats
+from .statistics import NUM_COLUMNS, empty_stats
 
 
 class FlightRecorder:
@@ -37,8 +39,11 @@ class FlightRecorder:
 
     def push(self, table: torch.Tensor, scales: StepScales) -> None:
         """Record one step: its local table with its status row (``Measurement.local_table``), and its
-        scales; the oldest step drops out of a full ring. A device copy, no host synchronisation."""
+        scales; the oldest step drops out of a full ring. Device copies, no host synchronisation."""
         self.tables[self.next_slot].copy_(table)
+        if scales.scale_of_norm is not None:  # the optimizer's norm tensor is its own: keep a copy
+            norm, formula = scales.scale_of_norm
+            scales = replace(scales, scale_of_norm=(norm.detach().clone(), formula))
         self.scales.append(scales)
         self.next_slot = (self.next_slot + 1) % self.tables.shape[0]
 
@@ -46,8 +51,9 @@ class FlightRecorder:
         """Every recorded step's result, oldest first, all buckets: the whole ring reduced across ``group``
         in one collective (every rank must call it). A step any rank failed to measure gives no entry."""
         capacity = self.tables.shape[0]
-        reduced = reduce_stats(self.tables.view(-1, NUM_COLUMNS), group).cpu().view(self.tables.shape)
-        oldest = (self.next_slot - len(self.scales)) % capacity
-        results = (step_result(reduced[(oldest + age) % capacity], scales, keys, keys, extra)
-                   for age, scales in enumerate(self.scales))
+        reduced, scales = host_copy(reduce_stats(self.tables.view(-1, NUM_COLUMNS), group), list(self.scales))
+        reduced = reduced.view(self.tables.shape)
+        oldest = (self.next_slot - len(scales)) % capacity
+        results = (step_result(reduced[(oldest + age) % capacity], step_scales, keys, keys, extra)
+                   for age, step_scales in enumerate(scales))
         return [result for result in results if result is not None]

@@ -13,6 +13,7 @@ import torch
 
 from deepspeed_patch.config import LayerGradNormsConfigError, load_config
 from deepspeed_patch.on_demand import SpikeTrigger
+from deepspeed_patch.reduction import COLLECTIVES_PER_STEP
 from megatron_integration.cpu_launch import launch
 from recorder_workers import HISTORY, run_recorder
 from reference import TOLERANCE, assert_close_stats
@@ -106,12 +107,13 @@ def test_the_dump_has_one_line_per_recorded_step(workdir):
 
 
 @pytest.mark.parametrize("world_size", WORLDS)
-def test_one_collective_on_a_fire_and_none_on_quiet_steps(workdir, world_size):
-    """Against the same trigger without a ring, and against no block at all."""
+def test_one_reduction_on_a_fire_and_none_on_quiet_steps(workdir, world_size):
+    """Against the same trigger without a ring, and against no block at all: a fire adds the collectives of
+    one reduction (the whole ring at once), a quiet step none."""
     record, _ = case_result(workdir, world_size, "z2_fp32_clip_two_fires")
     on, no_history, off = (record[run]["collectives"] for run in ("on", "no_history", "off"))
     fires, captures = {7, 11}, {8, 12}
-    assert [a - b for a, b in zip(on, no_history)] == [int(step in fires) for step in range(1, 13)]
+    assert [a - b for a, b in zip(on, no_history)] == [COLLECTIVES_PER_STEP * (step in fires) for step in range(1, 13)]
     quiet = [step for step in range(1, 13) if step not in fires | captures]
     assert [on[step - 1] for step in quiet] == [off[step - 1] for step in quiet]
     assert len(quiet) == 8

@@ -11,6 +11,7 @@ the loss scaler skips, the partition is never built: its per-parameter pieces ar
 ``_update_scale``, before they are dropped.
 """
 
+import functools
 import itertools
 from typing import List
 
@@ -46,7 +47,7 @@ class ZeroAdapter(OptimizerAdapter):
 
     def unscale_and_clip_grads(self, grad_groups_flat, total_norm) -> None:
         """Top of ``unscale_and_clip_grads``, once per group: the flat fp32 partition about to be divided by
-        the loss scale and the clip factor."""
+        the loss scale and the clip factor. The global norm stays on the device until ``finish``."""
         measurement = self.measurement
         if measurement is None:
             return
@@ -55,9 +56,12 @@ class ZeroAdapter(OptimizerAdapter):
             flat_grad = grad_groups_flat[0]
             index = group_of(optimizer.single_partition_of_fp32_groups, flat_grad)
             measurement.observe_partition(index, flat_grad, self.tables[index])
-            measurement.set_applied_scale(
-                zero_unscale_divisor(total_norm, optimizer.clip_grad, optimizer.loss_scale,
-                                     self.capabilities.zero_zeroes_invalid_norm))
+            measurement.set_applied_scale_of_norm(
+                total_norm,
+                functools.partial(zero_unscale_divisor,
+                                  clip_grad=optimizer.clip_grad,
+                                  loss_scale=optimizer.loss_scale,
+                                  zeroes_invalid_norm=self.capabilities.zero_zeroes_invalid_norm))
 
     def update_scale(self, has_overflow=False) -> None:
         """Top of ``_update_scale``: once per step, before the loss scale changes and before a skipped

@@ -10,13 +10,13 @@ from functools import lru_cache
 
 import pytest
 
+from deepspeed_patch.tags import LayerKey
+from encdec_workers import CLIP, run_encoder_decoder
+from megatron_integration.cpu_launch import launch
+from reference import TOLERANCE, assert_close_stats
+
 pytest.importorskip("transformers", reason="the encoder-decoder models come from Hugging Face transformers, "
                     "not installed (pip install -e '.[test]')")
-
-from deepspeed_patch.tags import LayerKey  # noqa: E402 - after the skip
-from encdec_workers import CLIP, run_encoder_decoder  # noqa: E402
-from megatron_integration.cpu_launch import launch  # noqa: E402
-from reference import TOLERANCE, assert_close_stats  # noqa: E402
 
 STEPS = 2
 MODELS = ["t5", "bart"]

@@ -19,11 +19,11 @@ A writer that puts (tag, value, step) events into one run, as DeepSpeed's monito
 form: the bucket appended to the tag, ``layer-grad-norms/pre-clip/layer00``.
 """
 
-from typing import Hashable, Optional
+from typing import Dict, Hashable, Iterable, Optional
 
 __all__ = [
     "TAG_ROOT", "OUTSIDE_LAYERS_ROOT", "VALUES", "LOGGED_PHASES", "LOGGED_STATISTICS", "bucket_label", "phase_label",
-    "scalar_tag", "run_name"
+    "scalar_tag", "run_name", "flat_scalars"
 ]
 
 TAG_ROOT = "layer-grad-norms"
@@ -59,3 +59,15 @@ def scalar_tag(phase: str, statistic: str, bucket: Optional[Hashable] = None, ro
 def run_name(bucket: Hashable) -> str:
     """The run of a bucket, a subdirectory of the log directory: ``layer-grad-norms/layer00``."""
     return f"{TAG_ROOT}/{bucket_label(bucket)}"
+
+
+def flat_scalars(result: dict,
+                 phases: Iterable[str] = LOGGED_PHASES,
+                 statistics: Iterable[str] = LOGGED_STATISTICS) -> Dict[str, float]:
+    """Every selected bucket's ``statistics`` of a ``get_layer_grad_norms()`` result, by flat tag
+    (``layer-grad-norms/pre-clip/layer00``); a phase the result lacks (post-clip on an overflow step) is
+    left out."""
+    return {
+        scalar_tag(phase, name, key): values[name]
+        for phase in phases for key, values in (result[phase] or {}).items() for name in statistics
+    }

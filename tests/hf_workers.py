@@ -132,7 +132,7 @@ def run(deepspeed: Optional[dict], callback_options: dict, gas: int = 1) -> Dict
         except Exception:
             return {"error": traceback.format_exc()}
         record = {
-            "warnings": [str(warning.message) for warning in caught if "LayerGradNormsCallback" in str(warning.message)],
+            "warnings": [str(w.message) for w in caught if "LayerGradNormsCallback" in str(w.message)],
             "log_history": trainer.state.log_history,
             "engine_results": recorder.engine_results,
             "reference": [bucket_stats(grads, gpt2_bucket) for grads in trainer.pre_clip_grads],

@@ -92,12 +92,12 @@ class LayerGradNormsCallback(TrainerCallback):
             self._measured = (state.global_step + 1, self._plain.measure())
 
     def on_log(self, args, state, control, logs=None, **kwargs):
-        if logs is None or "grad_norm" not in logs:
+        if logs is None or "loss" not in logs:  # not a training step's log (evaluation, the run's summary)
             return
         if self._optimizer is not None:
             values = self._engine_values(state)
         elif self._plain is not None:
-            values = self._plain_values(args, state, logs["grad_norm"])
+            values = self._plain_values(args, state, logs.get("grad_norm"))
         else:
             return
         if not values:
@@ -112,14 +112,14 @@ class LayerGradNormsCallback(TrainerCallback):
             return {}
         return flat_scalars(result, self.phases, self.statistics)
 
-    def _plain_values(self, args, state, grad_norm: float) -> Dict[str, float]:
+    def _plain_values(self, args, state, grad_norm: Optional[float]) -> Dict[str, float]:
         """The measured statistics are of the clipped gradient (post-clip); pre-clip is them times the
         factor the Trainer divided by, unknown when its global norm is not finite."""
         if self._measured is None or self._measured[0] != state.global_step or self._measured[1] is None:
             return {}
         clipped = self._measured[1]["pre_clip"]
         result = {"pre_clip": None, "post_clip": clipped}
-        if math.isfinite(grad_norm):
+        if grad_norm is not None and math.isfinite(grad_norm):
             divisor = torch_clip_divisor(grad_norm, args.max_grad_norm)
             result["pre_clip"] = {
                 key: {name: value * divisor for name, value in stats.items() if name in self.statistics}

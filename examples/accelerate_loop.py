@@ -16,7 +16,7 @@ deepspeed_patch.install()  # before accelerator.prepare, which calls deepspeed.i
 
 ds_config = {
     "train_micro_batch_size_per_gpu": 4,
-    "gradient_accumulation_steps": 2,
+    "gradient_accumulation_steps": 1,
     "gradient_clipping": 1.0,
     "zero_optimization": {"stage": 2},
     "layer_grad_norms": {"enabled": True, "layers": "all"},
@@ -32,15 +32,15 @@ optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
 engine, optimizer = accelerator.prepare(model, optimizer)  # the model comes back as the DeepSpeed engine
 
 last_step = None
-for _ in range(6):  # 3 optimizer steps of 2 micro-batches
+for _ in range(3):
     loss = engine(torch.randn(4, 16)).pow(2).mean()
-    accelerator.backward(loss)  # DeepSpeed's backward, and its step at the accumulation boundary
+    accelerator.backward(loss)  # DeepSpeed's backward, and its optimizer step
     optimizer.step()  # a no-op under DeepSpeed: the engine has stepped
     optimizer.zero_grad()
-    # The last measured step's statistics, the same on every rank (None before the first step). Under
-    # DeepSpeed, accelerator.sync_gradients is True on every micro-batch: a new "step" marks an optimizer step.
+    # The last measured step's statistics, the same on every rank (None before the first step); with
+    # accumulation, a new "step" marks an optimizer step.
     stats = engine.get_layer_grad_norms()
-    if stats is not None and stats["step"] != last_step and accelerator.is_main_process:
+    if stats is not None and stats["step"] != last_step and engine.global_rank == 0:
         total = sum(bucket["norm"]**2 for bucket in stats["pre_clip"].values())**0.5
         print(f"step {stats['step']} grad_norm {engine.get_global_grad_norm():.6f} "
               f"root-sum-square {total:.6f} clip_coef {stats['clip_coef']:.3f}")

@@ -23,11 +23,12 @@ form: the bucket appended to the tag, ``layer-grad-norms/pre-clip/layer00``.
 """
 
 import re
-from typing import Hashable, Optional, Tuple, Union
+from typing import Dict, Hashable, Iterable, Optional, Tuple, Union
 
 __all__ = [
     "TAG_ROOT", "OUTSIDE_LAYERS_ROOT", "VALUES", "LOGGED_PHASES", "LOGGED_STATISTICS", "LayerKey", "LayerId",
-    "is_layer", "layer_position", "bucket_label", "layer_of_label", "phase_label", "scalar_tag", "run_name"
+    "is_layer", "layer_position", "bucket_label", "layer_of_label", "phase_label", "scalar_tag", "run_name",
+    "flat_scalars"
 ]
 
 TAG_ROOT = "layer-grad-norms"
@@ -113,3 +114,15 @@ def scalar_tag(phase: str, statistic: str, bucket: Optional[Hashable] = None, ro
 def run_name(bucket: Hashable) -> str:
     """The run of a bucket, a subdirectory of the log directory: ``layer-grad-norms/layer00``."""
     return f"{TAG_ROOT}/{bucket_label(bucket)}"
+
+
+def flat_scalars(result: dict,
+                 phases: Iterable[str] = LOGGED_PHASES,
+                 statistics: Iterable[str] = LOGGED_STATISTICS) -> Dict[str, float]:
+    """Every selected bucket's ``statistics`` of a ``get_layer_grad_norms()`` result, by flat tag
+    (``layer-grad-norms/pre-clip/layer00``); a phase the result lacks (post-clip on an overflow step) is
+    left out."""
+    return {
+        scalar_tag(phase, name, key): values[name]
+        for phase in phases for key, values in (result[phase] or {}).items() for name in statistics
+    }

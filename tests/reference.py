@@ -96,6 +96,7 @@ def averaged_gradients(weights: Dict[str, torch.Tensor], config: TinyGPTConfig, 
 
 def assert_close_stats(measured, reference, tolerance, stats=STATS):
     """Relative error: of the norm to the norm, of the elementwise stats to the largest |element|."""
+    assert reference and stats, "nothing to compare"
     for key, ref in reference.items():
         for stat in stats:
             scale = max(ref["norm" if stat == "norm" else "abs_max"], 1e-30)

@@ -120,6 +120,7 @@ def mean_gradients(model: torch.nn.Module, loss_of: Callable[[torch.nn.Module, D
 
 def assert_close_stats(measured, reference, tolerance, stats=STATS):
     """Relative error: of the norm to the norm, of the elementwise stats to the largest |element|."""
+    assert reference and stats, "nothing to compare"
     for key, ref in reference.items():
         for stat in stats:
             scale = max(ref["norm" if stat == "norm" else "abs_max"], 1e-30)

@@ -45,6 +45,7 @@ def test_zero_unscales_with_the_next_steps_loss_scale(stage):
     the gradient."""
     found = run_script("zero_unscale_after_scale_update.py", "--stage", str(stage), "--steps", "5")
     rows = found["rows"]
+    assert [row["step"] for row in rows] == [1, 2, 3, 4, 5]
     grew = [row for row in rows if row["loss_scale_after_step"] > row["loss_scale_in_backward"]]
     assert [row["step"] for row in grew] == [3, 5]
     for row in rows:
@@ -57,6 +58,7 @@ def test_zero_unscales_with_the_next_steps_loss_scale(stage):
 def test_stage0_fp16_divides_by_a_loss_scale_the_loss_never_carried():
     """Without ZeRO, fp16 applies gradient / loss scale: the loss was never multiplied by it."""
     found = run_script("stage0_unscaled_loss.py", "--dtype", "fp16", "--steps", "2")
+    assert [row["step"] for row in found["rows"]] == [1, 2]
     for row in found["rows"]:
         assert row["optimizer"] == "FP16_UnfusedOptimizer"
         assert row["loss_scale"] == 256.0

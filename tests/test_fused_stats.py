@@ -286,19 +286,19 @@ def test_ten_elements(kernel, device):
     check(kernel, device, flat, [(0, 4, 0), (4, 6, 1)], extra=ALL_EXTRA)
 
 
-def test_fifty_million_elements_host():
+NO_CUDA = pytest.mark.skipif(not ON_CUDA, reason="no CUDA device (benchmarks/gpu_check.sh runs it on a GPU)")
+
+
+@pytest.mark.parametrize("kernel,device", [
+    pytest.param(HOST, "cpu", id="host"),
+    # 50M elements take minutes in Triton's interpreter: on the host only the C++ kernel takes them
+    pytest.param(TRITON, "cuda", id="triton-cuda", marks=NO_CUDA),
+])
+def test_fifty_million_elements(kernel, device):
     """One partition of 50M fp32 elements in 12 buckets, every statistic."""
     flat = torch.randn(50_000_000, generator=torch.Generator().manual_seed(11)) * 1e-2
     runs = random_runs(flat.numel(), 12, 12, seed=12)
-    check(HOST, "cpu", flat, runs, extra=ALL_EXTRA)
-
-
-if ON_CUDA:  # 50M elements take minutes in Triton's interpreter; benchmarks/gpu_check.sh runs this on a GPU
-
-    def test_fifty_million_elements_triton():
-        flat = torch.randn(50_000_000, generator=torch.Generator().manual_seed(11)) * 1e-2
-        runs = random_runs(flat.numel(), 12, 12, seed=12)
-        check(TRITON, "cuda", flat, runs, extra=ALL_EXTRA)
+    check(kernel, device, flat, runs, extra=ALL_EXTRA)
 
 
 def test_host_result_does_not_depend_on_threads():
@@ -317,17 +317,21 @@ def test_host_result_does_not_depend_on_threads():
 
 
 def test_stock_path_and_kernel_choice():
-    """The stock path gives accumulate_runs' table; a host partition gets the host kernel (a CUDA one the
-    Triton kernel), and a dtype the kernels do not take goes to the stock operators."""
+    """The stock path gives accumulate_runs' table; a host partition gets the host kernel, and a dtype the
+    kernels do not take goes to the stock operators."""
     flat = gradient(10_000, torch.float32, seed=15)
     runs = random_runs(flat.numel(), 6, 3, seed=16)
     stats = empty_stats(3, "cpu")
     assert torch.equal(fused(STOCK, "cpu", flat, runs, stats, ALL_EXTRA), stock(flat, runs, stats, ALL_EXTRA))
     assert run_table(slices_on(runs, "cpu"), "cpu").kernel == HOST
-    if ON_CUDA:
-        assert run_table(slices_on(runs, "cuda"), "cuda").kernel == TRITON
     wide = flat.double()
     assert torch.equal(fused(HOST, "cpu", wide, runs, stats, ALL_EXTRA), stock(wide, runs, stats, ALL_EXTRA))
+
+
+@NO_CUDA
+def test_cuda_partition_gets_the_triton_kernel():
+    runs = random_runs(10_000, 6, 3, seed=16)
+    assert run_table(slices_on(runs, "cuda"), "cuda").kernel == TRITON
 
 
 def test_mismatched_partition_or_table_is_refused():

@@ -45,6 +45,8 @@ def test_fake_fork_passes_every_check(fake_run):
     be enough."""
     summary, out = fake_run
     result = summary["setups"]["zero1"]
+    assert {"DeepSpeed optimizer", "layer-grad-norms scalars read back",
+            "root-sum-square equals the fork's grad norm"} <= set(result["checks"])
     failed = {name: check["detail"] for name, check in result["checks"].items() if not check["ok"]}
     assert not failed, (out / "zero1" / "log_excerpt.txt").read_text()
     assert summary["passed"] and result["worst_relative_error"] < 1e-5
@@ -110,6 +112,7 @@ def test_a_wrong_grad_norm_fails_the_check(tmp_path):
 
 
 def test_setups_divide_the_two_ranks():
+    assert {"zero1", "zero2", "bloom", "tp2"} <= set(SETUPS)
     for setup in SETUPS.values():
         config = setup.ds_config()
         assert config["train_batch_size"] == (config["train_micro_batch_size_per_gpu"] * setup.data_parallel

@@ -100,6 +100,7 @@ def test_tensorboard_holds_every_logged_layer_statistic_one_run_per_bucket(run):
     for iteration, measured in logged.items():
         assert measured["step"] == iteration
         assert sorted(k for k in measured["pre_clip"] if isinstance(k, int)) == [0, 1, 3, 4, 5]
+        assert set(measured["post_clip"]) == set(measured["pre_clip"]) == set(places)
         for phase in ("pre_clip", "post_clip"):
             for key, values in measured[phase].items():
                 for statistic in ("norm", "min", "max"):
@@ -131,8 +132,7 @@ def test_tensorboard_has_the_custom_scalars_layout(run):
 
 def test_log_line_on_log_interval_iterations_only_and_no_collective(run):
     _, records = run
-    for record in records:
-        assert record["collectives_in_log_call"] == 0
+    assert [record["collectives_in_log_call"] for record in records] == [0, 0]
     fields = records[-1]["log_fields"]
     assert [bool(field) for field in fields] == [False, False, False, True, False, False]
     assert fields[3].startswith(" layer grad norm: 0: ")
@@ -236,6 +236,7 @@ def test_an_overflowed_bucket_is_drawn_as_nan_and_reported(tmp_path):
             engine.stats = measurement(iteration, keys, overflowed=1 if iteration == 4 else None)
             log_layer_grad_norms(engine, iteration, writer, args)
     series = read_layer_series(str(tmp_path))
+    assert [step for step, _ in series.series("pre-clip", "norm", 1)] == [1, 2, 3, 4, 5, 6]
     assert [step for step, value in series.series("pre-clip", "norm", 1) if math.isnan(value)] == [4]
     assert all(math.isfinite(value) for step, value in series.series("pre-clip", "norm", 1) if step != 4)
     assert [step for step, _ in series.series("post-clip", "norm", 1)] == [1, 2, 3, 5, 6]

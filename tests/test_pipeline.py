@@ -10,7 +10,7 @@ from functools import lru_cache
 import pytest
 
 from megatron_integration.cpu_launch import launch
-from pipeline_workers import run_pipeline_cases
+from pipeline_workers import DEFAULT_CASE, run_pipeline_cases
 from reference import TOLERANCE, assert_close_stats
 
 CASES = {
@@ -41,12 +41,21 @@ def records(name):
     return [rank["on"] for rank in by_rank]
 
 
+def every_step(record, name: str) -> list:
+    """(measured, reference, global norm) of each step of the case, all of them: a step without its own
+    result fails the test."""
+    steps = {**DEFAULT_CASE, **CASES[name]}["steps"]
+    assert [measured["step"] for measured in record["measured"]] == list(range(1, steps + 1))
+    assert len(record["reference"]) == len(record["global_norm"]) == steps
+    return list(zip(record["measured"], record["reference"], record["global_norm"]))
+
+
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_layers_match_the_plain_module(name):
     record = records(name)[0]
     tolerance = TOLERANCE[CASES[name].get("dtype", "fp32")]
     layers = CASES[name].get("layers", 4)
-    for measured, reference in zip(record["measured"], record["reference"]):
+    for measured, reference, _ in every_step(record, name):
         assert sorted(key for key in measured["pre_clip"] if isinstance(key, int)) == list(range(layers))
         assert_close_stats(measured["pre_clip"], {k: v for k, v in reference.items() if isinstance(k, int)},
                            tolerance)
@@ -58,7 +67,7 @@ def test_named_buckets_hold_embedding_norm_and_head(name):
     record = records(name)[0]
     tolerance = TOLERANCE[CASES[name].get("dtype", "fp32")]
     named = named_buckets(name)
-    for measured, reference in zip(record["measured"], record["reference"]):
+    for measured, reference, _ in every_step(record, name):
         assert set(named) == {key for key in measured["pre_clip"] if isinstance(key, str)}
         for key, modules in named.items():
             expected = math.sqrt(sum(reference[module]["norm"]**2 for module in modules))
@@ -71,7 +80,7 @@ def test_named_buckets_hold_embedding_norm_and_head(name):
 def test_norms_add_up_to_global_norm_and_ranks_agree(name):
     first, second = records(name)
     assert repr(first["measured"]) == repr(second["measured"])
-    for measured, global_norm in zip(first["measured"], first["global_norm"]):
+    for measured, _, global_norm in every_step(first, name):
         combined = math.sqrt(sum(stats["norm"]**2 for stats in measured["pre_clip"].values()))
         assert combined == pytest.approx(global_norm, rel=1e-5)
 

@@ -79,6 +79,8 @@ def test_ddp_two_ranks_match_the_averaged_gradient_without_any_collective():
     first, second = launch(ddp_measure, 2, 3)
     assert repr(first["measured"]) == repr(second["measured"])
     assert first["collectives"] == second["collectives"] == 0
+    assert [measured["step"] for measured in first["measured"]] == [1, 2, 3]
+    assert len(first["reference"]) == 3
     for measured, reference in zip(first["measured"], first["reference"]):
         assert sorted(key for key in measured["pre_clip"] if isinstance(key, int)) == [0, 3]
         assert_close_stats(measured["pre_clip"], {k: reference[k] for k in measured["pre_clip"]}, TOLERANCE["fp32"])

@@ -89,6 +89,7 @@ def test_pattern_matching_nothing_warns_with_examples_and_uses_named_buckets():
 @pytest.mark.parametrize("ranks", ["single", "two"])
 def test_extra_collectives_on_measured_steps_none_in_between(ranks):
     results = [single_rank()] if ranks == "single" else two_ranks()
+    assert len(results) == (1 if ranks == "single" else 2)
     for result in results:
         off, on = result["collectives"]["off"], result["collectives"]["interval2"]
         # steps 1 and 3 are not measured, 2 and 4 are

@@ -20,6 +20,14 @@ FP16_INITIAL_SCALE_POWER = 8
 # Set to the directory of a DeepSpeed with the upstream patch applied: the tests run against it,
 # without deepspeed_patch.
 UPSTREAM_ENV = "LAYER_GRAD_NORMS_UPSTREAM"
+# Comma-separated names of tests/test_zero_stats.py's cases: only these are launched and tested there (the
+# others are reported skipped).
+CASES_ENV = "LAYER_GRAD_NORMS_CASES"
+# One of those cases per optimizer family (DeepSpeedZeroOptimizer, BF16_Optimizer, FP16_Optimizer,
+# FP16_UnfusedOptimizer, a torch optimizer without ZeRO), all on 2 ranks: tests/test_upstream_patch.py runs
+# them on the patched DeepSpeed.
+FAMILY_CASES = ("z1_fp16_overflow_gas2", "z1_bf16_optimizer_clip_gas2", "z0_fp16_fused_gas2_clip_groups",
+                "z0_fp16_unfused_overflow_clip", "z0_fp32_gas2_clip_groups")
 MICRO_BATCH = 2
 
 DEFAULT_CASE: Dict[str, Any] = {

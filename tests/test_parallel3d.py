@@ -59,16 +59,19 @@ def records(world_size: int, name: str):
 def test_every_bucket_matches_the_unsharded_reference(world_size, name):
     record = records(world_size, name)[0]
     tolerance = TOLERANCE[CASES[world_size][name].get("dtype", "fp32")]
+    assert len(record["measured"]) == len(record["reference"]) == 2
+    assert [measured["step"] for measured in record["measured"]] == [1, 2]
     for measured, reference in zip(record["measured"], record["reference"]):
         assert set(measured["pre_clip"]) == set(reference)
         assert_close_stats(measured["pre_clip"], reference, tolerance)
-    assert len(record["measured"]) == 2
 
 
 @pytest.mark.parametrize("world_size,name", TRAINED)
 def test_ranks_agree_norms_add_up_and_clipping_applies_one_factor(world_size, name):
     by_rank = records(world_size, name)
+    assert len(by_rank) == world_size
     assert all(repr(record["measured"]) == repr(by_rank[0]["measured"]) for record in by_rank)
+    assert len(by_rank[0]["measured"]) == len(by_rank[0]["global_norm"]) == 2
     clipped = 0
     for measured, global_norm in zip(by_rank[0]["measured"], by_rank[0]["global_norm"]):
         combined = math.sqrt(sum(stats["norm"]**2 for stats in measured["pre_clip"].values()))

@@ -82,6 +82,7 @@ def test_every_recorded_step_matches_the_reference(workdir, world_size, name):
 @pytest.mark.parametrize("name", STATISTICS_CASES)
 def test_history_identical_on_every_rank(workdir, world_size, name):
     _, by_rank = case_result(workdir, world_size, name)
+    assert len(by_rank) == world_size > 1
     for other in by_rank[1:]:
         assert repr(other["on"]["history"]) == repr(by_rank[0]["on"]["history"])  # repr: NaNs compare equal
 

@@ -129,7 +129,7 @@ class Measurement:
                           self.scale_of_norm)
 
     def finish(self, group, overflow: bool, keys: Sequence[Hashable], selected: Sequence[Hashable]) -> Optional[dict]:
-        """Reduce the step across ``group`` (one collective, every rank must call it) and return the
+        """Reduce the step across ``group`` (``reduce_stats``; every rank must call it) and return the
         result of the ``selected`` buckets; ``None`` when any rank failed to measure.
 
         ``overflow``: the loss scaler skipped the step; pre-clip statistics only.

@@ -8,7 +8,7 @@ A spike is seen only once its step is over, and the steps before it are often th
 ``trigger.history: K`` every step's measurement is pushed here unreduced: this rank's ``(buckets + 1, 9)``
 table (the status row last) stays on the device, in one preallocated ring of K tables written in place,
 beside the step's scales. A quiet step adds no collective and no host copy. When the trigger fires, every
-rank reduces the whole ring in one collective, and each recorded step becomes a result shaped like
+rank reduces the whole ring in one reduction (that of one measured step), and each recorded step becomes a result shaped like
 ``get_layer_grad_norms()``, every bucket.
 """
 
@@ -49,7 +49,7 @@ class FlightRecorder:
 
     def history(self, group, keys: Sequence[Hashable], extra: Collection[str]) -> List[dict]:
         """Every recorded step's result, oldest first, all buckets: the whole ring reduced across ``group``
-        in one collective (every rank must call it). A step any rank failed to measure gives no entry."""
+        in one reduction (every rank must call it). A step any rank failed to measure gives no entry."""
         capacity = self.tables.shape[0]
         reduced, scales = host_copy(reduce_stats(self.tables.view(-1, NUM_COLUMNS), group), list(self.scales))
         reduced = reduced.view(self.tables.shape)

@@ -14,7 +14,7 @@ it reads (``optimizer.layer_grad_norms``). One optimizer step:
    sit in, fold each parameter group's gradient into the measurement, before it is unscaled and
    clipped, and record the factor the optimizer divides it by.
 3. ``end_step()`` at the end of ``_take_model_step``: the measurement is reduced across the ranks
-   (one collective) and published; the trigger sees the global norm; DeepSpeed's monitors get the result.
+   (``reduction.reduce_stats``) and published; the trigger sees the global norm; DeepSpeed's monitors get the result.
 
 With a flight recorder (``trigger.history``) every step opens a measurement; one that is only recorded
 is pushed into the recorder's ring instead of being reduced, and the whole ring is reduced when the

@@ -20,11 +20,12 @@ Unmeasured steps cost one modulo and a few attribute reads.
 """
 
 from dataclasses import dataclass
-from typing import Callable, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 
 from ..capabilities import Capabilities
+from ..clipping import zero_unscale_divisor
 from ..config import LayerGradNormsConfig
 from ..layer_map import LayerMap
 from ..measurement import Measurement, Schedule
@@ -133,11 +134,50 @@ class OptimizerAdapter(LayerGradNormsAdapter):
         self.capabilities = setup.capabilities
         super().__init__(setup, num_groups, device)
 
+    @staticmethod
+    def unsupported(optimizer, names: Dict[torch.nn.Parameter, str]) -> List[str]:
+        """The features of this ``optimizer`` the family cannot measure, named for the refusal at initialize
+        (``names``: the engine's parameter names)."""
+        return []
+
     def overflow(self) -> bool:
         return bool(self.optimizer.overflow)
 
     def global_norm(self) -> Optional[float]:
         return self.optimizer._global_grad_norm
+
+
+class ZeroPartitionsAdapter(OptimizerAdapter):
+    """ZeRO's optimizers (stages 1 to 3): each group's flat fp32 gradient partition, still multiplied by the
+    loss scale, is read in ``unscale_and_clip_grads``; on a step the loss scaler skips, in ``_update_scale``,
+    before the gradients are dropped. ``tables`` holds each group's runs."""
+
+    tables: List[RunTable]
+
+    def observe_group(self, measurement: Measurement, index: int, flat_grad: torch.Tensor, total_norm,
+                      zeroes_invalid_norm: bool) -> None:
+        """Fold in group ``index``'s flat partition and record what ``unscale_and_clip_grads`` divides it by,
+        for the global norm (times the loss scale) ``total_norm``."""
+        optimizer = self.optimizer
+        measurement.observe_partition(index, flat_grad, self.tables[index])
+        measurement.set_applied_scale(
+            zero_unscale_divisor(total_norm, optimizer.clip_grad, optimizer.loss_scale, zeroes_invalid_norm))
+
+    def update_scale(self, has_overflow=False) -> None:
+        """Top of ``_update_scale``: once per step, before the loss scale changes and before a skipped
+        step's gradients are dropped."""
+        measurement = self.measurement
+        if measurement is None:
+            return
+        with measurement.guarded("reading a skipped step's gradients"):
+            measurement.set_gradient_scale(self.optimizer.loss_scale)
+            if has_overflow:
+                for index, table in enumerate(self.tables):
+                    self.observe_skipped(measurement, index, table)
+
+    def observe_skipped(self, measurement: Measurement, index: int, table: RunTable) -> None:
+        """Fold in group ``index``'s gradient on a skipped step, wherever the family holds it then."""
+        raise NotImplementedError
 
 
 def observe_chunks(measurement: Measurement, group_index: int, table: RunTable,

@@ -45,7 +45,7 @@ def attach(engine) -> Optional[LayerGradNormsAdapter]:
     family = next((family for family in OPTIMIZER_FAMILIES if family.handles(optimizer)), None)
     if family is None:
         return _param_grad_adapter(engine, config)
-    _check_supported(optimizer, family.unsupported(optimizer, engine.param_names))
+    _check_supported(optimizer, family.unsupported(optimizer, engine.param_names, capabilities.installed()))
     if family in REPLICATED_FAMILIES:
         _check_whole_model(engine)
         group = REPLICATED

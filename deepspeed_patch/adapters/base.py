@@ -135,7 +135,7 @@ class OptimizerAdapter(LayerGradNormsAdapter):
         super().__init__(setup, num_groups, device)
 
     @staticmethod
-    def unsupported(optimizer, names: Dict[torch.nn.Parameter, str]) -> List[str]:
+    def unsupported(optimizer, names: Dict[torch.nn.Parameter, str], capabilities: Capabilities) -> List[str]:
         """The features of this ``optimizer`` the family cannot measure, named for the refusal at initialize
         (``names``: the engine's parameter names)."""
         return []

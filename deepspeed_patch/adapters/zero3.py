@@ -19,6 +19,7 @@ from typing import Dict, List, Optional
 import torch
 from deepspeed import comm as dist
 
+from ..capabilities import Capabilities
 from ..partition_slices import PartitionSlices, partition_runs, slices_of_runs
 from ..statistics import RunTable, run_table
 from .base import BucketOf, Setup, ZeroPartitionsAdapter, observe_chunks
@@ -48,7 +49,7 @@ class Zero3Adapter(ZeroPartitionsAdapter):
         return optimizer.fp16_groups
 
     @staticmethod
-    def unsupported(optimizer, names: Dict[torch.nn.Parameter, str]) -> List[str]:
+    def unsupported(optimizer, names: Dict[torch.nn.Parameter, str], capabilities: Capabilities) -> List[str]:
         """Set-ups whose gradient partitions are not one partition per data-parallel rank on one device."""
         own_groups = [
             names.get(param, "?") for params in optimizer.fp16_groups for param in params
@@ -58,7 +59,7 @@ class Zero3Adapter(ZeroPartitionsAdapter):
         shown = ", ".join(own_groups[:3]) + (", ..." if len(own_groups) > 3 else "")
         hpz = optimizer.zero_hpz_partition_size
         refusals = {
-            "MiCS (its own shard groups)": type(optimizer).__name__ == "MiCS_Optimizer",
+            "MiCS (its own shard groups)": capabilities.zero3_mics and _is_mics(optimizer),
             f"parameters partitioned over their own process group (ds_process_group: {shown})": bool(own_groups),
             f"hpZ (zero_hpz_partition_size={hpz})": hpz > 1,
             "NVMe offload of the optimizer (offload_optimizer.device=nvme)": bool(optimizer.swap_optimizer),
@@ -100,6 +101,12 @@ def _sub_group_slices(params: List[torch.nn.Parameter], rank: int, bucket_of: Bu
         ranges.append((offset, real, bucket_of(param)))
         offset += size
     return slices_of_runs(partition_runs(ranges, 0, offset), device)
+
+
+def _is_mics(optimizer) -> bool:
+    from deepspeed.runtime.zero.mics import MiCS_Optimizer
+
+    return isinstance(optimizer, MiCS_Optimizer)
 
 
 def _same_ranks(group: Optional[object], other: Optional[object]) -> bool:

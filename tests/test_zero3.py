@@ -21,20 +21,22 @@ from reference import STATS, TOLERANCE, assert_close_stats
 OFFLOAD = {"zero": {"offload_optimizer": {"device": "cpu"}}, "top": {"zero_force_ds_cpu_optimizer": False}}
 COUNTS = {"statistics": ["zeros", "numel"]}  # exact counts: any padding element would show
 
+
+
+def zero3(**case):
+    return {"stage": 3, **case}
+
+
 CASES = {
-    1: {"z3_fp32": {"steps": 2}},
+    1: {"z3_fp32": zero3(steps=2)},
     2: {
-        "z3_bf16_clip": {"dtype": "bf16", "clip": 0.1, "steps": 2},
-        "z3_fp16_overflow_clip": {"dtype": "fp16", "overflow_step": 2, "clip": 0.1, "compare_off": True},
-        "z3_zero_init_offload_fp16_overflow_clip": {"zero_init": True, "dtype": "fp16", "overflow_step": 2,
-                                                    "clip": 0.1, "block": COUNTS, **OFFLOAD},
+        "z3_bf16_clip": zero3(dtype="bf16", clip=0.1, steps=2),
+        "z3_fp16_overflow_clip": zero3(dtype="fp16", overflow_step=2, clip=0.1, compare_off=True),
+        "z3_zero_init_offload_fp16_overflow_clip": zero3(zero_init=True, dtype="fp16", overflow_step=2, clip=0.1,
+                                                         block=COUNTS, **OFFLOAD),
     },
-    3: {"z3_fp32_gas2_clip_tied": {"gas": 2, "clip": 0.1, "tie": True, "steps": 2, "compare_off": True,
-                                   "block": COUNTS}},
+    3: {"z3_fp32_gas2_clip_tied": zero3(gas=2, clip=0.1, tie=True, steps=2, compare_off=True, block=COUNTS)},
 }
-for _cases in CASES.values():
-    for _case in _cases.values():
-        _case["stage"] = 3
 REFUSED = {2: {"hpZ": {"zero": {"zero_hpz_partition_size": 2}}}}
 ALL_CASES = [(world, name) for world, cases in CASES.items() for name in cases]
 

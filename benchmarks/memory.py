@@ -4,8 +4,8 @@
 CPU, so memory is read from ``torch.profiler`` (``profile_memory=True``): every allocation and free
 through torch's CPU allocator, in time order, matched by address.
 
-- The local statistics path alone (``empty_stats``, ``accumulate_runs``, the all-gather's buffers for
-  2 ranks, ``bucket_results`` before and after clipping) on TinyGPT partitions of 4 to 96 layers and of
+- The local statistics path alone (``empty_stats``, ``accumulate_runs``, the all-reduces' buffers,
+  ``bucket_results`` before and after clipping) on TinyGPT partitions of 4 to 96 layers and of
   growing hidden size: peak bytes held at once, against the partition's size.
 - Whole ``engine.step()`` calls of the 2-rank runs of ``scaling.py``: peak of a measured step against
   an unmeasured one.
@@ -57,16 +57,14 @@ def step_memory(step: Callable[[], object]) -> Dict[str, int]:
     return peak_allocated(step)
 
 
-def local_path(statistics_fn, runs: Sequence[torch.Tensor], buckets: torch.Tensor, num_buckets: int,
-               world_size: int = 2) -> None:
+def local_path(statistics_fn, runs: Sequence[torch.Tensor], buckets: torch.Tensor, num_buckets: int) -> None:
     """What a measured step allocates for the statistics on one rank, the collective itself aside:
-    the table, the per-run work, the all-gather's buffers and their reduction, the two result dicts."""
+    the table, the per-run work, the all-reduces' buffers and their result, the two result dicts."""
     stats = empty_stats(num_buckets, "cpu")
     statistics_fn(stats, runs, buckets)
     table = torch.cat([stats, torch.zeros((1, stats.shape[1]), dtype=stats.dtype)])  # + the status row
-    gathered = [table.clone() for _ in range(world_size)]  # as reduce_stats' all_gather fills them
-    stacked = torch.stack(gathered)
-    reduced = torch.cat([stacked[:, :, :NUM_SUMMED].sum(0), stacked[:, :, NUM_SUMMED:].amax(0)], dim=1)
+    # reduce_stats' two all-reduce buffers (reduced in place) and the table it returns
+    reduced = torch.cat([table[:, :NUM_SUMMED].contiguous(), table[:, NUM_SUMMED:].contiguous()], dim=1)
     keys = list(range(num_buckets))
     bucket_results(reduced[:-1], keys, keys, 1.0)
     bucket_results(reduced[:-1], keys, keys, 0.5)
@@ -80,11 +78,17 @@ def synthetic_rows(points: Sequence[Tuple[int, int, str]]) -> List[dict]:
         after = peak_allocated(functools.partial(local_path, accumulate_runs, runs, buckets, part.num_buckets))
         before = peak_allocated(
             functools.partial(local_path, statistics_before.accumulate_runs, runs, buckets, part.num_buckets))
-        rows.append({"sweep": sweep, "layers": num_layers, "hidden": hidden, "buckets": part.num_buckets,
-                     "runs": len(runs),
-                     "partition_bytes": part.flat.numel() * part.flat.element_size(), "after": after,
-                     "scratch_bytes": min(HOST_PIECE, max(run.numel() for run in runs)) * part.flat.element_size(),
-                     "before": before})
+        rows.append({
+            "sweep": sweep,
+            "layers": num_layers,
+            "hidden": hidden,
+            "buckets": part.num_buckets,
+            "runs": len(runs),
+            "partition_bytes": part.flat.numel() * part.flat.element_size(),
+            "after": after,
+            "scratch_bytes": min(HOST_PIECE, max(run.numel() for run in runs)) * part.flat.element_size(),
+            "before": before
+        })
     return rows
 
 

@@ -49,6 +49,9 @@ class Capabilities:
     zero_zeroes_invalid_norm: bool
     """ZeRO-1/2's ``unscale_and_clip_grads`` clips everything away on an invalid global norm
     (``is_invalid_grad_norm``, 0.19.8); before, the ``-1`` sentinel went into the formula like any norm."""
+    zero_compute_grad_norm_option: bool
+    """ZeRO-1/2 takes ``zero_optimization.compute_grad_norm: false`` (0.19.8): no global norm is computed
+    (``unscale_and_clip_grads`` gets ``None``, ``get_global_grad_norm()`` is ``None``), clipping must be off."""
     bf16_skips_steps: bool
     """``BF16_Optimizer`` keeps an ``overflow`` flag and skips a step on it (0.19.8); before, it never skips."""
     fp16_skip_method: bool
@@ -86,6 +89,7 @@ def of_source_tree(package_dir: str, release: str) -> Capabilities:
     return Capabilities(release=release,
                         zero_records_offsets=defines(_ZERO, "round_robin_bit16_offsets"),
                         zero_zeroes_invalid_norm=defines(_ZERO, "is_invalid_grad_norm"),
+                        zero_compute_grad_norm_option=defines(_ZERO, "self.compute_grad_norm"),
                         bf16_skips_steps=defines(_BF16, "self.overflow"),
                         fp16_skip_method=defines(_FUSED_FP16, "def _skip_invalid_grad_norm"),
                         fp16_loss_scaled_by_optimizer=number < Version("0.18"),

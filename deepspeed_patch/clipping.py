@@ -12,8 +12,6 @@ caller passes the ``capabilities.Capabilities`` fact that decides it.
 import math
 from typing import Optional
 
-import torch
-
 EPSILON = 1e-6
 """Added to the global norm before dividing, by torch and by every DeepSpeed optimizer."""
 
@@ -26,7 +24,7 @@ def torch_clip_divisor(total_norm: float, max_norm: float) -> float:
     return 1.0 / min(1.0, max_norm / (total_norm + EPSILON))
 
 
-def bf16_clip_divisor(total_norm: torch.Tensor, clip_grad: float) -> float:
+def bf16_clip_divisor(total_norm: float, clip_grad: float) -> float:
     """``BF16_Optimizer``: 1, or the inverse of its clip coefficient."""
     if clip_grad <= 0.0:
         return 1.0
@@ -34,7 +32,7 @@ def bf16_clip_divisor(total_norm: torch.Tensor, clip_grad: float) -> float:
     return 1.0 / clip_coef if clip_coef < 1 else 1.0
 
 
-def zero_unscale_divisor(scaled_total_norm: Optional[torch.Tensor],
+def zero_unscale_divisor(scaled_total_norm: Optional[float],
                          clip_grad: float,
                          loss_scale: float,
                          zeroes_invalid_norm: bool = True) -> float:

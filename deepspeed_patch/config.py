@@ -8,6 +8,7 @@ Every key is validated when ``deepspeed.initialize`` reads the block, so that a 
 launch with an error naming the key and the value instead of silently measuring nothing.
 """
 
+import difflib
 import re
 from typing import Any, List, Optional, Tuple, Union
 
@@ -86,6 +87,12 @@ class TriggerConfig(DeepSpeedConfigModel):
     capture_steps: int = Field(20, ge=1)
     on_overflow: bool = True
     """Fire also when the fp16 loss scaler skips a step."""
+    history: int = Field(0, ge=0)
+    """Record every step's local statistics in a ring of this many steps, reduced when the trigger fires
+    (``engine.get_layer_grad_norms_history()``); 0: no recorder."""
+    loss_factor: Optional[float] = Field(None, gt=1.0)
+    """Fire also when the loss the training loop reports (``report_loss``) exceeds this many times its
+    running median; ``None``: the loss is not watched."""
 
 
 class DumpConfig(DeepSpeedConfigModel):
@@ -183,7 +190,15 @@ class LayerGradNormsConfig(DeepSpeedConfigModel):
 
 
 def load_config(param_dict: dict) -> LayerGradNormsConfig:
-    """Read the ``layer_grad_norms`` block of a ds_config dict; absent means disabled."""
+    """Read the ``layer_grad_norms`` block of a ds_config dict; absent means disabled.
+
+    A top-level key that looks like a misspelling of the block's name is an error: DeepSpeed ignores
+    keys it does not know, so the block would be dropped and nothing measured, without a word.
+    """
+    misspelled = [key for key in param_dict if _looks_like_config_key(key)]
+    if misspelled:
+        raise LayerGradNormsConfigError(f"ds_config key {misspelled[0]!r}: unknown; did you mean {CONFIG_KEY!r}? "
+                                        "(as written, the block would be ignored and nothing measured)")
     block = param_dict.get(CONFIG_KEY, {})
     if not isinstance(block, dict):
         raise LayerGradNormsConfigError(f"{CONFIG_KEY}={block!r}: expected a JSON object")
@@ -191,6 +206,19 @@ def load_config(param_dict: dict) -> LayerGradNormsConfig:
         return LayerGradNormsConfig(strict=True, **block)
     except ValidationError as err:
         raise LayerGradNormsConfigError(_describe(err, block)) from None
+
+
+# How close (difflib ratio, on the key lower-cased without "_" and "-") a top-level ds_config key must be
+# to CONFIG_KEY to be taken for a misspelling of it; DeepSpeed's own keys all score below 0.6.
+MISSPELLING_CUTOFF = 0.85
+
+
+def _looks_like_config_key(key: Any) -> bool:
+    """``key`` is not ``CONFIG_KEY`` but a variant of it: other case, ``-`` or no separator, a typo."""
+    if not isinstance(key, str) or key == CONFIG_KEY:
+        return False
+    squeezed = re.sub(r"[-_]", "", key.lower())
+    return difflib.SequenceMatcher(None, squeezed, CONFIG_KEY.replace("_", "")).ratio() >= MISSPELLING_CUTOFF
 
 
 def _describe(err: ValidationError, block: dict) -> str:

@@ -23,7 +23,7 @@ import inspect
 from dataclasses import dataclass
 from typing import Callable, List, Optional, Tuple, Union
 
-from .adapters import attach, get_layer_grad_norms, set_layer_grad_norms
+from .adapters import attach, get_layer_grad_norms, get_layer_grad_norms_history, set_layer_grad_norms
 from .adapters.base import LayerGradNormsAdapter as Adapter
 from .adapters.fused_fp16 import FusedFP16Adapter
 from .adapters.unfused_fp16 import UnfusedFP16Adapter
@@ -95,10 +95,12 @@ _UNFUSED = "runtime/fp16/unfused_optimizer.py", "FP16_UnfusedOptimizer"
 
 def _optimizer(path_and_class: Tuple[str, str], *read_points: tuple) -> Tuple[CallSite, ...]:
     """An optimizer's sites: its adapter attribute (``None`` until the engine attaches one), its read
-    points ``(method, where, call[, needs[, unless]])``, and ``get_layer_grad_norms``."""
+    points ``(method, where, call[, needs[, unless]])``, ``get_layer_grad_norms`` and
+    ``get_layer_grad_norms_history``."""
     attribute = CallSite(*path_and_class, "__init__", END, Assign(ATTRIBUTE))
-    getter = CallSite(*path_and_class, "get_layer_grad_norms", METHOD, Method(get_layer_grad_norms))
-    return (attribute, *(CallSite(*path_and_class, *read_point) for read_point in read_points), getter)
+    getters = (CallSite(*path_and_class, function.__name__, METHOD, Method(function))
+               for function in (get_layer_grad_norms, get_layer_grad_norms_history))
+    return (attribute, *(CallSite(*path_and_class, *read_point) for read_point in read_points), *getters)
 
 
 _GROUPS_AND_NORM = ("grad_groups_flat", "total_norm")
@@ -109,6 +111,7 @@ CALL_SITES = (
     CallSite(*_ENGINE, "_take_model_step", START, AdapterCall(Adapter.begin_step)),
     CallSite(*_ENGINE, "_take_model_step", END, AdapterCall(Adapter.end_step)),
     CallSite(*_ENGINE, "get_layer_grad_norms", METHOD, Method(get_layer_grad_norms)),
+    CallSite(*_ENGINE, "get_layer_grad_norms_history", METHOD, Method(get_layer_grad_norms_history)),
     CallSite(*_ENGINE, "set_layer_grad_norms", METHOD, Method(set_layer_grad_norms)),
     *_optimizer(_ZERO,
                 ("unscale_and_clip_grads", START, AdapterCall(ZeroAdapter.unscale_and_clip_grads, _GROUPS_AND_NORM)),

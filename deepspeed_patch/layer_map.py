@@ -5,8 +5,13 @@
 """Parameter names to layer buckets, and layer selections to bucket keys.
 
 Built once at start-up from the names DeepSpeed's engine hands its optimizer. A parameter whose
-name carries a transformer-layer index goes to the bucket of that ``int`` index; any other goes to a
-bucket named after the module it belongs to (``"embed"`` for ``embed.weight``).
+name carries a transformer-layer index goes to the bucket of that layer; any other goes to a bucket
+named after the module it belongs to (``"embed"`` for ``embed.weight``).
+
+The part of a name before the layer index is the layer's stack (``model.encoder.layers.``). A model
+whose trainable layers lie in one stack keys them by ``int`` index; an encoder-decoder model, whose
+encoder and decoder both have a layer 3, keys them ``"encoder.3"`` and ``"decoder.3"`` (``LayerKey``),
+labelled by what tells the stacks' prefixes apart.
 
 A ``PipelineModule`` names parameters by spec index (``5.self_attention.dense.weight``) and each
 stage holds only some of them, so its buckets come from the layer specs, the same on every stage:
@@ -17,28 +22,47 @@ import logging
 import re
 from collections import Counter
 from dataclasses import dataclass
+from itertools import chain, combinations
 from typing import Dict, Hashable, Iterable, List, Optional, Sequence, Tuple
 
 from torch import nn
 
 from .config import CONFIG_KEY, LayerGradNormsConfig, LayerGradNormsConfigError, LayerToken, UnsupportedSetupError
+from .tags import LayerKey, is_layer
 
 logger = logging.getLogger(__name__)
 
-# layers.N. / h.N. / blocks.N. / layer.N., as a whole name component; Megatron's
+# layers.N. / h.N. / blocks.N. / block.N. / layer.N., as a whole name component; the leftmost match
+# wins, so T5's encoder.block.N.layer.M. is layer N (M numbers the parts of a layer). Megatron's
 # language_model.encoder.layers.N. is covered by layers.N.
-DEFAULT_LAYER_PATTERN = r"(?:^|\.)(?:layers|h|blocks|layer)\.(\d+)\."
+DEFAULT_LAYER_PATTERN = r"(?:^|\.)(?:layers|h|blocks|block|layer)\.(\d+)\."
 
 BucketKey = Hashable
 
 
-def bucket_key(name: str, pattern: "re.Pattern[str]") -> BucketKey:
-    """The bucket of one parameter: its layer index, or the name of its module."""
+def locate_layer(name: str, pattern: "re.Pattern[str]") -> Optional[Tuple[str, int]]:
+    """The stack (the name before the layer index, ``model.encoder.layers.``) and the layer index of a
+    parameter; ``None`` for a parameter outside the transformer layers."""
     match = pattern.search(name)
-    if match is not None:
-        return int(match.group(1))
+    return None if match is None else (name[:match.start(1)], int(match.group(1)))
+
+
+def module_of(name: str) -> str:
+    """The bucket of a parameter outside the transformer layers: the name of its module."""
     module, _, _ = name.rpartition(".")
     return module or name
+
+
+@dataclass(frozen=True)
+class Stack:
+    """One stack of transformer layers: a decoder-only model's, or an encoder's or decoder's."""
+
+    prefix: str
+    """What its parameter names hold before the layer index: ``model.encoder.layers.``."""
+    label: str
+    """What tells it from the model's other stacks, ``encoder``; ``""`` for the only stack of a model."""
+    num_layers: int
+    """Its layers, frozen ones included: what ``-1`` and ``"mid"`` refer to."""
 
 
 @dataclass(frozen=True)
@@ -47,13 +71,15 @@ class LayerMap:
 
     keys: Tuple[BucketKey, ...]
     """The buckets, in reporting order."""
+    stack_of: Tuple[Optional[int], ...]
+    """The stack (a position in ``stacks``) of each bucket; ``None`` for buckets outside the layers."""
     layer_of: Tuple[Optional[int], ...]
-    """The transformer layer of each bucket; ``None`` for buckets outside the layers."""
+    """The layer of each bucket, its index in its stack; ``None`` for buckets outside the layers."""
     param_bucket: Dict[int, int]
     """``id(param)`` to its row in the statistics table: its bucket's position in ``keys``, or the
     unreported row."""
-    num_layers: int
-    """Transformer layers in the model, frozen ones included: what ``-1`` and ``"mid"`` refer to."""
+    stacks: Tuple[Stack, ...]
+    """The stacks holding trainable layers, in the order of the keys."""
     num_rows: int
     """Rows of the statistics table: one per bucket, and one more, never reported, where some parameters
     are in no bucket (``group_by`` matches only some). They are measured all the same, because the
@@ -63,15 +89,23 @@ class LayerMap:
         return self.param_bucket[id(param)]
 
     def select(self, layers: Optional[Sequence[LayerToken]]) -> Tuple[BucketKey, ...]:
-        """The bucket keys to report: those in the selected layers (all for ``None``) and those outside."""
+        """The bucket keys to report: those in the selected layers of every stack (all for ``None``) and
+        those outside the layers."""
         if layers is None:
             return self.keys
-        chosen = set(resolve_layers(layers, self.num_layers))
-        return tuple(key for key, layer in zip(self.keys, self.layer_of) if layer is None or layer in chosen)
+        if not self.stacks:
+            resolve_layers(layers, 0)  # raises: there is no layer to select
+        chosen = {(position, index)
+                  for position, stack in enumerate(self.stacks)
+                  for index in resolve_layers(layers, stack.num_layers, stack)}
+        return tuple(key for key, stack, layer in zip(self.keys, self.stack_of, self.layer_of)
+                     if layer is None or (stack, layer) in chosen)
 
 
-def resolve_layers(layers: Sequence[LayerToken], num_layers: int) -> List[int]:
-    """Turn ``[0, 1, "mid", -2, -1]`` into layer indices for a model of ``num_layers`` layers."""
+def resolve_layers(layers: Sequence[LayerToken], num_layers: int, stack: Optional[Stack] = None) -> List[int]:
+    """Turn ``[0, 1, "mid", -2, -1]`` into layer indices for a model, or a ``stack`` of a model of
+    several, of ``num_layers`` layers."""
+    owner = f"the stack {stack.label!r} ({stack.prefix}N) of" if stack and stack.label else "a model with"
     resolved = []
     for token in layers:
         index = num_layers // 2 if token == "mid" else token
@@ -79,10 +113,57 @@ def resolve_layers(layers: Sequence[LayerToken], num_layers: int) -> List[int]:
             index += num_layers
         if not 0 <= index < num_layers:
             raise LayerGradNormsConfigError(
-                f"{CONFIG_KEY}.layers={list(layers)!r}: layer {token!r} is out of range for a model with "
+                f"{CONFIG_KEY}.layers={list(layers)!r}: layer {token!r} is out of range for {owner} "
                 f"{num_layers} transformer layers (valid: {-num_layers}..{num_layers - 1} and 'mid')")
         resolved.append(index)
     return resolved
+
+
+def _shared_length(parts: Sequence[Sequence[str]]) -> int:
+    """How many leading components all of ``parts`` have in common."""
+    return next((length for length, column in enumerate(zip(*parts)) if len(set(column)) > 1), min(map(len, parts)))
+
+
+def stack_labels(prefixes: Sequence[str], layer_pattern: Optional[str] = None) -> List[str]:
+    """What tells each stack from the others: its prefix without the dotted components all prefixes
+    share at the front and at the back (``model.encoder.layers.`` and ``model.decoder.layers.`` give
+    ``encoder`` and ``decoder``), each keeping at least one (``layers.`` and ``encoder.layers.`` give
+    ``layers`` and ``encoder.layers``); ``""`` for the only stack of a model.
+
+    Raises ``LayerGradNormsConfigError``, naming both prefixes, where two stacks cannot be told apart.
+    """
+    if len(prefixes) < 2:
+        return [""] * len(prefixes)
+    parts = [prefix.rstrip(".").split(".") for prefix in prefixes]
+    shortest = min(map(len, parts))
+    front = min(_shared_length(parts), shortest - 1)
+    back = min(_shared_length([part[::-1] for part in parts]), shortest - 1 - front)
+    labels = [".".join(part[front:len(part) - back]) for part in parts]
+    for first, second in combinations(range(len(prefixes)), 2):
+        if labels[first] == labels[second] or not labels[first] or not labels[second]:
+            raise LayerGradNormsConfigError(
+                f"{CONFIG_KEY}.layer_pattern={layer_pattern!r}: the transformer layers under {prefixes[first]!r} "
+                f"and under {prefixes[second]!r} cannot be told apart (labels {labels[first]!r} and "
+                f"{labels[second]!r}); give a layer_pattern that matches only one of them, or use granularity "
+                "'group_by'")
+    return labels
+
+
+def find_stacks(trainable: Sequence[str],
+                all_names: Iterable[str],
+                pattern: "re.Pattern[str]",
+                layer_pattern: Optional[str] = None) -> Tuple[Stack, ...]:
+    """The stacks the ``trainable`` parameters' layers lie in, in order of first appearance, labelled,
+    each with its number of layers counted over ``all_names`` (frozen layers included)."""
+    found = [where for where in (locate_layer(name, pattern) for name in trainable) if where is not None]
+    prefixes = list(dict.fromkeys(prefix for prefix, _ in found))
+    sizes: Dict[str, int] = {}
+    for name in chain(trainable, all_names):
+        where = locate_layer(name, pattern)
+        if where is not None:
+            sizes[where[0]] = max(sizes.get(where[0], 0), where[1] + 1)
+    labels = stack_labels(prefixes, layer_pattern)
+    return tuple(Stack(prefix, label, sizes[prefix]) for prefix, label in zip(prefixes, labels))
 
 
 def build_layer_map(named_params: Iterable[Tuple[str, object]],
@@ -92,17 +173,20 @@ def build_layer_map(named_params: Iterable[Tuple[str, object]],
                     group_by: Optional[str] = None) -> LayerMap:
     """Assign every trainable (name, parameter) pair to a bucket.
 
-    ``granularity``: ``layer`` (the layer index, or the module for parameters outside the layers),
+    ``granularity``: ``layer`` (the layer, or the module for parameters outside the layers),
     ``param`` (the parameter's name) or ``group_by`` (the capture groups of ``group_by``, joined by
     ``.``; unmatched parameters go to the unreported row). ``all_names`` are the names of all the model's
     parameters, frozen ones included; they fix the number of layers that ``-1`` and ``"mid"`` count from.
     """
     named_params = list(named_params)
     pattern = re.compile(layer_pattern or DEFAULT_LAYER_PATTERN)
+    stacks = find_stacks([name for name, _ in named_params], all_names, pattern, layer_pattern)
+    stack_position = {stack.prefix: position for position, stack in enumerate(stacks)}
 
-    def layer_of_name(name: str) -> Optional[int]:
-        key = bucket_key(name, pattern)
-        return key if isinstance(key, int) else None
+    def layer_of_name(name: str) -> Optional[Tuple[int, int]]:
+        """(stack position, layer index) of a trainable parameter; ``None`` outside the layers."""
+        where = locate_layer(name, pattern)
+        return None if where is None else (stack_position[where[0]], where[1])
 
     grouping = re.compile(group_by) if group_by else None
 
@@ -112,7 +196,10 @@ def build_layer_map(named_params: Iterable[Tuple[str, object]],
         if granularity == "group_by":
             match = grouping.search(name)
             return ".".join(match.groups()) if match else None
-        return bucket_key(name, pattern)
+        where = layer_of_name(name)
+        if where is None:
+            return module_of(name)
+        return where[1] if len(stacks) == 1 else LayerKey(stacks[where[0]].label, where[1])
 
     param_key = {id(param): key_of(name) for name, param in named_params}
     key_layers: Dict[BucketKey, set] = {}
@@ -121,18 +208,30 @@ def build_layer_map(named_params: Iterable[Tuple[str, object]],
             key_layers.setdefault(param_key[id(param)], set()).add(layer_of_name(name))
     keys = list(key_layers)
     if granularity == "layer":
-        keys = sorted(key for key in keys if isinstance(key, int)) + [key for key in keys if not isinstance(key, int)]
+        _refuse_merged_buckets(key_layers, layer_pattern)
+        layers = sorted((key for key in keys if is_layer(key)), key=lambda key: next(iter(key_layers[key])))
+        keys = layers + [key for key in keys if not is_layer(key)]
     position = {key: index for index, key in enumerate(keys)}
     position[None] = len(keys)  # the unreported row
-    model_layers = [layer for layer in map(layer_of_name, all_names) if layer is not None]
+    layer_of = [next(iter(key_layers[key])) if len(key_layers[key]) == 1 else None for key in keys]
     return LayerMap(keys=tuple(keys),
-                    layer_of=tuple(next(iter(key_layers[key])) if len(key_layers[key]) == 1 else None for key in keys),
+                    stack_of=tuple(None if layer is None else layer[0] for layer in layer_of),
+                    layer_of=tuple(None if layer is None else layer[1] for layer in layer_of),
                     param_bucket={
                         pid: position[key]
                         for pid, key in param_key.items()
                     },
-                    num_layers=max(model_layers) + 1 if model_layers else 0,
+                    stacks=stacks,
                     num_rows=len(keys) + (None in param_key.values()))
+
+
+def _refuse_merged_buckets(key_layers: Dict[BucketKey, set], layer_pattern: Optional[str]) -> None:
+    """A module outside the layers named as a layer's key (``encoder.3``) would merge into that layer's bucket."""
+    for key, layers in key_layers.items():
+        if None in layers and len(layers) > 1:
+            raise LayerGradNormsConfigError(
+                f"{CONFIG_KEY}.layer_pattern={layer_pattern!r}: the module {str(key)!r} outside the transformer "
+                "layers has the name of a layer's bucket; give a layer_pattern that tells them apart")
 
 
 def build_pipeline_layer_map(specs: Sequence[object], named_params: Iterable[Tuple[str, object]]) -> LayerMap:
@@ -174,12 +273,13 @@ def build_pipeline_layer_map(specs: Sequence[object], named_params: Iterable[Tup
         return layer_of_spec.get(int(head), named_of_spec.get(int(head)))
 
     return LayerMap(keys=keys,
+                    stack_of=tuple(0 if isinstance(key, int) else None for key in keys),
                     layer_of=tuple(key if isinstance(key, int) else None for key in keys),
                     param_bucket={
                         id(param): position[key_of(name)]
                         for name, param in named_params
                     },
-                    num_layers=len(layer_of_spec),
+                    stacks=(Stack("", "", len(layer_of_spec)), ) if layer_of_spec else (),
                     num_rows=len(keys))
 
 
@@ -202,7 +302,11 @@ def model_layer_map(module: nn.Module, config: LayerGradNormsConfig, trainable: 
     if config.granularity == "group_by" and not layer_map.keys:
         raise LayerGradNormsConfigError(f"{CONFIG_KEY}.group_by={config.group_by!r} matches no trainable parameter "
                                         f"(examples: {examples})")
-    if layer_map.num_layers == 0:
+    if len(layer_map.stacks) > 1:
+        logger.info(
+            "%s: layers of %d stacks, keyed by their labels: %s", CONFIG_KEY, len(layer_map.stacks),
+            ", ".join(f"{stack.label!r} ({stack.prefix}N, {stack.num_layers} layers)" for stack in layer_map.stacks))
+    if not layer_map.stacks:
         logger.warning(
             "%s: no parameter name matches the layer pattern %r (examples: %s); every parameter is "
             "reported in a bucket named after its module", CONFIG_KEY, config.layer_pattern or "default", examples)

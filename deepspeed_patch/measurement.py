@@ -8,7 +8,7 @@ A ``Schedule`` lives as long as the optimizer: it numbers the steps, decides whi
 interval, a runtime switch, a trigger's capture window, the control file), holds the last result and
 writes the dump. For each measured step it hands out a fresh ``Measurement``, which the optimizer's
 read points fill (this rank's partial statistics, the loss scale the gradients carry, the factor the
-optimizer divides them by) and which ``finish`` reduces across the ranks with one collective.
+optimizer divides them by) and which ``finish`` reduces across the ranks (``reduction.reduce_stats``).
 
 An error while measuring (a bug, an unforeseen layout) must not stop the training run: it is logged,
 the step's table carries a failure flag through the same collective, and every rank then switches the
@@ -18,7 +18,8 @@ a result the others do not have.
 
 import contextlib
 import logging
-from typing import Callable, Hashable, List, Optional, Sequence
+from dataclasses import dataclass, replace
+from typing import Callable, Hashable, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -26,6 +27,7 @@ from .clipping import torch_clip_divisor
 from .config import LayerGradNormsConfig
 from .layer_map import LayerMap
 from .on_demand import ControlFile, JsonlDump, SpikeTrigger, rank_of_process
+from .reduction import reduce_stats
 from .statistics import (
     NUMEL,
     RunTable,
@@ -33,7 +35,6 @@ from .statistics import (
     accumulate_runs,
     bucket_results,
     empty_stats,
-    reduce_stats,
     total_norm,
 )
 
@@ -60,6 +61,7 @@ class Measurement:
         self.gradient_scale = 1.0
         self.applied_scale = 1.0
         self.clip_norm: Optional[float] = None
+        self.scale_of_norm: Optional["NormFormula"] = None
         self.failed = failed
         self.finished = False
 
@@ -99,10 +101,32 @@ class Measurement:
         """What the optimizer divides the observed gradients by: loss scale and clipping together."""
         self.applied_scale = float(divisor)
 
+    def set_applied_scale_of_norm(self, norm, formula: Callable[[float], float]) -> None:
+        """The applied scale as ``formula(float(norm))``, for the optimizer's global norm still on its device:
+        ``finish`` reads it with the statistics, in the step's one host transfer, rather than each
+        parameter group's read point forcing a host synchronisation of its own."""
+        if isinstance(norm, torch.Tensor):
+            self.scale_of_norm = (norm, formula)
+        else:
+            self.set_applied_scale(formula(norm))
+
     def set_clip_norm(self, max_norm: float) -> None:
         """Clipping to ``max_norm`` as ``torch.nn.utils.clip_grad_norm_`` does it: the factor comes from
         the statistics' own total norm once they are reduced, with no extra read."""
         self.clip_norm = max_norm
+
+    def local_table(self) -> torch.Tensor:
+        """This rank's table and, as its last row, a status row whose element count flags a step this rank
+        failed to measure or left incomplete: it survives any reduction, as a count does."""
+        complete = not self.failed and len(self.observed) == self.num_groups
+        status = torch.zeros((1, self.stats.shape[1]), dtype=self.stats.dtype, device=self.stats.device)
+        status[0, NUMEL] = 0.0 if complete else 1.0
+        return torch.cat([self.stats, status])
+
+    def scales(self, overflow: bool) -> "StepScales":
+        """What the step's result needs beside its reduced table."""
+        return StepScales(self.step, bool(overflow), self.gradient_scale, self.applied_scale, self.clip_norm,
+                          self.scale_of_norm)
 
     def finish(self, group, overflow: bool, keys: Sequence[Hashable], selected: Sequence[Hashable]) -> Optional[dict]:
         """Reduce the step across ``group`` (one collective, every rank must call it) and return the
@@ -111,26 +135,65 @@ class Measurement:
         ``overflow``: the loss scaler skipped the step; pre-clip statistics only.
         """
         self.finished = True
-        complete = not self.failed and len(self.observed) == self.num_groups
-        status = torch.zeros((1, self.stats.shape[1]), dtype=self.stats.dtype, device=self.stats.device)
-        status[0, NUMEL] = 0.0 if complete else 1.0
-        stats = reduce_stats(torch.cat([self.stats, status]), group).cpu()  # the step's one host sync
-        if stats[-1, NUMEL] > 0:
-            return None
-        if self.clip_norm:
-            self.applied_scale = torch_clip_divisor(total_norm(stats[:-1]), self.clip_norm)
-        pre_clip = bucket_results(stats[:-1], keys, selected, 1.0 / self.gradient_scale, self.extra)
-        clip_coef = post_clip = None
-        if not overflow:
-            clip_coef = self.gradient_scale / self.applied_scale
-            post_clip = bucket_results(stats[:-1], keys, selected, 1.0 / self.applied_scale, self.extra)
-        return {
-            "step": self.step,
-            "overflow": bool(overflow),
-            "clip_coef": clip_coef,
-            "pre_clip": pre_clip,
-            "post_clip": post_clip
-        }
+        stats, scales = host_copy(reduce_stats(self.local_table(), group), [self.scales(overflow)])
+        return step_result(stats, scales[0], keys, selected, self.extra)
+
+
+NormFormula = Tuple[torch.Tensor, Callable[[float], float]]
+
+
+@dataclass(frozen=True)
+class StepScales:
+    """One step's number, overflow and the factors its gradient carries and is divided by."""
+
+    step: int
+    overflow: bool
+    gradient_scale: float
+    """The loss scale the observed gradients carry."""
+    applied_scale: float
+    """What the optimizer divides them by: loss scale and clipping together."""
+    clip_norm: Optional[float]
+    """Clipping as ``torch.nn.utils.clip_grad_norm_`` does it (the factor follows from the table)."""
+    scale_of_norm: Optional[NormFormula] = None
+    """The applied scale as ``formula(norm)`` of an optimizer's global norm still on its device, resolved by
+    ``host_copy`` (then ``None``)."""
+
+
+def host_copy(reduced: torch.Tensor, scales: Sequence[StepScales]) -> Tuple[torch.Tensor, List[StepScales]]:
+    """A reduced table on the host, and ``scales`` with the applied scales of their global norms resolved:
+    the norms travel in the same copy, the one host synchronisation of a measured step (or of a fire)."""
+    norms = [entry.scale_of_norm[0].reshape(1).to(reduced) for entry in scales if entry.scale_of_norm is not None]
+    host = torch.cat([reduced.flatten(), *norms]).cpu()
+    values = iter(host[reduced.numel():].tolist())
+    resolved = [
+        entry if entry.scale_of_norm is None else replace(
+            entry, applied_scale=float(entry.scale_of_norm[1](next(values))), scale_of_norm=None) for entry in scales
+    ]
+    return host[:reduced.numel()].view(reduced.shape), resolved
+
+
+def step_result(stats: torch.Tensor, scales: StepScales, keys: Sequence[Hashable], selected: Sequence[Hashable],
+                extra: Sequence[str]) -> Optional[dict]:
+    """The result dict of one step from its reduced table (status row last, on the host) and its resolved
+    scales: ``step``, ``overflow``, ``clip_coef``, ``pre_clip`` and ``post_clip`` of the ``selected``
+    buckets; ``None`` when the status row says a rank failed to measure the step."""
+    if stats[-1, NUMEL] > 0:
+        return None
+    applied_scale = scales.applied_scale
+    if scales.clip_norm:
+        applied_scale = torch_clip_divisor(total_norm(stats[:-1]), scales.clip_norm)
+    pre_clip = bucket_results(stats[:-1], keys, selected, 1.0 / scales.gradient_scale, extra)
+    clip_coef = post_clip = None
+    if not scales.overflow:
+        clip_coef = scales.gradient_scale / applied_scale
+        post_clip = bucket_results(stats[:-1], keys, selected, 1.0 / applied_scale, extra)
+    return {
+        "step": scales.step,
+        "overflow": scales.overflow,
+        "clip_coef": clip_coef,
+        "pre_clip": pre_clip,
+        "post_clip": post_clip
+    }
 
 
 class Schedule:
@@ -151,7 +214,8 @@ class Schedule:
         self.trigger = None
         if config.trigger is not None:
             self.trigger = SpikeTrigger(config.trigger.grad_norm_factor, config.trigger.window,
-                                        config.trigger.capture_steps, config.trigger.on_overflow)
+                                        config.trigger.capture_steps, config.trigger.on_overflow,
+                                        config.trigger.loss_factor)
         self.capture: Optional[dict] = None
         self.control = ControlFile(config.control_file, config.control_interval) if config.control_file else None
         self.dump = None
@@ -161,6 +225,8 @@ class Schedule:
         self.broken = False
         self.failed_locally = False
         self.result: Optional[dict] = None
+        self.history: Optional[List[dict]] = None
+        self.loss: Optional[float] = None
 
     def next_step(self) -> bool:
         """Number the optimizer step about to run; whether it is measured."""
@@ -226,16 +292,32 @@ class Schedule:
             self.result = None
             self.failed_locally = True
 
-    def after_step(self, global_norm, overflow: bool) -> None:
-        """Feed the trigger the step's global gradient norm (the same on every rank)."""
+    def report_loss(self, loss: float) -> None:
+        """The training loop's loss, the same on every rank; judged at the end of the next optimizer step."""
+        self.loss = float(loss)
+
+    def after_step(self, global_norm, overflow: bool) -> Optional[dict]:
+        """Feed the trigger the step's global gradient norm (the same on every rank) and the loss reported
+        since the last step; what fired, or ``None``."""
+        loss, self.loss = self.loss, None
         if self.trigger is None or self.broken:
-            return
+            return None
         norm = None if global_norm is None else float(global_norm)
-        fired = self.trigger.update(self.step, norm, bool(overflow))
+        fired = self.trigger.update(self.step, norm, bool(overflow), loss)
         if fired is not None:
             logger.warning("layer_grad_norms: trigger fired at step %d (%s); capturing every layer until step %d",
                            self.step, fired["reason"], fired["capture_until"])
             self.capture = fired
+        return fired
+
+    def publish_history(self, history: List[dict], fired: dict) -> None:
+        """The recorded steps reduced when the trigger fired, oldest first; they replace the last fire's.
+        Each carries the trigger's record; the dump gets one line per step, marked ``"history": true``."""
+        for entry in history:
+            entry["trigger"] = dict(fired)
+            if self.dump is not None:
+                self.dump.write({**entry, "history": True})
+        self.history = history
 
     def get(self) -> Optional[dict]:
         """The last measurement, or ``None`` before the first measured step."""

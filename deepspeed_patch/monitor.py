@@ -10,7 +10,7 @@ named as every other writer names them (``tags``), under DeepSpeed's ``Train/Sam
 import weakref
 from typing import Optional
 
-from .tags import LOGGED_PHASES, LOGGED_STATISTICS, scalar_tag
+from .tags import flat_scalars
 
 
 class MonitorEvents:
@@ -28,9 +28,5 @@ class MonitorEvents:
 
     def __call__(self, result: dict) -> None:
         engine = self.engine()
-        events = []
-        for phase in LOGGED_PHASES:
-            for key, values in (result[phase] or {}).items():
-                events += [(f"Train/Samples/{scalar_tag(phase, name, key)}", values[name], engine.global_samples)
-                           for name in LOGGED_STATISTICS]
-        engine.monitor.write_events(events)
+        engine.monitor.write_events([(f"Train/Samples/{tag}", value, engine.global_samples)
+                                     for tag, value in flat_scalars(result).items()])

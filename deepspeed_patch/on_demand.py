@@ -35,38 +35,63 @@ one or two steps would fire on ordinary noise."""
 
 class SpikeTrigger:
     """Fires when the global gradient norm jumps above ``factor`` times its running median over the
-    last ``window`` steps, or (``on_overflow``) when the loss scaler skips a step.
+    last ``window`` steps, when the loss the training loop reports jumps above ``loss_factor`` times its
+    own running median, or (``on_overflow``) when the loss scaler skips a step.
 
-    The window lives in memory: it starts empty at every start, a resume from a checkpoint included, and
-    the median is judged once it holds ``min(window, WARM_UP)`` norms. Until then (the warm-up) only an
-    overflow fires it. Saving the window with the checkpoint would need call sites in the engine's
+    The windows live in memory: they start empty at every start, a resume from a checkpoint included, and
+    a median is judged once its window holds ``min(window, WARM_UP)`` values. Until then (the warm-up) only
+    an overflow fires it. Saving the windows with the checkpoint would need call sites in the engine's
     checkpoint methods, beyond the optimizer step this package hooks.
     """
 
-    def __init__(self, factor: float, window: int, capture_steps: int, on_overflow: bool) -> None:
+    def __init__(self,
+                 factor: float,
+                 window: int,
+                 capture_steps: int,
+                 on_overflow: bool,
+                 loss_factor: Optional[float] = None) -> None:
         self.factor, self.capture_steps, self.on_overflow = factor, capture_steps, on_overflow
+        self.loss_factor = loss_factor
         self.recent: deque = deque(maxlen=window)
+        self.recent_losses: deque = deque(maxlen=window)
 
-    def update(self, step: int, global_norm: Optional[float], overflow: bool) -> Optional[Dict[str, Any]]:
+    def update(self,
+               step: int,
+               global_norm: Optional[float],
+               overflow: bool,
+               loss: Optional[float] = None) -> Optional[Dict[str, Any]]:
         """Feed one optimizer step; returns what fired, or ``None``.
 
         ``global_norm`` is ``None`` when the optimizer computed none (``compute_grad_norm: false``);
-        a non-finite one counts as an overflow.
+        a non-finite one counts as an overflow. ``loss``: the loss reported since the last step, or
+        ``None``; it is watched only with a ``loss_factor``.
         """
         if overflow or (global_norm is not None and not math.isfinite(global_norm)):
             return self._fired(step, "overflow") if self.on_overflow else None
-        if global_norm is None:
-            return None
-        fired = None
-        if len(self.recent) >= min(self.recent.maxlen, WARM_UP):
-            median = statistics.median(self.recent)
-            if global_norm > self.factor * median:
-                fired = self._fired(step, f"grad norm {global_norm:.4g} > {self.factor} x median {median:.4g}")
-        self.recent.append(global_norm)
-        return fired
+        reason = _spike("grad norm", global_norm, self.factor, self.recent)
+        if self.loss_factor is not None:
+            reason = _spike("loss", loss, self.loss_factor, self.recent_losses) or reason
+        return None if reason is None else self._fired(step, reason)
 
     def _fired(self, step: int, reason: str) -> Dict[str, Any]:
         return {"fired_at": step, "reason": reason, "capture_until": step + self.capture_steps}
+
+
+def _spike(name: str, value: Optional[float], factor: float, recent: deque) -> Optional[str]:
+    """Why ``value`` is a spike against the median of ``recent`` (judged after the warm-up), or ``None``;
+    ``value`` then joins ``recent``. ``None`` (nothing reported) is skipped; a non-finite value fires at
+    once and stays out of the window."""
+    if value is None:
+        return None
+    if not math.isfinite(value):
+        return f"{name} {value}"
+    reason = None
+    if len(recent) >= min(recent.maxlen, WARM_UP):
+        median = statistics.median(recent)
+        if value > factor * median:
+            reason = f"{name} {value:.4g} > {factor} x median {median:.4g}"
+    recent.append(value)
+    return reason
 
 
 class ControlFile:

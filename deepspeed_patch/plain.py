@@ -20,7 +20,7 @@ from .adapters.param_grads import ParamGradAdapter
 from .config import CONFIG_KEY, LayerGradNormsConfigError, load_config
 from .layer_map import build_layer_map
 from .measurement import Measurement
-from .statistics import REPLICATED
+from .reduction import REPLICATED
 
 
 class LayerGradNorms:

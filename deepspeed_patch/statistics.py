@@ -2,16 +2,16 @@
 # SPDX-License-Identifier: Apache-2.0
 
 # DeepSpeed Team
-"""Per-bucket gradient statistics: local partial results, their reduction, the reported dict.
+"""Per-bucket gradient statistics: the table's columns, local partial results, the reported dict.
 
 Each rank folds the runs of its local gradient partition into one small ``(buckets, 9)`` float64
 table: in one read by a fused kernel where one is available (C++ and OpenMP on the host,
 ``partition_stats_cpu``; Triton on CUDA and ROCm, ``partition_stats_triton``), else with stock
 PyTorch operators over the runs (``accumulate_runs``), with the same results. Sums (squared norm,
 non-finite count, L1, sum, zeros, element count) and maxima (max, -min, -abs_min) combine the same
-way across runs, parameter groups and ranks, so one all-gather of that table, reduced identically on
-every rank, gives the statistics of the full gradient whatever the number of buckets. The extra
-statistics (L1, sum, zeros) are computed only when asked for.
+way across runs, parameter groups and ranks, so the tables of all ranks reduce (``reduction``) to the
+statistics of the full gradient whatever the number of buckets. The extra statistics (L1, sum,
+zeros) are computed only when asked for.
 """
 
 import functools
@@ -20,8 +20,6 @@ from dataclasses import dataclass
 from typing import Collection, Dict, Hashable, List, Optional, Sequence, Tuple
 
 import torch
-from deepspeed import comm as dist
-from deepspeed.accelerator import get_accelerator
 from deepspeed.utils import logger
 
 from .partition_slices import PartitionSlices
@@ -222,24 +220,6 @@ def accumulate_partition(stats: torch.Tensor, flat: torch.Tensor, table: RunTabl
         from .partition_stats_triton import accumulate_chunks
 
         accumulate_chunks(stats, flat, table.chunks, bits)
-
-
-# The group of a measurement whose gradients are already complete and identical on every rank (plain
-# PyTorch, DistributedDataParallel, DeepSpeed without ZeRO): nothing to combine.
-REPLICATED = "replicated"
-
-
-def reduce_stats(stats: torch.Tensor, group=None) -> torch.Tensor:
-    """Combine every rank's table in ``group`` with one collective; identical result on all ranks."""
-    if group is REPLICATED or not dist.is_initialized() or dist.get_world_size(group=group) == 1:
-        return stats
-    world_size = dist.get_world_size(group=group)
-    # Offloaded partitions live in host memory; the communication backend wants accelerator tensors.
-    stats = stats.to(get_accelerator().current_device_name())
-    gathered = [torch.empty_like(stats) for _ in range(world_size)]
-    dist.all_gather(gathered, stats, group=group)
-    stacked = torch.stack(gathered)
-    return torch.cat([stacked[:, :, :NUM_SUMMED].sum(0), stacked[:, :, NUM_SUMMED:].amax(0)], dim=1)
 
 
 def bucket_results(stats: torch.Tensor,

@@ -2,11 +2,14 @@
 # SPDX-License-Identifier: Apache-2.0
 
 # DeepSpeed Team
-"""How per-layer gradient statistics are named in logs: one scheme for every writer.
+"""How per-layer gradient statistics are named in results and logs: one scheme for every writer and reader.
+
+A model with one stack of transformer layers keys them by ``int`` (``3``); a model with several, an
+encoder's and a decoder's, by ``LayerKey`` (``"encoder.3"``); other buckets by their name.
 
 TensorBoard draws one card per tag and one coloured, named line per run. The layout that draws the
-NormFormer figure is therefore one run per layer, ``layer-grad-norms/layer00``, a subdirectory of the
-log directory, each run holding the same tags:
+NormFormer figure is therefore one run per layer, ``layer-grad-norms/layer00`` (``encoder.layer00`` for a
+layer of the encoder's stack), a subdirectory of the log directory, each run holding the same tags:
 
 - ``layer-grad-norms/pre-clip``, ``layer-grad-norms/post-clip``: the gradient norm;
 - ``layer-grad-norms/values/max/pre-clip``, ``.../values/min/post-clip``, ...: the other statistics.
@@ -19,11 +22,13 @@ A writer that puts (tag, value, step) events into one run, as DeepSpeed's monito
 form: the bucket appended to the tag, ``layer-grad-norms/pre-clip/layer00``.
 """
 
-from typing import Hashable, Optional
+import re
+from typing import Dict, Hashable, Iterable, Optional, Tuple, Union
 
 __all__ = [
-    "TAG_ROOT", "OUTSIDE_LAYERS_ROOT", "VALUES", "LOGGED_PHASES", "LOGGED_STATISTICS", "bucket_label", "phase_label",
-    "scalar_tag", "run_name"
+    "TAG_ROOT", "OUTSIDE_LAYERS_ROOT", "VALUES", "LOGGED_PHASES", "LOGGED_STATISTICS", "LayerKey", "LayerId",
+    "is_layer", "layer_position", "bucket_label", "layer_of_label", "phase_label", "scalar_tag", "run_name",
+    "flat_scalars"
 ]
 
 TAG_ROOT = "layer-grad-norms"
@@ -36,10 +41,60 @@ LOGGED_PHASES = ("pre_clip", "post_clip")
 LOGGED_STATISTICS = ("norm", "min", "max")
 """What goes to logs, of every selected bucket; the rest of the result stays in the result."""
 
+_LAYER_LABEL = re.compile(r"^(?:(.+)\.)?layer(\d+)$")
+
+
+class LayerKey(str):
+    """The key of a transformer layer in a model of several layer stacks: ``"encoder.3"`` is layer 3 of
+    the stack labelled ``encoder``.
+
+    A ``str``, equal to and hashing as ``"encoder.3"``, so that results are indexed with plain strings and
+    dumped to JSON as they are; its ``stack`` and ``index`` tell writers it is a layer, not a bucket
+    named after a module.
+    """
+
+    stack: str
+    index: int
+
+    def __new__(cls, stack: str, index: int) -> "LayerKey":
+        key = super().__new__(cls, f"{stack}.{index}")
+        key.stack, key.index = stack, index
+        return key
+
+    def __getnewargs__(self) -> Tuple[str, int]:
+        return self.stack, self.index
+
+
+LayerId = Union[int, LayerKey]
+"""A transformer layer: its index in a model of one stack, its ``LayerKey`` in a model of several."""
+
+
+def is_layer(key: Hashable) -> bool:
+    """Whether a bucket key is a whole transformer layer (``3`` or ``"encoder.3"``)."""
+    return isinstance(key, (int, LayerKey))
+
+
+def layer_position(layer: LayerId) -> Tuple[Optional[str], int]:
+    """A layer's stack (``None`` in a model of one stack) and its index in that stack."""
+    return (layer.stack, layer.index) if isinstance(layer, LayerKey) else (None, layer)
+
 
 def bucket_label(key: Hashable) -> str:
-    """How a bucket is named in logs: ``layer03`` for transformer layer 3, the bucket name otherwise."""
-    return f"layer{key:02d}" if isinstance(key, int) else str(key)
+    """How a bucket is named in logs: ``layer03`` for transformer layer 3, ``encoder.layer03`` for layer 3
+    of the encoder's stack, the bucket name otherwise."""
+    if not is_layer(key):
+        return str(key)
+    stack, index = layer_position(key)
+    return f"layer{index:02d}" if stack is None else f"{stack}.layer{index:02d}"
+
+
+def layer_of_label(label: str) -> Optional[LayerId]:
+    """The layer ``bucket_label`` named ``label``; ``None`` for a bucket that is not a layer."""
+    match = _LAYER_LABEL.match(label)
+    if match is None:
+        return None
+    stack, index = match.groups()
+    return int(index) if stack is None else LayerKey(stack, int(index))
 
 
 def phase_label(phase: str) -> str:
@@ -59,3 +114,15 @@ def scalar_tag(phase: str, statistic: str, bucket: Optional[Hashable] = None, ro
 def run_name(bucket: Hashable) -> str:
     """The run of a bucket, a subdirectory of the log directory: ``layer-grad-norms/layer00``."""
     return f"{TAG_ROOT}/{bucket_label(bucket)}"
+
+
+def flat_scalars(result: dict,
+                 phases: Iterable[str] = LOGGED_PHASES,
+                 statistics: Iterable[str] = LOGGED_STATISTICS) -> Dict[str, float]:
+    """Every selected bucket's ``statistics`` of a ``get_layer_grad_norms()`` result, by flat tag
+    (``layer-grad-norms/pre-clip/layer00``); a phase the result lacks (post-clip on an overflow step) is
+    left out."""
+    return {
+        scalar_tag(phase, name, key): values[name]
+        for phase in phases for key, values in (result[phase] or {}).items() for name in statistics
+    }

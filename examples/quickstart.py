@@ -25,8 +25,10 @@ for _ in range(3):
     engine.backward(loss)
     engine.step()
 
-stats = engine.get_layer_grad_norms()  # the same dict on every rank
-if engine.global_rank == 0:
+stats = engine.get_layer_grad_norms()  # the same on every rank: a dict, or None (see the README's Usage)
+if engine.global_rank == 0 and stats is None:
+    print("no per-layer statistics: the layer_grad_norms block is missing or disabled, or no step was measured")
+elif engine.global_rank == 0:
     print("step", stats["step"], "clip_coef", round(stats["clip_coef"], 3))
     for key, layer in stats["pre_clip"].items():
         print(f"{key!s:>6}  norm {layer['norm']:.3e}  min {layer['min']:+.3e}  max {layer['max']:+.3e}")

@@ -29,6 +29,13 @@ def add_layer_grad_norms_args(parser: argparse.ArgumentParser) -> argparse.Argum
                        help=f"Layers to log: {LAYER_SPEC_FORMS} (default: {DEFAULT_LAYERS}).")
     group.add_argument("--layer-grad-norms-interval", type=int, default=None,
                        help="Measure every N iterations (default: --tensorboard-log-interval).")
+    group.add_argument("--layer-grad-norms-trigger", type=float, default=None, metavar="FACTOR",
+                       help="Capture every layer after a spike: the global gradient norm or the reported loss "
+                       "above FACTOR x its running median, or an fp16 overflow (trigger.grad_norm_factor and "
+                       "trigger.loss_factor).")
+    group.add_argument("--layer-grad-norms-history", type=int, default=None, metavar="K",
+                       help="Record every layer's statistics of the last K steps, reduced when the trigger "
+                       "fires (trigger.history; with the default trigger unless --layer-grad-norms-trigger).")
     return parser
 
 
@@ -47,7 +54,29 @@ def layer_grad_norms_block(args: argparse.Namespace) -> Optional[Dict[str, Any]]
         raise ValueError(f"--layer-grad-norms-layers={args.layer_grad_norms_layers!r}: {err}") from None
     if args.layer_grad_norms_interval is not None and args.layer_grad_norms_interval < 1:
         raise ValueError(f"--layer-grad-norms-interval={args.layer_grad_norms_interval}: must be 1 or more")
-    return {"enabled": True, "layers": args.layer_grad_norms_layers, "interval": layer_grad_norms_interval(args)}
+    block = {"enabled": True, "layers": args.layer_grad_norms_layers, "interval": layer_grad_norms_interval(args)}
+    trigger = _trigger_block(args)
+    if trigger is not None:
+        block["trigger"] = trigger
+    return block
+
+
+def _trigger_block(args: argparse.Namespace) -> Optional[Dict[str, Any]]:
+    """The ``trigger`` block of ``--layer-grad-norms-trigger`` and ``--layer-grad-norms-history``, or ``None``."""
+    factor = getattr(args, "layer_grad_norms_trigger", None)
+    history = getattr(args, "layer_grad_norms_history", None)
+    if factor is None and history is None:
+        return None
+    trigger: Dict[str, Any] = {}
+    if factor is not None:
+        if not factor > 1:
+            raise ValueError(f"--layer-grad-norms-trigger={factor}: must be more than 1 (a multiple of the median)")
+        trigger.update(grad_norm_factor=factor, loss_factor=factor)
+    if history is not None:
+        if history < 0:
+            raise ValueError(f"--layer-grad-norms-history={history}: must be 0 (off) or more")
+        trigger["history"] = history
+    return trigger
 
 
 def layer_grad_norms_ds_config(args: argparse.Namespace,

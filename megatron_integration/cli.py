@@ -1,19 +1,27 @@
-"""The ``layer-grad-norms`` command."""
+"""The ``layer-grad-norms`` command.
+
+Its stdout carries results only (``report --json`` is piped into other tools): DeepSpeed logs to
+stdout, from its import on (the accelerator it picked), so the modules that import it are imported
+with stdout sent to stderr, where DeepSpeed's logger, which keeps the stream it was made with, stays.
+"""
 
 import argparse
+import contextlib
 import json
 import os
+import sys
 from typing import List, Optional
 
-from deepspeed_patch.config import LAYER_SPEC_FORMS, parse_layer_spec
-from deepspeed_patch.upstream.apply import COMMANDS, run_patch_command
+with contextlib.redirect_stdout(sys.stderr):
+    from deepspeed_patch.config import LAYER_SPEC_FORMS, parse_layer_spec
+    from deepspeed_patch.upstream.apply import COMMANDS, run_patch_command
 
-from .demo import DemoOptions, run_demo
-from .fork_e2e.run import E2EOptions, run_e2e, summary_markdown
-from .fork_e2e.setups import SETUPS
-from .plot import plot_layer_norms
-from .report import format_report, summarize
-from .tensorboard_reader import NoLayerDataError, read_layer_series
+    from .demo import DemoOptions, run_demo
+    from .fork_e2e.run import E2EOptions, run_e2e, summary_markdown
+    from .fork_e2e.setups import SETUPS
+    from .plot import plot_layer_norms
+    from .report import format_report, summarize
+    from .tensorboard_reader import NoLayerDataError, read_layer_series
 
 
 def _layer_spec(value: str) -> str:
@@ -34,26 +42,33 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="layer-grad-norms",
                                      description="Per-layer gradient statistics for DeepSpeed ZeRO-1/2.")
     commands = parser.add_subparsers(dest="command", required=True)
-    demo = commands.add_parser("demo", help="train a tiny GPT under ZeRO on CPU ranks and show per-layer grad norms")
+    demo = commands.add_parser("demo", help="train a tiny GPT under ZeRO on CPU ranks and show per-layer grad norms",
+                               formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     defaults = DemoOptions()
-    demo.add_argument("--steps", type=_positive, default=defaults.steps)
-    demo.add_argument("--num-layers", type=_positive, default=defaults.num_layers)
+    demo.add_argument("--steps", type=_positive, default=defaults.steps, help="optimizer steps")
+    demo.add_argument("--num-layers", type=_positive, default=defaults.num_layers, help="transformer layers")
     demo.add_argument("--hidden", type=_positive, default=defaults.hidden, help="a multiple of 4 (attention heads)")
-    demo.add_argument("--zero-stage", type=int, choices=(1, 2), default=defaults.zero_stage)
-    demo.add_argument("--world-size", type=_positive, default=defaults.world_size)
-    demo.add_argument("--arch", choices=("preln", "postln"), default=defaults.arch)
+    demo.add_argument("--zero-stage", type=int, choices=(1, 2), default=defaults.zero_stage, help="ZeRO stage")
+    demo.add_argument("--world-size", type=_positive, default=defaults.world_size, help="CPU ranks")
+    demo.add_argument("--arch", choices=("preln", "postln"), default=defaults.arch,
+                      help="where the layer norm sits: before each sublayer (Pre-LN) or after its residual sum")
     demo.add_argument("--layers", type=_layer_spec, default=defaults.layers,
-                      help=f"layers to report: {LAYER_SPEC_FORMS} (default: {defaults.layers})")
+                      help=f"layers to report: {LAYER_SPEC_FORMS}")
     demo.add_argument("--out", default=defaults.out, help="directory for TensorBoard, the figure and the report")
+    logdir_help = ("a TensorBoard directory written by log_layer_grad_norms or DeepSpeed's monitor, or a JSONL "
+                   "dump (layer_grad_norms.dump)")
     plot = commands.add_parser("plot", help="draw the per-layer gradient-norm figure of a TensorBoard directory")
-    plot.add_argument("logdir")
+    plot.add_argument("logdir", help=logdir_help)
     plot.add_argument("-o", "--output", help="PNG or SVG file (default: LOGDIR/layer_grad_norms.png)")
     report = commands.add_parser("report", help="per-layer medians, early/late ratio, clipping, overflow")
-    report.add_argument("logdir")
+    report.add_argument("logdir", help=logdir_help)
     report.add_argument("--json", action="store_true", help="print the report as JSON")
     add_e2e_parser(commands)
     patch = commands.add_parser("patch", help="apply, check or revert the upstream patch in a DeepSpeed tree")
-    patch.add_argument("action", choices=COMMANDS)
+    patch.add_argument("action", choices=COMMANDS,
+                       help="apply: add the feature to DeepSpeed's source, so that no install() is needed (a no-op "
+                       "when applied; all hunks or none); check: exit 0 when applied, 1 when not; revert: take it "
+                       "out, restoring the files byte for byte")
     patch.add_argument("--deepspeed", help="a DeepSpeed checkout, or the directory holding the deepspeed package "
                        "(default: the installed one)")
     return parser

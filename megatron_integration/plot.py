@@ -2,19 +2,25 @@
 
 Left and middle: gradient norm over steps, pre- and post-clip, for layers 0, 1, mid, -2, -1 of those
 logged, on a log scale. Right: the depth profile, log10 of the pre-clip norm for every logged layer
-against step, as a heatmap.
+against step, as a heatmap. In a model of several layer stacks (an encoder's and a decoder's) each
+stack gets its five lines, in a line style of its own, and its band of the depth profile.
 """
 
 import math
 from typing import List
 
-from .tensorboard_reader import LayerSeries
+from deepspeed_patch.tags import LayerId, layer_position
+
+from .tensorboard_reader import LayerSeries, layer_title
+
+LINE_STYLES = ("-", "--", ":", "-.")
 
 
-def line_layers(layers: List[int]) -> List[int]:
-    """The NormFormer paper's five layers (0, 1, mid, -2, -1) among those logged."""
-    picks = [layers[0], layers[min(1, len(layers) - 1)], layers[len(layers) // 2], layers[-2], layers[-1]]
-    return sorted(set(picks))
+def line_layers(layers: List[LayerId]) -> List[LayerId]:
+    """The NormFormer paper's five layers (0, 1, mid, -2, -1) among those logged of one stack."""
+    picks = [layers[0], layers[min(1, len(layers) - 1)], layers[len(layers) // 2], layers[max(len(layers) - 2, 0)],
+             layers[-1]]
+    return list(dict.fromkeys(layer for layer in layers if layer in picks))
 
 
 def plot_layer_norms(series: LayerSeries, out: str):
@@ -24,30 +30,42 @@ def plot_layer_norms(series: LayerSeries, out: str):
     matplotlib.use("Agg")
     from matplotlib import pyplot as plt
 
-    layers = series.layers()
+    stacks = series.stacks()
     figure, (pre_axis, post_axis, depth_axis) = plt.subplots(1, 3, figsize=(16, 4.8))
     for axis, phase in ((pre_axis, "pre-clip"), (post_axis, "post-clip")):
-        for layer in line_layers(layers):
-            points = series.series(phase, "norm", layer)
-            axis.plot([step for step, _ in points], [value for _, value in points], label=f"layer {layer}")
+        for position, stack in enumerate(stacks):
+            for layer in line_layers(series.stack_layers(stack)):
+                points = series.series(phase, "norm", layer)
+                axis.plot([step for step, _ in points], [value for _, value in points],
+                          LINE_STYLES[position % len(LINE_STYLES)], label=layer_title(layer))
         axis.set_yscale("log")
         axis.set_xlabel("step")
         axis.set_ylabel("gradient L2 norm")
         axis.set_title(f"per-layer gradient norm, {phase}")
         axis.legend(fontsize="small")
+    _depth_profile(depth_axis, series, figure)
+    figure.tight_layout()
+    figure.savefig(out)
+    return figure
+
+
+def _depth_profile(axis, series: LayerSeries, figure) -> None:
+    """The heatmap of every logged layer's log10 pre-clip norm, stack after stack, split by white lines."""
+    layers = series.layers()
     steps = sorted({step for step, _ in series.series("pre-clip", "norm", layers[0])})
     grid = []
     for layer in layers:
         by_step = dict(series.series("pre-clip", "norm", layer))
         grid.append([math.log10(by_step[s]) if by_step.get(s, 0) > 0 and math.isfinite(by_step[s]) else math.nan
                      for s in steps])
-    image = depth_axis.imshow(grid, aspect="auto", origin="lower", interpolation="nearest",
-                              extent=(steps[0], steps[-1], -0.5, len(layers) - 0.5))
-    depth_axis.set_yticks(range(len(layers)), [str(layer) for layer in layers], fontsize="small")
-    depth_axis.set_xlabel("step")
-    depth_axis.set_ylabel("layer")
-    depth_axis.set_title("depth profile: log10 pre-clip norm")
-    figure.colorbar(image, ax=depth_axis)
-    figure.tight_layout()
-    figure.savefig(out)
-    return figure
+    image = axis.imshow(grid, aspect="auto", origin="lower", interpolation="nearest",
+                        extent=(steps[0], steps[-1], -0.5, len(layers) - 0.5))
+    names = [" ".join(str(part) for part in layer_position(layer) if part is not None) for layer in layers]
+    axis.set_yticks(range(len(layers)), names, fontsize="small")
+    for row in range(1, len(layers)):
+        if layer_position(layers[row])[0] != layer_position(layers[row - 1])[0]:
+            axis.axhline(row - 0.5, color="white", linewidth=2)
+    axis.set_xlabel("step")
+    axis.set_ylabel("layer" if series.stacks() == [None] else "stack, layer")
+    axis.set_title("depth profile: log10 pre-clip norm")
+    figure.colorbar(image, ax=axis)

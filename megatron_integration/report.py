@@ -1,18 +1,45 @@
-"""``layer-grad-norms report``: does this run show larger gradients in early layers than late ones?"""
+"""``layer-grad-norms report``: does this run show larger gradients in early layers than late ones?
+
+In a model of several layer stacks (an encoder's and a decoder's) each stack is compared with itself:
+its first two logged layers against its last two.
+"""
 
 import math
 import statistics
-from typing import Dict
+from typing import Dict, List, Optional, Sequence
 
-from .tensorboard_reader import LayerSeries
+from deepspeed_patch.tags import LayerId, layer_position
+
+from .tensorboard_reader import LayerSeries, layer_title
+
+
+def _indices(layers: Sequence[LayerId]) -> str:
+    return ", ".join(str(layer_position(layer)[1]) for layer in layers)
+
+
+def _early_late(layers: List[LayerId], medians: Dict[LayerId, float]) -> Dict:
+    """The early/late comparison of one stack's logged ``layers``."""
+    early, late = layers[:2], layers[-2:]
+    ratio = statistics.mean(medians[layer] for layer in early) / statistics.mean(medians[layer] for layer in late)
+    return {"early_layers": early, "late_layers": late, "early_late_ratio": ratio, "early_larger": ratio > 1}
+
+
+def _verdict(comparison: Dict) -> str:
+    return (f"{'yes' if comparison['early_larger'] else 'no'}: in this run early layers' gradients (layers "
+            f"{_indices(comparison['early_layers'])}) are {comparison['early_late_ratio']:.2f}x those of late "
+            f"layers ({_indices(comparison['late_layers'])})")
 
 
 def summarize(series: LayerSeries, window: float = 0.5) -> Dict:
     """Median pre-clip norm per layer over the last ``window`` of the steps, the early/late ratio
-    (mean of the first two layers over the last two), clipped steps and overflowed layers."""
+    (mean of the first two layers over the last two) of each layer stack, clipped steps and overflowed
+    layers. A model of one stack has its comparison at the top level, one of several under ``stacks``."""
+    stacks = series.stacks()
+    for stack in stacks:
+        if len(series.stack_layers(stack)) < 2:
+            raise ValueError(f"the early/late ratio needs at least 2 logged layers{_of_stack(stack)}; found "
+                             f"{series.stack_layers(stack)}")
     layers = series.layers()
-    if len(layers) < 2:
-        raise ValueError(f"the early/late ratio needs at least 2 logged layers; found {layers}")
     steps = sorted({step for layer in layers for step, _ in series.series("pre-clip", "norm", layer)})
     first = steps[min(int(len(steps) * (1 - window)), len(steps) - 1)]
     medians = {}
@@ -20,37 +47,46 @@ def summarize(series: LayerSeries, window: float = 0.5) -> Dict:
         recent = [value for step, value in series.series("pre-clip", "norm", layer)
                   if step >= first and math.isfinite(value)]
         medians[layer] = statistics.median(recent) if recent else math.nan
-    early, late = layers[:2], layers[-2:]
-    ratio = statistics.mean(medians[layer] for layer in early) / statistics.mean(medians[layer] for layer in late)
+    comparisons = {stack: _early_late(series.stack_layers(stack), medians) for stack in stacks}
     pre = dict(series.series("pre-clip", "norm", layers[0]))
     clipped = [step for step, post in series.series("post-clip", "norm", layers[0])
                if step in pre and math.isfinite(pre[step]) and post < pre[step] * (1 - 1e-6)]
     overflowed = {layer: [step for step, value in series.series("pre-clip", "norm", layer) if not math.isfinite(value)]
                   for layer in layers}
-    return {
-        "steps": [steps[0], steps[-1]],
-        "window": [first, steps[-1]],
-        "median_norm": medians,
-        "early_layers": early,
-        "late_layers": late,
-        "early_late_ratio": ratio,
-        "early_larger": ratio > 1,
+    summary = {"steps": [steps[0], steps[-1]], "window": [first, steps[-1]], "median_norm": medians}
+    if stacks == [None]:
+        summary.update(comparisons[None])
+        answer = _verdict(comparisons[None])
+    else:
+        summary["stacks"] = comparisons
+        answer = "; ".join(f"{stack}: {_verdict(comparison)}" for stack, comparison in comparisons.items())
+    summary.update({
         "clipped_steps": clipped,
         "overflowed": {layer: found for layer, found in overflowed.items() if found},
-        "answer": (f"{'yes' if ratio > 1 else 'no'}: in this run early layers' gradients (layers "
-                   f"{', '.join(map(str, early))}) are {ratio:.2f}x those of late layers "
-                   f"({', '.join(map(str, late))}), median over steps {first}-{steps[-1]}"),
-    }
+        "answer": f"{answer}, median over steps {first}-{steps[-1]}",
+    })
+    return summary
+
+
+def _of_stack(stack: Optional[str]) -> str:
+    return "" if stack is None else f" of the stack {stack!r}"
 
 
 def format_report(summary: Dict) -> str:
     lines = [f"per-layer pre-clip gradient norm, median over steps {summary['window'][0]}-{summary['window'][1]}:"]
-    lines += [f"  layer {layer:>3}: {norm:.4e}" for layer, norm in summary["median_norm"].items()]
+    for layer, norm in summary["median_norm"].items():
+        stack, index = layer_position(layer)
+        lines.append(f"  {'' if stack is None else stack + ' '}layer {index:>3}: {norm:.4e}")
     clipped = summary["clipped_steps"]
     lines.append(f"clipping active on {len(clipped)} logged steps" + (f" (first: {clipped[:5]})" if clipped else ""))
     overflowed = summary["overflowed"]
     lines.append("overflow (non-finite gradients): " +
-                 (", ".join(f"layer {layer} at steps {steps[:5]}" for layer, steps in overflowed.items()) or "none"))
-    lines.append(f"early/late ratio: {summary['early_late_ratio']:.2f}")
+                 (", ".join(f"{layer_title(layer)} at steps {steps[:5]}" for layer, steps in overflowed.items())
+                  or "none"))
+    if "stacks" in summary:
+        lines += [f"early/late ratio{_of_stack(stack)}: {comparison['early_late_ratio']:.2f}"
+                  for stack, comparison in summary["stacks"].items()]
+    else:
+        lines.append(f"early/late ratio: {summary['early_late_ratio']:.2f}")
     lines.append(summary["answer"])
     return "\n".join(lines)

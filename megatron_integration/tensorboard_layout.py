@@ -1,6 +1,7 @@
 """Where each bucket's statistics go in TensorBoard: its run and its tags, and the Custom Scalars layout.
 
-One run per layer (``layer-grad-norms/layer00``), each holding one tag per phase and statistic
+One run per layer (``layer-grad-norms/layer00``, ``layer-grad-norms/encoder.layer00`` in a model of several
+layer stacks), each holding one tag per phase and statistic
 (``layer-grad-norms/pre-clip``), so that TensorBoard draws one card per statistic with one coloured,
 named line per layer. The names themselves are in ``deepspeed_patch.tags``.
 """
@@ -15,6 +16,8 @@ from deepspeed_patch.tags import (
     LOGGED_STATISTICS,
     OUTSIDE_LAYERS_ROOT,
     TAG_ROOT,
+    LayerId,
+    is_layer,
     phase_label,
     run_name,
     scalar_tag,
@@ -41,7 +44,7 @@ class Placement:
     run: str
     root: str
     name: Optional[str]
-    layer: Optional[int]
+    layer: Optional[LayerId]
 
     def tag(self, phase: str, statistic: str) -> str:
         return scalar_tag(phase, statistic, self.name, root=self.root)
@@ -54,9 +57,8 @@ def placements(keys: Iterable[Hashable]) -> Dict[Hashable, Placement]:
     decoder's would), any other bucket in a run of its own under ``non-layer-grad-norms``, so that it
     shares no chart with the layers."""
     keys = list(keys)
-    finer = not any(isinstance(key, int) for key in keys)
-    split = {key: (key, None) if isinstance(key, int) else layer_and_family(key) if finer else (None, None)
-             for key in keys}
+    finer = not any(is_layer(key) for key in keys)
+    split = {key: (key, None) if is_layer(key) else layer_and_family(key) if finer else (None, None) for key in keys}
     shared = Counter(where for where in split.values() if where[0] is not None)
     ambiguous = {family for (_, family), count in shared.items() if count > 1}
     placed = {}

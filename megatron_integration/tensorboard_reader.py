@@ -2,7 +2,8 @@
 
 A TensorBoard directory may hold any layout written so far (names in ``deepspeed_patch.tags``):
 
-- one run per bucket, as ``log_layer_grad_norms`` writes now: runs ``layer-grad-norms/layer00``, tags
+- one run per bucket, as ``log_layer_grad_norms`` writes now: runs ``layer-grad-norms/layer00``
+  (``layer-grad-norms/encoder.layer00`` for a layer of the encoder in a model of several layer stacks), tags
   ``layer-grad-norms/pre-clip`` and ``layer-grad-norms/values/max/pre-clip`` (``/mlp.fc2.weight``
   appended for the parts of a layer with finer buckets);
 - the flat form, every bucket in one run: ``layer-grad-norms/pre-clip/layer00``;
@@ -16,6 +17,10 @@ A step written more than once (a run resumed or rolled back into the same direct
 run twice into the same ``--out``) is read once: the value written last wins, and the later steps of the run
 it replaced are dropped (``latest_per_step``), as in TensorBoard's data server; TensorBoard's Python
 ``EventMultiplexer``, read here, keeps every point of files written by PyTorch.
+
+Layers are identified as in the results (``deepspeed_patch.tags``): by ``int`` index in a model of one
+stack, by ``LayerKey`` (``"encoder.3"``) in a model of several; stacks come in the order they were
+written.
 """
 
 import json
@@ -25,7 +30,18 @@ import re
 from dataclasses import dataclass, field
 from typing import Dict, Hashable, Iterable, Iterator, List, Optional, Tuple
 
-from deepspeed_patch.tags import LOGGED_PHASES, LOGGED_STATISTICS, TAG_ROOT, VALUES, phase_label
+from deepspeed_patch.tags import (
+    LOGGED_PHASES,
+    LOGGED_STATISTICS,
+    TAG_ROOT,
+    VALUES,
+    LayerId,
+    LayerKey,
+    is_layer,
+    layer_of_label,
+    layer_position,
+    phase_label,
+)
 
 from .tensorboard_layout import layer_and_family
 
@@ -35,7 +51,7 @@ _PHASE = "(pre-clip|post-clip)"
 _RELEASE_TAG = re.compile(rf"^{TAG_ROOT}/{_PHASE}/(norm|min|max)/([^/]+)$")
 _TAG = re.compile(rf"^{TAG_ROOT}/(?:{_PHASE}|{VALUES}/([^/]+)/{_PHASE})(?:/([^/]+))?$")
 _BUCKET_RUN = re.compile(rf"(?:^|/){TAG_ROOT}/([^/]+)$")
-_LAYER_LABEL = re.compile(r"^layer(\d+)$")
+_STACK_LAYER_KEY = re.compile(r"^(.+)\.(\d+)$")
 _AXIS_COPY = re.compile(r" vs (?:samples|tokens)$")
 
 
@@ -55,16 +71,32 @@ class NoLayerDataError(ValueError):
     """The directory holds no per-layer gradient statistics."""
 
 
+def layer_title(layer: LayerId) -> str:
+    """A layer as a legend or a table names it: ``layer 3``, ``encoder layer 3``."""
+    stack, index = layer_position(layer)
+    return f"layer {index}" if stack is None else f"{stack} layer {index}"
+
+
 @dataclass
 class LayerSeries:
     """``values[(phase, statistic)][layer]`` is a list of ``(step, value)`` in step order, one per step."""
 
-    values: Dict[Tuple[str, str], Dict[int, Points]] = field(default_factory=dict)
+    values: Dict[Tuple[str, str], Dict[LayerId, Points]] = field(default_factory=dict)
 
-    def layers(self) -> List[int]:
-        return sorted(self.values.get(("pre-clip", "norm"), {}))
+    def stacks(self) -> List[Optional[str]]:
+        """The layer stacks, in the order they were first met; ``[None]`` for a model of one stack."""
+        return list(dict.fromkeys(layer_position(layer)[0] for layer in self.values.get(("pre-clip", "norm"), {})))
 
-    def series(self, phase: str, statistic: str, layer: int) -> Points:
+    def layers(self) -> List[LayerId]:
+        """Every layer: stack after stack, each in index order."""
+        return [layer for stack in self.stacks() for layer in self.stack_layers(stack)]
+
+    def stack_layers(self, stack: Optional[str]) -> List[LayerId]:
+        """The layers of one stack (``None``: of a model of one stack), in index order."""
+        found = [layer for layer in self.values.get(("pre-clip", "norm"), {}) if layer_position(layer)[0] == stack]
+        return sorted(found, key=lambda layer: layer_position(layer)[1])
+
+    def series(self, phase: str, statistic: str, layer: LayerId) -> Points:
         return self.values.get((phase, statistic), {}).get(layer, [])
 
 
@@ -73,20 +105,19 @@ class _Collector:
 
     def __init__(self) -> None:
         self.layers = LayerSeries()
-        self.finer: Dict[Tuple[str, str, int], List[Points]] = {}
+        self.finer: Dict[Tuple[str, str, LayerId], List[Points]] = {}
 
     def bucket(self, phase: str, statistic: str, bucket: Hashable, points: Points) -> None:
-        """A bucket's series, in the order written: ``bucket`` is a layer index, a label such as ``layer03``,
-        or a finer key."""
+        """A bucket's series, in the order written: ``bucket`` is a layer, a label such as ``layer03``, or a
+        finer key."""
         points = latest_per_step(points)
-        label = _LAYER_LABEL.match(bucket) if isinstance(bucket, str) else None
-        layer = bucket if isinstance(bucket, int) else int(label.group(1)) if label else None
+        layer = bucket if is_layer(bucket) else layer_of_label(bucket)
         if layer is not None:
             self.layers.values.setdefault((phase, statistic), {})[layer] = points
         else:
             self.part(phase, statistic, layer_and_family(bucket)[0], points)
 
-    def part(self, phase: str, statistic: str, layer: Optional[int], points: Points) -> None:
+    def part(self, phase: str, statistic: str, layer: Optional[LayerId], points: Points) -> None:
         if layer is not None:
             self.finer.setdefault((phase, statistic, layer), []).append(latest_per_step(points))
 
@@ -133,13 +164,13 @@ def _collect_tag(run: str, tag: str, points: Points, collector: _Collector) -> N
     elif suffix is None:
         collector.bucket(phase, statistic, bucket_run.group(1), points)
     else:  # a part of the run's layer, with finer buckets
-        layer = _LAYER_LABEL.match(bucket_run.group(1))
-        collector.part(phase, statistic, int(layer.group(1)) if layer else None, points)
+        collector.part(phase, statistic, layer_of_label(bucket_run.group(1)), points)
 
 
 def _tensorboard_scalars(logdir: str) -> Iterator[Tuple[str, str, Points]]:
-    """``(run, tag, points)`` of every scalar series under ``logdir``, read as TensorBoard reads them, the
-    points in the order written (by wall time: a run's later event files come from a later process)."""
+    """``(run, tag, points)`` of every scalar series under ``logdir``, read as TensorBoard reads them: the
+    points in the order written (by wall time: a run's later event files come from a later process), the
+    series in the order they were first written (the writer's order of the layer stacks)."""
     from tensorboard.backend.event_processing.plugin_event_multiplexer import EventMultiplexer
     from tensorboard.plugins.scalar import metadata
     from tensorboard.util import tensor_util
@@ -147,10 +178,24 @@ def _tensorboard_scalars(logdir: str) -> Iterator[Tuple[str, str, Points]]:
     multiplexer = EventMultiplexer(tensor_size_guidance={metadata.PLUGIN_NAME: 0})
     multiplexer.AddRunsFromDirectory(logdir)
     multiplexer.Reload()
+    found = []
     for run, tags in multiplexer.PluginRunToTagToContent(metadata.PLUGIN_NAME).items():
         for tag in tags:
             events = sorted(multiplexer.Tensors(run, tag), key=lambda event: event.wall_time)
-            yield run, tag, [(event.step, tensor_util.make_ndarray(event.tensor_proto).item()) for event in events]
+            first = events[0].wall_time if events else math.inf
+            found.append((first, run, tag, [(event.step, tensor_util.make_ndarray(event.tensor_proto).item())
+                                            for event in events]))
+    for _, run, tag, points in sorted(found, key=lambda series: series[:3]):
+        yield run, tag, points
+
+
+def _json_bucket(key: str, stacked: bool) -> Hashable:
+    """A result key from its JSON form: ``"3"`` is layer 3; where no layer is keyed by its index alone
+    (``stacked``: a model of several layer stacks), ``"encoder.3"`` is layer 3 of the stack ``encoder``."""
+    if key.isdigit():
+        return int(key)
+    layer = _STACK_LAYER_KEY.match(key) if stacked else None
+    return LayerKey(layer.group(1), int(layer.group(2))) if layer else key
 
 
 def _collect_jsonl(path: str, collector: _Collector) -> None:
@@ -163,8 +208,10 @@ def _collect_jsonl(path: str, collector: _Collector) -> None:
             except ValueError:
                 continue
             for phase in LOGGED_PHASES:
-                for key, values in (record.get(phase) or {}).items():
-                    bucket = int(key) if key.isdigit() else key  # JSON keys are strings
+                buckets = record.get(phase) or {}
+                stacked = not any(key.isdigit() for key in buckets)
+                for key, values in buckets.items():
+                    bucket = _json_bucket(key, stacked)  # JSON keys are strings
                     for statistic in LOGGED_STATISTICS:
                         series.setdefault((phase_label(phase), statistic, bucket), []).append(
                             (record["step"], values[statistic]))
@@ -172,7 +219,7 @@ def _collect_jsonl(path: str, collector: _Collector) -> None:
         collector.bucket(phase, statistic, bucket, points)
 
 
-def _combine_into_layers(finer: Dict[Tuple[str, str, int], List[Points]]) -> LayerSeries:
+def _combine_into_layers(finer: Dict[Tuple[str, str, LayerId], List[Points]]) -> LayerSeries:
     """Per-layer series from per-parameter ones (``granularity: param``): the norm is the root of the
     summed squares, min and max the extremes, step by step."""
     combine = {"norm": lambda values: math.sqrt(sum(v * v for v in values)), "min": min, "max": max}

@@ -18,7 +18,7 @@ import argparse
 import math
 from typing import Dict
 
-from deepspeed_patch.tags import LOGGED_PHASES, LOGGED_STATISTICS
+from deepspeed_patch.tags import LOGGED_PHASES, LOGGED_STATISTICS, is_layer
 
 from .bucket_runs import bucket_runs
 from .tensorboard_layout import custom_scalars_layout, placements
@@ -38,8 +38,8 @@ def write_tensorboard(writer, stats: Dict) -> None:
     if not runs.layout_written:
         writer.add_custom_scalars(custom_scalars_layout(stats["pre_clip"]))
         runs.layout_written = True
-    for place in sorted(placed.values(), key=lambda place: (place.layer is None, place.layer or 0)):
-        runs.writer(place.run)  # layers first: TensorBoard colours runs in the order they start
+    for place in sorted(placed.values(), key=lambda place: place.layer is None):
+        runs.writer(place.run)  # layers first, in the result's order: TensorBoard colours runs in the order they start
     for phase in LOGGED_PHASES:
         for key, values in (stats[phase] or {}).items():
             place = placed[key]
@@ -50,12 +50,13 @@ def write_tensorboard(writer, stats: Dict) -> None:
 
 
 def log_string_field(stats: Dict) -> str:
-    """`` layer grad norm: 0: 3.1E-01 | 1: 2.9E-01 | ... |`` for the layers, pre-clip."""
-    layers = [(key, values["norm"]) for key, values in stats["pre_clip"].items() if isinstance(key, int)]
+    """`` layer grad norm: 0: 3.1E-01 | 1: 2.9E-01 | ... |`` for the layers, pre-clip (``encoder.0: ...`` in
+    a model of several layer stacks)."""
+    layers = [(key, values["norm"]) for key, values in stats["pre_clip"].items() if is_layer(key)]
     return " layer grad norm:" + "".join(f" {key}: {norm:.3E} |" for key, norm in layers)
 
 
-def log_layer_grad_norms(engine, iteration: int, writer, args: argparse.Namespace) -> str:
+def log_layer_grad_norms(engine, iteration: int, writer, args: argparse.Namespace, loss=None) -> str:
     """Log the engine's newest per-layer statistics, once, at the step they belong to; returns the
     log-line field.
 
@@ -64,9 +65,14 @@ def log_layer_grad_norms(engine, iteration: int, writer, args: argparse.Namespac
     measured it, provided the hook runs before the next one replaces it (each iteration, as Megatron
     calls it). The field is returned on ``args.log_interval`` iterations measured at that iteration,
     else ``''``.
+
+    ``loss``: the iteration's loss as Megatron reduces it (``loss_dict["lm loss"]``, the same on every rank),
+    reported to the engine for ``trigger.loss_factor``; it is judged at the end of the next optimizer step.
     """
     if not getattr(args, "log_layer_grad_norms", False):
         return ""
+    if loss is not None and getattr(engine, "layer_grad_norms", None) is not None:
+        engine.layer_grad_norms.report_loss(loss)
     stats = engine.get_layer_grad_norms()
     if stats is None:
         return ""

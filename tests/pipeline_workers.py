@@ -6,7 +6,7 @@ all stages before each step), run in plain PyTorch on the same micro-batches.
 
 import dataclasses
 import logging
-from typing import Any, Dict, Tuple
+from typing import Any, Callable, Dict, Tuple
 
 import torch
 
@@ -102,16 +102,23 @@ def train_pipe(case: Dict[str, Any]) -> Dict[str, Any]:
     return record
 
 
-def run_pipeline_cases(cases: Dict[str, Dict[str, Any]]) -> Dict[str, Any]:
+def run_cases(train: Callable[[Dict[str, Any]], Dict[str, Any]], defaults: Dict[str, Any],
+              cases: Dict[str, Dict[str, Any]]) -> Dict[str, Any]:
+    """``train`` on every case (``defaults`` updated by its overrides) in one launch; a case's error is
+    returned instead of stopping the others."""
     import traceback
 
     deepspeed_patch.install()
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
     results = {}
     for name, overrides in cases.items():
-        case = {**DEFAULT_CASE, **overrides}
+        case = {**defaults, **overrides}
         try:
-            results[name] = {"on": train_pipe(case), "case": case}
-        except Exception:
-            results[name] = {"error": traceback.format_exc(), "case": case}
+            results[name] = {"on": train(case), "case": case}
+        except Exception as error:
+            results[name] = {"error": traceback.format_exc(), "message": str(error), "case": case}
     return results
+
+
+def run_pipeline_cases(cases: Dict[str, Dict[str, Any]]) -> Dict[str, Any]:
+    return run_cases(train_pipe, DEFAULT_CASE, cases)

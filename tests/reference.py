@@ -1,7 +1,8 @@
 """Independent reference: per-bucket statistics from full gradients computed in plain PyTorch.
 
 Nothing here imports the code under test. Buckets follow the documented rule (``layers.N.`` gives
-layer N; any other parameter goes to the bucket named after its module).
+layer N; any other parameter goes to the bucket named after its module; in Hugging Face's T5 and
+BART, ``encoder.block.N.`` / ``model.encoder.layers.N.`` give ``"encoder.N"``, the decoder's ``"decoder.N"``).
 """
 
 import re
@@ -18,11 +19,18 @@ STATS = ("norm", "min", "max", "abs_min", "abs_max")
 TOLERANCE = {"fp32": 1e-5, "bf16": 2e-2, "fp16": 2e-3}
 
 LAYER_NAME = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+ENCODER_DECODER_LAYER = re.compile(r"^(?:model\.)?(encoder|decoder)\.(?:block|layers)\.(\d+)\.")
 
 
 def reference_bucket(name: str) -> Hashable:
     match = LAYER_NAME.search(name)
     return int(match.group(1)) if match else name.rpartition(".")[0] or name
+
+
+def encoder_decoder_bucket(name: str) -> str:
+    """The documented bucket of a T5 or BART parameter: ``"encoder.3"``, ``"decoder.0"`` or its module."""
+    match = ENCODER_DECODER_LAYER.match(name)
+    return ".".join(match.groups()) if match else name.rpartition(".")[0]
 
 
 def reference_key_of(block: Dict) -> Callable[[str], Optional[Hashable]]:
@@ -90,6 +98,22 @@ def averaged_gradients(weights: Dict[str, torch.Tensor], config: TinyGPTConfig, 
             if param.grad is not None:
                 grad = param.grad.double() / loss_scale
                 total[name] = total[name] + grad if name in total else grad
+        count += 1
+    return {name: grad / count for name, grad in total.items()}
+
+
+def mean_gradients(model: torch.nn.Module, loss_of: Callable[[torch.nn.Module, Dict], torch.Tensor],
+                   batches: Iterable[Dict]) -> Dict[str, torch.Tensor]:
+    """Mean gradient (float64) of ``loss_of(model, batch)`` over ``batches``, by parameter name (a tied
+    weight once, under its first name)."""
+    total: Dict[str, torch.Tensor] = {}
+    count = 0
+    for batch in batches:
+        model.zero_grad(set_to_none=True)
+        loss_of(model, batch).backward()
+        for name, param in model.named_parameters():
+            if param.grad is not None:
+                total[name] = total.get(name, 0) + param.grad.double()
         count += 1
     return {name: grad / count for name, grad in total.items()}
 

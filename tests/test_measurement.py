@@ -12,7 +12,7 @@ from deepspeed_patch.layer_map import build_layer_map
 from deepspeed_patch.measurement import Measurement
 from deepspeed_patch.partition_slices import slices_of_runs
 from deepspeed_patch.plain import LayerGradNorms
-from deepspeed_patch.statistics import REPLICATED
+from deepspeed_patch.reduction import REPLICATED
 from megatron_integration.tiny_gpt import TinyGPT, TinyGPTConfig, synthetic_batch
 
 

@@ -11,6 +11,7 @@ from typing import Dict, Tuple
 
 import pytest
 
+from deepspeed_patch.tags import LayerKey
 from megatron_integration import layer_grad_norms_ds_config
 from megatron_integration.cpu_launch import launch
 from megatron_integration.tensorboard_layout import custom_scalars_layout, placements
@@ -282,6 +283,22 @@ def test_layout_has_a_chart_per_part_of_a_layer_and_for_the_buckets_outside():
     assert places["layers.7.mlp.fc1.weight"].run == "layer-grad-norms/layer07"
     outside = layout["non-layer-grad-norms post-clip"]["norm"][1][0]
     assert re.match(outside, places["embed.weight"].tag("post_clip", "norm"))
+
+
+def test_layers_of_several_stacks_are_named_by_their_stack():
+    """An encoder-decoder model's layers (``LayerKey``): the log line, the runs and the layout name the stack."""
+    keys = [LayerKey("encoder", 0), LayerKey("encoder", 1), LayerKey("decoder", 0), "shared", "head.0"]
+    stats = {"pre_clip": {key: {"norm": 0.25 * (index + 1)} for index, key in enumerate(keys)}}
+    assert log_string_field(stats) == (" layer grad norm: encoder.0: 2.500E-01 | encoder.1: 5.000E-01 | "
+                                       "decoder.0: 7.500E-01 |")
+    places = placements(keys)
+    assert [places[key].run for key in keys] == [
+        "layer-grad-norms/encoder.layer00", "layer-grad-norms/encoder.layer01", "layer-grad-norms/decoder.layer00",
+        "layer-grad-norms/shared", "layer-grad-norms/head.0"]
+    assert [places[key].root for key in keys] == ["layer-grad-norms"] * 3 + ["non-layer-grad-norms"] * 2
+    assert places[keys[2]].tag("pre_clip", "norm") == "layer-grad-norms/pre-clip"
+    chart = custom_scalars_layout(keys)["layer-grad-norms pre-clip"]["norm"][1][0]
+    assert re.match(chart, places[keys[2]].tag("pre_clip", "norm"))
 
 
 def test_parts_of_a_layer_with_the_same_name_keep_their_whole_names():

@@ -5,14 +5,18 @@ stores as tensors."""
 
 import json
 import math
+import os
 import statistics
+import subprocess
+import sys
 import time
 from typing import Dict, Hashable, Iterable, List, Tuple
 
 import pytest
 from torch.utils.tensorboard import SummaryWriter
 
-from deepspeed_patch.tags import bucket_label, phase_label, scalar_tag
+from deepspeed_patch.on_demand import JsonlDump
+from deepspeed_patch.tags import LayerKey, bucket_label, phase_label, scalar_tag
 from megatron_integration.cli import main
 from megatron_integration.plot import plot_layer_norms
 from megatron_integration.tensorboard_reader import NoLayerDataError, latest_per_step, read_layer_series
@@ -82,6 +86,18 @@ def test_report_gives_the_known_ratio_and_answer(logdir, capsys):
     assert summary["window"] == [6, 10]
 
 
+def test_report_json_is_all_that_a_piped_command_prints(tmp_path):
+    """As a user pipes it, in a fresh process: DeepSpeed's import-time log lines must not reach stdout."""
+    write_log(str(tmp_path), known_results(), LAYOUTS[0])
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    report = subprocess.run([sys.executable, "-m", "megatron_integration.cli", "report", str(tmp_path), "--json"],
+                            capture_output=True, text=True, cwd=repo, timeout=120)
+    assert report.returncode == 0, report.stderr[-3000:]
+    assert json.loads(report.stdout)["clipped_steps"] == [3, 7], report.stdout[:500]
+    subprocess.run([sys.executable, "-m", "json.tool"], input=report.stdout, capture_output=True, text=True,
+                   check=True, timeout=60)
+
+
 def test_report_text(logdir, capsys):
     main(["report", logdir])
     out = capsys.readouterr().out
@@ -138,8 +154,6 @@ def test_per_parameter_logs_are_combined_into_layers(tmp_path, capsys, layout):
 
 
 def test_plot_and_report_read_the_jsonl_dump(tmp_path, capsys):
-    from deepspeed_patch.on_demand import JsonlDump
-
     path = tmp_path / "dump.jsonl"
     dump = JsonlDump(str(path), max_bytes=10**6, backups=0)
     for step in range(1, 5):
@@ -209,3 +223,59 @@ def test_a_step_written_again_replaces_it_and_the_abandoned_run_s_later_steps():
     need not measure the same steps."""
     assert latest_per_step([(1, 1.0), (2, 2.0), (3, 3.0), (4, 4.0), (3, 30.0)]) == [(1, 1.0), (2, 2.0), (3, 30.0)]
     assert latest_per_step([(1, 1.0), (3, 3.0), (5, 5.0), (2, 20.0), (4, 40.0)]) == [(1, 1.0), (2, 20.0), (4, 40.0)]
+
+
+STACKS = {"encoder": 4, "decoder": 6}
+
+
+def stacked_norm(stack: str, index: int, step: int) -> float:
+    """The encoder's norms fall with depth, the decoder's rise: each stack has its own answer."""
+    return known_norm(index, step) if stack == "encoder" else (1.0 + 0.1 * index) * (1 + 0.01 * step)
+
+
+@pytest.fixture(params=LAYOUTS + ["jsonl dump"])
+def stacked_source(request, tmp_path):
+    """An encoder-decoder run's log (layers keyed ``"encoder.3"``), in each layout and as a JSONL dump."""
+    results = [result(step, {**{LayerKey(stack, index): stacked_norm(stack, index, step)
+                                for stack, layers in STACKS.items() for index in range(layers)}, "shared": 0.5}, 1.0)
+               for step in range(1, STEPS + 1)]
+    if request.param != "jsonl dump":
+        write_log(str(tmp_path), results, request.param)
+        return str(tmp_path)
+    dump = JsonlDump(str(tmp_path / "dump.jsonl"), max_bytes=10**6, backups=0)
+    for record in results:
+        dump.write(record)
+    return str(tmp_path / "dump.jsonl")
+
+
+def test_report_compares_each_stack_with_itself(stacked_source, capsys):
+    main(["report", stacked_source, "--json"])
+    summary = json.loads(capsys.readouterr().out)
+    assert list(summary["median_norm"]) == [f"{stack}.{index}" for stack, layers in STACKS.items()
+                                            for index in range(layers)]
+    assert "early_late_ratio" not in summary and list(summary["stacks"]) == ["encoder", "decoder"]
+    encoder, decoder = summary["stacks"]["encoder"], summary["stacks"]["decoder"]
+    assert encoder["early_layers"] == ["encoder.0", "encoder.1"]
+    assert encoder["late_layers"] == ["encoder.2", "encoder.3"]
+    assert encoder["early_late_ratio"] == pytest.approx(
+        sum(stacked_norm("encoder", i, 8) for i in (0, 1)) / sum(stacked_norm("encoder", i, 8) for i in (2, 3)))
+    assert decoder["early_late_ratio"] == pytest.approx(
+        sum(stacked_norm("decoder", i, 8) for i in (0, 1)) / sum(stacked_norm("decoder", i, 8) for i in (4, 5)))
+    assert (encoder["early_larger"], decoder["early_larger"]) == (True, False)
+    assert summary["answer"].startswith("encoder: yes: ") and "; decoder: no: " in summary["answer"]
+    main(["report", stacked_source])
+    out = capsys.readouterr().out
+    assert "  encoder layer   3: " in out and "  decoder layer   5: " in out
+    assert "early/late ratio of the stack 'decoder': 0.72" in out
+
+
+def test_plot_draws_each_stack_in_a_style_and_a_band_of_its_own(stacked_source, tmp_path):
+    figure = plot_layer_norms(read_layer_series(stacked_source), str(tmp_path / "figure.png"))
+    pre_axis, _, depth_axis = figure.axes[:3]
+    lines = [(line.get_label(), line.get_linestyle()) for line in pre_axis.get_lines()]
+    assert lines == [(f"encoder layer {i}", "-") for i in (0, 1, 2, 3)] + [
+        (f"decoder layer {i}", "--") for i in (0, 1, 3, 4, 5)]  # 0, 1, mid, -2, -1 of each stack
+    assert depth_axis.images[0].get_array().shape == (10, STEPS)
+    assert [tick.get_text() for tick in depth_axis.get_yticklabels()] == [
+        f"{stack} {index}" for stack, layers in STACKS.items() for index in range(layers)]
+    assert len(depth_axis.get_lines()) == 1  # the line between the stacks

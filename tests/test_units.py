@@ -6,8 +6,8 @@ import re
 import pytest
 
 from deepspeed_patch.clipping import bf16_clip_divisor, zero_unscale_divisor
-from deepspeed_patch.config import LayerGradNormsConfig, parse_layer_spec
-from deepspeed_patch.layer_map import DEFAULT_LAYER_PATTERN, bucket_key, build_layer_map, resolve_layers
+from deepspeed_patch.config import LayerGradNormsConfig, LayerGradNormsConfigError, load_config, parse_layer_spec
+from deepspeed_patch.layer_map import DEFAULT_LAYER_PATTERN, build_layer_map, locate_layer, module_of, resolve_layers
 from deepspeed_patch.partition_slices import partition_runs
 
 
@@ -33,25 +33,29 @@ def test_default_selection_of_the_normformer_paper():
     assert resolve_layers(parse_layer_spec("0,1,mid,-2,-1"), 24) == [0, 1, 12, 22, 23]
 
 
-@pytest.mark.parametrize("name,key", [
-    ("layers.3.mlp.weight", 3),
-    ("language_model.encoder.layers.11.self_attention.query_key_value.weight", 11),
-    ("transformer.h.7.attn.c_attn.weight", 7),
-    ("blocks.0.norm1.bias", 0),
-    ("encoder.layer.5.output.dense.weight", 5),
+@pytest.mark.parametrize("name,where", [
+    ("layers.3.mlp.weight", ("layers.", 3)),
+    ("language_model.encoder.layers.11.self_attention.query_key_value.weight", ("language_model.encoder.layers.", 11)),
+    ("transformer.h.7.attn.c_attn.weight", ("transformer.h.", 7)),
+    ("blocks.0.norm1.bias", ("blocks.", 0)),
+    ("encoder.layer.5.output.dense.weight", ("encoder.layer.", 5)),
+    ("encoder.block.1.layer.0.SelfAttention.q.weight", ("encoder.block.", 1)),  # T5: the block, not its part
+    ("decoder.block.2.layer.2.DenseReluDense.wi.weight", ("decoder.block.", 2)),
     ("language_model.embedding.word_embeddings.weight", "language_model.embedding.word_embeddings"),
     ("transformer.ln_f.weight", "transformer.ln_f"),
     ("scale", "scale"),
     ("sublayers.2.weight", "sublayers.2"),  # "layers" must be a whole name component
 ])
-def test_default_pattern(name, key):
-    assert bucket_key(name, re.compile(DEFAULT_LAYER_PATTERN)) == key
+def test_default_pattern(name, where):
+    """A layer's stack and index; for a parameter outside the layers, the module its bucket is named after."""
+    found = locate_layer(name, re.compile(DEFAULT_LAYER_PATTERN))
+    assert found == where if isinstance(where, tuple) else (found is None and module_of(name) == where)
 
 
 def test_layer_count_includes_frozen_layers():
     trainable = [("layers.0.w", object()), ("head.w", object())]
     layer_map = build_layer_map(trainable, ["layers.0.w", "layers.1.w", "layers.2.w", "head.w"])
-    assert layer_map.num_layers == 3
+    assert [stack.num_layers for stack in layer_map.stacks] == [3]
     assert layer_map.keys == (0, "head")
     assert layer_map.select(parse_layer_spec("0,-1")) == (0, "head")  # layer 2 is frozen: nothing to report
 
@@ -85,6 +89,27 @@ def test_bf16_clip_divisor_mirrors_bf16_optimizer():
 def test_config_defaults():
     config = LayerGradNormsConfig()
     assert (config.enabled, config.layers, config.interval, config.layer_pattern) == (False, None, 1, None)
+
+
+MISSPELLED_BLOCK_NAMES = ("layer_grad_norm", "layerGradNorms", "layer-grad-norms", "LAYER_GRAD_NORMS",
+                          "layergradnorms", "layers_grad_norms", "lyer_grad_norms", "layer_grad_norms_")
+
+
+@pytest.mark.parametrize("key", MISSPELLED_BLOCK_NAMES)
+def test_misspelled_block_name_is_an_error_naming_it_at_deepspeed_config(key):
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    import deepspeed_patch
+
+    deepspeed_patch.install()
+    expected = re.escape(f"ds_config key {key!r}: unknown; did you mean 'layer_grad_norms'?")
+    with pytest.raises(LayerGradNormsConfigError, match=expected):
+        DeepSpeedConfig({"train_batch_size": 4, key: {"enabled": True}})
+
+
+@pytest.mark.parametrize("key", ["gradient_clipping", "layer_norms", "grad_norms", "zero_optimization", "tensorboard"])
+def test_keys_not_close_to_the_block_name_pass(key):
+    assert load_config({key: {}, "layer_grad_norms": {"enabled": True}}).enabled
 
 
 def test_install_is_idempotent_and_checks_the_deepspeed_release(monkeypatch, caplog):

@@ -9,13 +9,15 @@ gradient partitions, the points where the gradient is read, and the factor the o
 by. ``base`` holds the step protocol they share; ``attach`` picks the adapter for an engine.
 """
 
-from typing import Optional
+from typing import List, Optional
 
 from ..config import CONFIG_KEY, UnsupportedSetupError
 from .attach import attach
 from .base import LayerGradNormsAdapter
 
-__all__ = ["attach", "get_layer_grad_norms", "set_layer_grad_norms", "LayerGradNormsAdapter"]
+__all__ = [
+    "attach", "get_layer_grad_norms", "get_layer_grad_norms_history", "set_layer_grad_norms", "LayerGradNormsAdapter"
+]
 
 
 def get_layer_grad_norms(owner) -> Optional[dict]:
@@ -27,6 +29,17 @@ def get_layer_grad_norms(owner) -> Optional[dict]:
     """
     adapter = owner.layer_grad_norms
     return None if adapter is None else adapter.result()
+
+
+def get_layer_grad_norms_history(owner) -> Optional[List[dict]]:
+    """The flight recorder's steps at the trigger's last fire (``trigger.history``), oldest first, or ``None``
+    before any fire (or without a recorder).
+
+    Each entry is shaped like ``get_layer_grad_norms()``, with every bucket and the trigger's record under
+    ``"trigger"``; the same list on every rank, replaced at the next fire.
+    """
+    adapter = owner.layer_grad_norms
+    return None if adapter is None else adapter.history()
 
 
 def set_layer_grad_norms(engine,

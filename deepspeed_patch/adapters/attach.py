@@ -21,7 +21,7 @@ from .. import capabilities
 from ..config import CONFIG_KEY, LayerGradNormsConfig, UnsupportedSetupError
 from ..layer_map import model_layer_map
 from ..monitor import MonitorEvents
-from ..statistics import REPLICATED
+from ..reduction import REPLICATED
 from .base import LayerGradNormsAdapter, Setup
 from .bf16 import BF16Adapter
 from .fused_fp16 import FusedFP16Adapter
@@ -71,9 +71,10 @@ def _param_grad_adapter(engine, config: LayerGradNormsConfig) -> ParamGradAdapte
             f"ZeRO (fp32, or FP16_Optimizer / FP16_UnfusedOptimizer for fp16/bf16); this engine uses "
             f"{type(engine.optimizer).__name__} (zero_optimization.stage={engine.zero_optimization_stage()}, "
             f"bf16={engine.bfloat16_enabled()}, fp16={engine.fp16_enabled()})")
-    if config.trigger is not None:
+    if config.trigger is not None and not config.trigger.history:
         raise UnsupportedSetupError(f"{CONFIG_KEY}.trigger needs an optimizer that reports the global "
-                                    "gradient norm (ZeRO-1/2/3, BF16_Optimizer, fp16/bf16 without ZeRO)")
+                                    "gradient norm (ZeRO-1/2/3, BF16_Optimizer, fp16/bf16 without ZeRO), or, in fp32 "
+                                    "without ZeRO, trigger.history > 0 (the recorder reads every step's norm)")
     params = [param for param in engine.module.parameters() if param.requires_grad]
     return ParamGradAdapter(params, _setup(engine, config, params, REPLICATED), max_norm=engine.gradient_clipping)
 
@@ -81,6 +82,7 @@ def _param_grad_adapter(engine, config: LayerGradNormsConfig) -> ParamGradAdapte
 def _setup(engine, config: LayerGradNormsConfig, params: List[torch.nn.Parameter], group) -> Setup:
     """The layer map of the trainable ``params``, and the engine's step count and monitors."""
     names = engine.param_names
+    _check_no_sequence_parallel(params, names)
     layer_map = model_layer_map(engine.module, config, [(names[param], param) for param in params], names.values())
     tensor_rank = bwc_tensor_model_parallel_rank(engine.mpu)
 
@@ -125,6 +127,17 @@ def _check_supported(optimizer, family_refusals: List[str]) -> None:
     if refused:
         raise UnsupportedSetupError(f"{CONFIG_KEY} does not support {', '.join(refused)} yet; "
                                     f"remove the '{CONFIG_KEY}' block or set enabled=false")
+
+
+def _check_no_sequence_parallel(params: List[torch.nn.Parameter], names) -> None:
+    """Megatron's ``--sequence-parallel`` marks the parameters (layer norms) whose gradients stay partial on
+    each tensor-parallel rank until Megatron all-reduces them, after DeepSpeed's optimizer would have read
+    them; nothing tests which of the two it sees, so the set-up is refused."""
+    marked = [names.get(param, "?") for param in params if getattr(param, "sequence_parallel", False)]
+    if marked:
+        raise UnsupportedSetupError(f"{CONFIG_KEY} does not support Megatron's --sequence-parallel (parameters "
+                                    f"marked sequence_parallel: {', '.join(marked[:3])}"
+                                    f"{', ...' if len(marked) > 3 else ''}); run without it or set enabled=false")
 
 
 def _check_whole_model(engine) -> None:

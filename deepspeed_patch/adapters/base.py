@@ -16,9 +16,12 @@ it reads (``optimizer.layer_grad_norms``). One optimizer step:
 3. ``end_step()`` at the end of ``_take_model_step``: the measurement is reduced across the ranks
    (one collective) and published; the trigger sees the global norm; DeepSpeed's monitors get the result.
 
-Unmeasured steps cost one modulo and a few attribute reads.
+With a flight recorder (``trigger.history``) every step opens a measurement; one that is only recorded
+is pushed into the recorder's ring instead of being reduced, and the whole ring is reduced when the
+trigger fires. Without it, unmeasured steps cost one modulo and a few attribute reads.
 """
 
+import functools
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence
 
@@ -29,6 +32,7 @@ from ..clipping import zero_unscale_divisor
 from ..config import LayerGradNormsConfig
 from ..layer_map import LayerMap
 from ..measurement import Measurement, Schedule
+from ..recorder import FlightRecorder
 from ..statistics import RunTable
 
 BucketOf = Callable[[torch.nn.Parameter], Optional[int]]
@@ -66,10 +70,15 @@ class LayerGradNormsAdapter:
         self.num_groups = num_groups
         self.device = device
         self.measurement: Optional[Measurement] = None
+        self.reporting = False
+        """Whether the step under way is measured (reduced and published), not only recorded."""
+        history = setup.config.trigger.history if setup.config.trigger is not None else 0
+        self.recorder = FlightRecorder(history, self.layer_map.num_rows, device) if history else None
 
     def begin_step(self) -> None:
-        """Top of the engine's optimizer step: open a measurement if this step is measured."""
-        if not self.schedule.next_step():
+        """Top of the engine's optimizer step: open a measurement if this step is measured or recorded."""
+        self.reporting = self.schedule.next_step()
+        if not (self.reporting or (self.recorder is not None and not self.schedule.broken)):
             return
         self.measurement = Measurement(self.schedule.step,
                                        self.layer_map.num_rows,
@@ -81,18 +90,25 @@ class LayerGradNormsAdapter:
             self.read_at_begin(self.measurement)
 
     def end_step(self) -> None:
-        """End of the engine's optimizer step: reduce and publish a measured step, feed the trigger."""
+        """End of the engine's optimizer step: record it, reduce and publish a measured step, feed the
+        trigger, and when it fires reduce the recorded steps."""
         measurement, self.measurement = self.measurement, None
         with self.schedule.failing_locally("finishing the step"):
             overflow = self.overflow()
             if measurement is not None:
                 with measurement.guarded("reading the applied scale"):
                     self.read_at_end(measurement, overflow)
+                if self.recorder is not None:
+                    self.recorder.push(measurement.local_table(), measurement.scales(overflow))
+            if measurement is not None and self.reporting:
                 self.schedule.publish(
                     measurement.finish(self.group, overflow, self.layer_map.keys, self.schedule.reported_keys()))
                 if self.monitor is not None and self.schedule.result is not None:
                     self.monitor(self.schedule.result)
-            self.schedule.after_step(self.global_norm(), overflow)
+            fired = self.schedule.after_step(self.global_norm(), overflow)
+            if fired is not None and self.recorder is not None:
+                self.schedule.publish_history(self.recorder.history(self.group, self.layer_map.keys, self.extra),
+                                              fired)
 
     def read_at_begin(self, measurement: Measurement) -> None:
         """Families whose gradients are complete when the step begins read them here."""
@@ -117,6 +133,18 @@ class LayerGradNormsAdapter:
     def result(self) -> Optional[dict]:
         """The statistics of the last measured step (``engine.get_layer_grad_norms()``), or ``None``."""
         return self.schedule.get()
+
+    def history(self) -> Optional[List[dict]]:
+        """The recorded steps of the trigger's last fire (``engine.get_layer_grad_norms_history()``), oldest
+        first, or ``None`` before any fire."""
+        return self.schedule.history
+
+    def report_loss(self, loss: float) -> None:
+        """The training step's loss, for ``trigger.loss_factor``: call it on every rank with the same value
+        (a loss already averaged across the ranks, as Megatron's reduced loss is), before ``engine.step()``
+        of that step or after it; it is judged at the end of the next optimizer step. A rank that reports
+        another value, or none, could fire alone and hang the others in the recorder's collective."""
+        self.schedule.report_loss(loss)
 
     def set_options(self,
                     enabled: Optional[bool] = None,
@@ -157,11 +185,15 @@ class ZeroPartitionsAdapter(OptimizerAdapter):
     def observe_group(self, measurement: Measurement, index: int, flat_grad: torch.Tensor, total_norm,
                       zeroes_invalid_norm: bool) -> None:
         """Fold in group ``index``'s flat partition and record what ``unscale_and_clip_grads`` divides it by,
-        for the global norm (times the loss scale) ``total_norm``."""
+        for the global norm (times the loss scale) ``total_norm``, which stays on the device until ``finish``."""
         optimizer = self.optimizer
         measurement.observe_partition(index, flat_grad, self.tables[index])
-        measurement.set_applied_scale(
-            zero_unscale_divisor(total_norm, optimizer.clip_grad, optimizer.loss_scale, zeroes_invalid_norm))
+        measurement.set_applied_scale_of_norm(
+            total_norm,
+            functools.partial(zero_unscale_divisor,
+                              clip_grad=optimizer.clip_grad,
+                              loss_scale=optimizer.loss_scale,
+                              zeroes_invalid_norm=zeroes_invalid_norm))
 
     def update_scale(self, has_overflow=False) -> None:
         """Top of ``_update_scale``: once per step, before the loss scale changes and before a skipped

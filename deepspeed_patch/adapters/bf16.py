@@ -8,6 +8,7 @@ Its flat gradient partitions are complete, reduced and carry no loss scale when 
 they are read then; once the step is done, its global norm gives the clip factor it applied.
 """
 
+import functools
 from typing import List
 
 import torch
@@ -48,7 +49,8 @@ class BF16Adapter(OptimizerAdapter):
     def read_at_end(self, measurement: Measurement, overflow: bool) -> None:
         if not overflow:
             optimizer = self.optimizer
-            measurement.set_applied_scale(bf16_clip_divisor(optimizer._global_grad_norm, optimizer.clip_grad))
+            measurement.set_applied_scale_of_norm(optimizer._global_grad_norm,
+                                                  functools.partial(bf16_clip_divisor, clip_grad=optimizer.clip_grad))
 
     def overflow(self) -> bool:
         return self.capabilities.bf16_skips_steps and bool(self.optimizer.overflow)

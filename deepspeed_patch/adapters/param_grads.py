@@ -5,7 +5,9 @@
 """Gradients in each parameter's ``.grad``, complete and averaged on every rank: DeepSpeed without ZeRO
 in fp32 (the engine clips them itself), plain PyTorch and DistributedDataParallel (``plain.py``).
 
-They are read when the step begins, before anything clips them; no collective is needed.
+They are read when the step begins, before anything clips them; no collective is needed. The engine keeps
+no global norm here; with a flight recorder (``trigger.history``) every step is read, and the trigger gets
+the global norm from that table (the whole model on every rank), with the one host sync it needs anyway.
 """
 
 from typing import Callable, List, Optional
@@ -13,6 +15,7 @@ from typing import Callable, List, Optional
 import torch
 
 from ..measurement import Measurement
+from ..statistics import total_norm
 from .base import LayerGradNormsAdapter, Setup
 
 
@@ -29,6 +32,7 @@ class ParamGradAdapter(LayerGradNormsAdapter):
         self.measured = [param for param in params if setup.bucket_of(param) is not None]
         self.bucket_of = setup.bucket_of
         self.max_norm = max_norm
+        self.norm: Optional[float] = None
         super().__init__(setup, 1, params[0].device)
 
     def read_at_begin(self, measurement: Measurement) -> None:
@@ -37,3 +41,12 @@ class ParamGradAdapter(LayerGradNormsAdapter):
         measurement.observe(0, [param.grad.detach().reshape(-1) for param in with_grad], buckets)
         if self.max_norm is not None and self.max_norm() > 0:
             measurement.set_clip_norm(self.max_norm())
+
+    def read_at_end(self, measurement: Measurement, overflow: bool) -> None:
+        if self.recorder is not None:
+            self.norm = total_norm(measurement.stats)
+
+    def global_norm(self) -> Optional[float]:
+        """The norm of the step just read by the recorder (taken once: a step it did not read has none)."""
+        norm, self.norm = self.norm, None
+        return norm

@@ -45,7 +45,7 @@ class ZeroAdapter(ZeroPartitionsAdapter):
 
     def unscale_and_clip_grads(self, grad_groups_flat, total_norm) -> None:
         """Top of ``unscale_and_clip_grads``, once per group: the flat fp32 partition about to be divided by
-        the loss scale and the clip factor."""
+        the loss scale and the clip factor. The global norm stays on the device until ``finish``."""
         measurement = self.measurement
         if measurement is None:
             return

@@ -153,6 +153,8 @@ def report_grad_norm_without_pipeline() -> None:
     ``model[0].get_global_grad_norm()``. This makes the non-pipeline path return the same call, so that
     every set-up's log shows the norm the per-layer norms are checked against. It reads a number
     DeepSpeed has already computed: no collective, no change to the step."""
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
     training = _fork_module("megatron.training")
     train_step = getattr(training, "train_step", None)
     if train_step is None:
@@ -161,7 +163,7 @@ def report_grad_norm_without_pipeline() -> None:
     @functools.wraps(train_step)
     def train_step_reporting_grad_norm(forward_step_func, data_iterator, model, *args, **kwargs):
         loss, skipped, grad_norm, num_zeros = train_step(forward_step_func, data_iterator, model, *args, **kwargs)
-        if grad_norm is None and hasattr(model[0], "get_global_grad_norm"):
+        if grad_norm is None and isinstance(model[0], DeepSpeedEngine):
             grad_norm = model[0].get_global_grad_norm()
         return loss, skipped, grad_norm, num_zeros
 

@@ -1,0 +1,48 @@
+# Copyright (c) Microsoft Corporation.
+# SPDX-License-Identifier: Apache-2.0
+
+# DeepSpeed Team
+"""The reduction of every rank's ``(buckets, 9)`` statistics table: two all-reduces, whatever the world size.
+
+A table's first ``NUM_SUMMED`` columns add up across ranks (squared norm, non-finite count, L1, sum,
+zeros, element count), the others take the maximum (max, -min, -abs_min). So one SUM all-reduce of
+the summed columns and one MAX all-reduce of the others give every rank the statistics of the full
+gradient. Each rank sends and receives about ``2 * 72 * buckets`` bytes (ring algorithm), the same at
+2 ranks as at 16,384, where an all-gather of the tables brought ``72 * buckets * world_size`` to each
+rank. The all-gather is not kept for small worlds, although it is cheaper there while latency
+dominates (one collective of ``W - 1`` ring steps against two of ``2 (W - 1)``): by 6 to 60 us per
+measured step up to 64 ranks in NCCL's own latency model, where the new reduction saves 0.2 to 17 ms
+from 384 to 16,384 ranks (``benchmarks/results/reduction_cost.md``). A second path chosen by world
+size would save microseconds, make the bytes per rank depend on the world again, and need its own tests.
+
+Every rank gets the same bits: an all-reduce leaves one result on all ranks (NCCL's ring and tree, and
+gloo's, compute each element's sum once and copy it), so no rank can see a different order of float64
+additions. The counts (element count, non-finite, zeros, and the status row's failure flag a caller
+appends as an extra row) are whole numbers, exact in float64 up to 2**53.
+"""
+
+import torch
+from deepspeed import comm as dist
+from deepspeed.accelerator import get_accelerator
+
+from .statistics import NUM_SUMMED
+
+# The group of a measurement whose gradients are already complete and identical on every rank (plain
+# PyTorch, DistributedDataParallel, DeepSpeed without ZeRO): nothing to combine.
+REPLICATED = "replicated"
+COLLECTIVES_PER_STEP = 2
+"""What ``reduce_stats`` issues when there is something to combine: one SUM and one MAX all-reduce."""
+
+
+def reduce_stats(stats: torch.Tensor, group=None) -> torch.Tensor:
+    """Combine every rank's table in ``group`` (``None``: all ranks) with ``COLLECTIVES_PER_STEP``
+    all-reduces of O(buckets) bytes each; the same result, bit for bit, on every rank."""
+    if group is REPLICATED or not dist.is_initialized() or dist.get_world_size(group=group) == 1:
+        return stats
+    # Offloaded partitions live in host memory; the communication backend wants accelerator tensors.
+    stats = stats.to(get_accelerator().current_device_name())
+    summed = stats[:, :NUM_SUMMED].contiguous()
+    maxima = stats[:, NUM_SUMMED:].contiguous()
+    dist.all_reduce(summed, op=dist.ReduceOp.SUM, group=group)
+    dist.all_reduce(maxima, op=dist.ReduceOp.MAX, group=group)
+    return torch.cat([summed, maxima], dim=1)

@@ -1,0 +1,151 @@
+"""What each rank runs in the Hugging Face Trainer tests: a tiny GPT-2, built from a config (no download),
+trained a few steps by a real ``Trainer`` with ``LayerGradNormsCallback``, under DeepSpeed or without it.
+
+Besides the Trainer's ``log_history`` a run records, independently of the callback, what the engine
+reported after each step (``engine.get_layer_grad_norms()``) or, without DeepSpeed, the gradient as
+it was before the Trainer clipped it.
+"""
+
+import glob
+import logging
+import os
+import re
+import tempfile
+import traceback
+import warnings
+from typing import Any, Dict, Hashable, Optional
+
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
+
+from reference import bucket_stats
+
+STEPS = 3
+MAX_GRAD_NORM = 0.05  # small enough that the Trainer clips every step
+GPT2_LAYER = re.compile(r"\.h\.(\d+)\.")
+
+
+def gpt2_bucket(name: str) -> Hashable:
+    """The documented bucket of a GPT-2 parameter: ``h.N.`` gives layer N, others their module."""
+    match = GPT2_LAYER.search(name)
+    return int(match.group(1)) if match else name.rpartition(".")[0]
+
+
+def tiny_gpt2():
+    torch.manual_seed(0)
+    return GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=3, n_head=2))
+
+
+class SyntheticText(torch.utils.data.Dataset):
+    """Random token sequences, each its own label."""
+
+    def __init__(self, size: int = 32, length: int = 16) -> None:
+        generator = torch.Generator().manual_seed(1)
+        self.ids = torch.randint(0, 64, (size, length), generator=generator)
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, index: int) -> Dict[str, torch.Tensor]:
+        return {"input_ids": self.ids[index], "labels": self.ids[index]}
+
+
+def ds_config(stage: int, block: Optional[dict]) -> Dict[str, Any]:
+    config = {
+        "train_micro_batch_size_per_gpu": "auto",
+        "train_batch_size": "auto",
+        "gradient_accumulation_steps": "auto",
+        "gradient_clipping": "auto",
+        "zero_optimization": {"stage": stage},
+        "steps_per_print": 10**9,
+    }
+    if block is not None:
+        config["layer_grad_norms"] = block
+    return config
+
+
+def make_trainer(output_dir: str, deepspeed: Optional[dict], callback_options: dict, gas: int = 1):
+    """A ``Trainer`` with the callback, a recorder of what happens outside it, and TensorBoard logging."""
+    from deepspeed_patch.hf import LayerGradNormsCallback
+
+    args = TrainingArguments(output_dir=output_dir, per_device_train_batch_size=2, gradient_accumulation_steps=gas,
+                             max_steps=STEPS, logging_steps=1, learning_rate=1e-3, max_grad_norm=MAX_GRAD_NORM,
+                             use_cpu=True, deepspeed=deepspeed, report_to=["tensorboard"], save_strategy="no",
+                             disable_tqdm=True, seed=0)
+    callback = LayerGradNormsCallback(**callback_options)  # before the model: under ZeRO-3 it is built partitioned
+    model = tiny_gpt2()
+    recorder = Recorder()
+    trainer = RecordingTrainer(model=model, args=args, train_dataset=SyntheticText(),
+                               callbacks=[callback, recorder])
+    recorder.trainer = trainer
+    return trainer, recorder
+
+
+class Recorder(TrainerCallback):
+    """The engine's own result after each optimizer step (DeepSpeed)."""
+
+    def __init__(self) -> None:
+        self.trainer = None
+        self.engine_results = []
+
+    def on_step_end(self, args, state, control, **kwargs):
+        engine = self.trainer.model_wrapped
+        if hasattr(engine, "get_layer_grad_norms"):
+            self.engine_results.append(engine.get_layer_grad_norms())
+
+
+class RecordingTrainer(Trainer):
+    """Keeps each step's gradient as it was before the Trainer clipped it (without DeepSpeed)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.pre_clip_grads = []
+
+    def _clip_grad_norm(self, model):
+        self.pre_clip_grads.append(
+            {name: p.grad.detach().double().clone()
+             for name, p in model.named_parameters() if p.grad is not None})
+        return super()._clip_grad_norm(model)
+
+
+def tensorboard_tags(log_dir: str) -> Dict[str, Dict[int, float]]:
+    """Every scalar the Trainer's TensorBoard integration wrote: tag -> {step: value}."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    scalars: Dict[str, Dict[int, float]] = {}
+    for events in glob.glob(os.path.join(log_dir, "**", "events.out.tfevents.*"), recursive=True):
+        accumulator = EventAccumulator(events)
+        accumulator.Reload()
+        for tag in accumulator.Tags()["scalars"]:
+            scalars.setdefault(tag, {}).update((e.step, e.value) for e in accumulator.Scalars(tag))
+    return scalars
+
+
+def run(deepspeed: Optional[dict], callback_options: dict, gas: int = 1) -> Dict[str, Any]:
+    """One Trainer run; what the tests check, or the error (a refusal at initialize is a result too)."""
+    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+    with tempfile.TemporaryDirectory() as output_dir, warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            trainer, recorder = make_trainer(output_dir, deepspeed, callback_options, gas)
+            trainer.train()
+        except Exception:
+            return {"error": traceback.format_exc()}
+        record = {
+            "warnings": [str(w.message) for w in caught if "LayerGradNormsCallback" in str(w.message)],
+            "log_history": trainer.state.log_history,
+            "engine_results": recorder.engine_results,
+            "reference": [bucket_stats(grads, gpt2_bucket) for grads in trainer.pre_clip_grads],
+            "tensorboard": tensorboard_tags(output_dir),
+        }
+        if hasattr(trainer.model_wrapped, "destroy"):
+            trainer.model_wrapped.destroy()
+        return record
+
+
+def run_deepspeed_cases(cases: Dict[str, dict]) -> Dict[str, Any]:
+    """Each case ``{"stage", "block", "gas", "options"}`` on this rank, in one launch."""
+    return {
+        name: run(ds_config(case["stage"], case["block"]), case.get("options", {}), case.get("gas", 1))
+        for name, case in cases.items()
+    }

@@ -1,0 +1,123 @@
+"""What each rank runs in the 3D tests: tensor x pipeline x data parallelism, ZeRO-1 or BF16_Optimizer.
+
+The model is ``tp_workers``' column/row-parallel MLP stack; with pipeline stages it is a
+``PipelineModule`` of the same modules (embedding, the TP layers, head). Ranks follow DeepSpeed's
+``PipeModelDataParallelTopology``. Each data-parallel rank trains on its own batch; the reference
+rebuilds the unsharded model from every stage's and every TP rank's weights and averages its gradient
+over the data-parallel ranks' batches, in plain PyTorch.
+"""
+
+from typing import Any, Dict, List
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from pipeline_workers import run_cases
+from reference import bucket_stats
+from tp_workers import HIDDEN, LAYERS, MICRO_BATCH, SEQ, VOCAB, TensorParallelMLPLayer, TensorParallelModel, full_model
+
+DEFAULT_CASE: Dict[str, Any] = {"pp": 1, "tp": 2, "dp": 2, "dtype": "fp32", "clip": 0.05, "steps": 2}
+# The buckets outside the layers: under pipeline parallelism named after the spec's class.
+PIPELINE_NAMES = {"embed": "Embedding", "head": "Linear"}
+
+
+def cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.float().reshape(-1, VOCAB), labels.reshape(-1))
+
+
+def build_model(case: Dict[str, Any], tp_rank: int, tp_group):
+    """The replicated parts seeded alike on every rank, the TP shards by TP rank (alike across DP ranks)."""
+    torch.manual_seed(0)
+    embed, head = nn.Embedding(VOCAB, HIDDEN), nn.Linear(HIDDEN, VOCAB)
+    torch.manual_seed(1 + tp_rank)
+    layers = [TensorParallelMLPLayer(case["tp"], tp_group) for _ in range(LAYERS)]
+    if case["pp"] == 1:
+        model = TensorParallelModel(case["tp"], tp_group)
+        model.embed, model.head, model.layers = embed, head, nn.ModuleList(layers)
+        return model
+    from deepspeed.pipe import PipelineModule
+    from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
+
+    topology = PipeModelDataParallelTopology(num_pp=case["pp"], num_mp=case["tp"], num_dp=case["dp"])
+    return PipelineModule(layers=[embed, *layers, head], topology=topology, loss_fn=cross_entropy)
+
+
+def plain_name(name: str, pipelined: bool) -> str:
+    """The ``TensorParallelModel`` name of a parameter (a pipeline's spec index first)."""
+    if not pipelined:
+        return name
+    index, _, rest = name.partition(".")
+    index = int(index)
+    if index == 0:
+        return f"embed.{rest}"
+    return f"layers.{index - 1}.{rest}" if index <= LAYERS else f"head.{rest}"
+
+
+def reference_stats(engine, case: Dict[str, Any], tp_rank: int, batches: List[torch.Tensor]):
+    """Per-bucket statistics of the unsharded model's gradient, averaged over the DP ranks' batches."""
+    import torch.distributed as dist  # deepspeed.comm has no all_gather_object before 0.15
+
+    pipelined = case["pp"] > 1
+    local = {plain_name(name, pipelined): p.detach().float().clone() for name, p in engine.module.named_parameters()}
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, (tp_rank, local))
+    shards = [{} for _ in range(case["tp"])]
+    for rank_tp, part in gathered:
+        shards[rank_tp].update(part)
+    model = full_model(shards).to(torch.bfloat16 if case["dtype"] == "bf16" else torch.float32)
+    for batch in batches:
+        (model(batch) / len(batches)).backward()
+    stats = bucket_stats({name: p.grad for name, p in model.named_parameters()})
+    return {PIPELINE_NAMES.get(key, key) if pipelined else key: value for key, value in stats.items()}
+
+
+def train(case: Dict[str, Any]) -> Dict[str, Any]:
+    import deepspeed
+    from deepspeed.runtime.pipe.topology import PipelineParallelGrid, PipeModelDataParallelTopology
+
+    topology = PipeModelDataParallelTopology(num_pp=case["pp"], num_mp=case["tp"], num_dp=case["dp"])
+    grid = PipelineParallelGrid(topology=topology)
+    tp_rank, dp_rank = grid.get_slice_parallel_rank(), grid.get_data_parallel_rank()
+    model = build_model(case, tp_rank, grid.get_slice_parallel_group())
+    if case.get("sequence_parallel"):
+        model.embed.weight.sequence_parallel = True  # as Megatron marks its layer norms under --sequence-parallel
+    config = {
+        "train_micro_batch_size_per_gpu": MICRO_BATCH,
+        "gradient_clipping": case["clip"],
+        "zero_optimization": {
+            "stage": 1
+        },
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 10**9,
+        "layer_grad_norms": {
+            "enabled": True
+        },
+    }
+    if case["dtype"] == "bf16":
+        config.update(bf16={"enabled": True}, data_types={"grad_accum_dtype": "fp32"})
+    engine, *_ = deepspeed.initialize(model=model,
+                                      optimizer=torch.optim.SGD(model.parameters(), lr=1.0),
+                                      config=config,
+                                      mpu=None if case["pp"] > 1 else grid)
+    record = {"measured": [], "global_norm": [], "reference": [], "optimizer": type(engine.optimizer).__name__}
+    for step in range(case["steps"]):
+        batches = [
+            torch.randint(0, VOCAB, (MICRO_BATCH, SEQ + 1), generator=torch.Generator().manual_seed(10 * step + dp))
+            for dp in range(case["dp"])
+        ]
+        record["reference"].append(reference_stats(engine, case, tp_rank, batches))
+        batch = batches[dp_rank]
+        if case["pp"] > 1:
+            engine.train_batch(data_iter=iter([(batch[:, :-1], batch[:, 1:])]))
+        else:
+            engine.backward(engine(batch))
+            engine.step()
+        record["measured"].append(engine.get_layer_grad_norms())
+        record["global_norm"].append(float(engine.get_global_grad_norm()))
+    engine.destroy()
+    return record
+
+
+def run_3d_cases(cases: Dict[str, Dict[str, Any]]) -> Dict[str, Any]:
+    return run_cases(train, DEFAULT_CASE, cases)

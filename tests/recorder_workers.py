@@ -1,0 +1,128 @@
+"""What each rank runs in the flight-recorder tests: train a TinyGPT with ``trigger.history``, force a fire,
+and record the history, the plain-PyTorch reference of every step (rank 0), and the collectives per step."""
+
+import logging
+import os
+from typing import Any, Dict, List, Optional
+
+import torch
+
+from megatron_integration.tiny_gpt import TinyGPT
+from reference import averaged_gradients, bucket_stats
+from setup_workers import counting_collectives
+from zero_workers import (
+    DEFAULT_CASE,
+    DTYPES,
+    FP16_INITIAL_SCALE_POWER,
+    batches_of_step,
+    ds_config,
+    force_fp16_on_cpu,
+    install_feature,
+    loss_scale,
+    model_config,
+)
+
+SPIKE = 64.0  # a power of two: the spiked step's gradient is the ordinary one scaled exactly, in every dtype
+HISTORY = 4
+TRIGGER = {"grad_norm_factor": 3.0, "window": 5, "capture_steps": 1, "history": HISTORY}
+
+
+def recorder_case(**overrides: Any) -> Dict[str, Any]:
+    """A zero_workers case measuring nothing on its own: only the recorder and the trigger's capture."""
+    case = {**DEFAULT_CASE, "steps": 8, "spikes": (7, ), "overflow_step": None, "report_loss": False,
+            "trigger": TRIGGER, "dump": None, **overrides}
+    case["block"] = {"enabled": False, "trigger": case["trigger"], **({"dump": {"path": case["dump"]}}
+                                                                       if case["dump"] else {})}
+    return case
+
+
+def _step_loss(engine, case: Dict[str, Any], step: int, batch: torch.Tensor) -> torch.Tensor:
+    loss = engine(batch)
+    if step in case["spikes"]:
+        loss = loss * SPIKE
+    if step == case["overflow_step"]:
+        loss = loss * 1e30
+    return loss
+
+
+def _reported_loss(loss: torch.Tensor) -> float:
+    """The loss averaged over the ranks, as Megatron reduces it: the same value on every rank."""
+    from deepspeed import comm as dist
+
+    total = loss.detach().clone()
+    dist.all_reduce(total)
+    return total.item() / dist.get_world_size()
+
+
+def train(case: Dict[str, Any], enabled: bool, count: bool = False) -> Dict[str, Any]:
+    """Train ``case``; with ``enabled``, its block (the recorder); else no block at all."""
+    import deepspeed
+    from deepspeed import comm as dist
+
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = TinyGPT(model_config(case))
+    engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=1.0),
+                                      config=ds_config(case, enabled))
+    record: Dict[str, List[Any]] = {"losses": [], "history": [], "reference": [], "applied": [], "collectives": []}
+    for step in range(1, case["steps"] + 1):
+        before = {name: p.detach().float().clone() for name, p in engine.module.named_parameters()}
+        scale = loss_scale(engine.optimizer)
+        (batch, ) = batches_of_step(case, step, world_size, rank)
+        loss = _step_loss(engine, case, step, batch)
+        record["losses"].append(loss.item())
+        engine.backward(loss)
+        if case["report_loss"] and enabled:
+            engine.layer_grad_norms.report_loss(_reported_loss(loss))
+        with counting_collectives() as calls:
+            engine.step()
+        record["collectives"].append(calls[0])
+        after = {name: p.detach().float() for name, p in engine.module.named_parameters()}
+        record["applied"].append(bucket_stats({name: before[name] - after[name] for name in after}))
+        record["history"].append(engine.get_layer_grad_norms_history() if enabled else None)
+        if rank == 0 and enabled and not count:
+            factor = SPIKE if step in case["spikes"] else 1.0
+            reference_scale = 2.0**FP16_INITIAL_SCALE_POWER if case["dtype"] == "fp16" else 1.0
+            grads = averaged_gradients(before, model_config(case), DTYPES[case["dtype"]],
+                                       batches_of_step(case, step, world_size), (), reference_scale)
+            record["reference"].append(bucket_stats({name: grad * factor for name, grad in grads.items()}))
+            record.setdefault("loss_scales", []).append((scale, loss_scale(engine.optimizer)))
+    record["final"] = {name: p.detach().clone() for name, p in engine.module.named_parameters()}
+    record["optimizer"] = type(engine.optimizer).__name__
+    recorder = engine.layer_grad_norms.recorder if enabled else None
+    record["ring_bytes"] = None if recorder is None else recorder.nbytes
+    engine.destroy()
+    return record
+
+
+def run_recorder(workdir: str) -> Dict[str, Any]:
+    """Every recorder case of this world size, in one launch; a failing case is recorded, not raised."""
+    import traceback
+
+    from deepspeed import comm as dist
+
+    install_feature()
+    force_fp16_on_cpu()
+    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+    world = dist.get_world_size()
+    cases = {
+        "z1_fp32": recorder_case(stage=1),
+        "z2_fp32_clip_two_fires": recorder_case(stage=2, clip=0.5, steps=12, spikes=(7, 11),
+                                                dump=os.path.join(workdir, f"dump-{world}.jsonl")),
+        "z0_fp32_clip": recorder_case(stage=0, clip=0.5),
+        "bf16_optimizer": recorder_case(stage=1, dtype="bf16", grad_accum_dtype="fp32"),
+        "z2_fp16_overflow": recorder_case(stage=2, dtype="fp16", spikes=(), overflow_step=7),
+        "z2_loss_trigger": recorder_case(stage=2, report_loss=True,
+                                         trigger={**TRIGGER, "grad_norm_factor": 1e9, "loss_factor": 3.0}),
+    }
+    results: Dict[str, Optional[Dict[str, Any]]] = {}
+    for name, case in cases.items():
+        try:
+            results[name] = {"case": case, "on": train(case, enabled=True)}
+            if name == "z2_fp32_clip_two_fires":
+                results[name]["off"] = train(case, enabled=False)
+                without_ring = recorder_case(**{**case, "trigger": {**TRIGGER, "history": 0}, "dump": None})
+                results[name]["no_history"] = train(without_ring, enabled=True, count=True)
+        except Exception:
+            results[name] = {"case": case, "error": traceback.format_exc()}
+    return results

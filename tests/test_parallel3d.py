@@ -1,0 +1,94 @@
+"""Per-layer statistics with data parallelism > 1 under tensor and pipeline parallelism (3D).
+
+TP 2 x DP 2 and PP 2 x DP 2 on 4 CPU ranks, TP 2 x PP 2 x DP 2 on 8, one launch per world size;
+ZeRO-1 with clipping, and BF16_Optimizer. Each DP rank holds another ZeRO partition of the same
+stage's shard: the reduction over all ranks must count every element once (TP replicas off TP rank 0
+are left out by ``bucket_of``), and match the unsharded model's gradient (``parallel3d_workers``).
+"""
+
+import math
+from functools import lru_cache
+
+import pytest
+from parallel3d_workers import run_3d_cases
+
+from megatron_integration.cpu_launch import launch
+from reference import TOLERANCE, assert_close_stats
+
+CASES = {
+    4: {
+        "tp2_dp2_zero1_clip": {
+            "pp": 1
+        },
+        "pp2_dp2_zero1_clip": {
+            "pp": 2,
+            "tp": 1
+        },
+        "tp2_dp2_sequence_parallel": {
+            "pp": 1,
+            "sequence_parallel": True,
+            "steps": 0
+        },
+    },
+    8: {
+        "tp2_pp2_dp2_zero1_clip": {
+            "pp": 2
+        },
+        "tp2_pp2_dp2_bf16_optimizer_clip": {
+            "pp": 2,
+            "dtype": "bf16"
+        },
+    },
+}
+TRAINED = [(world, name) for world, cases in CASES.items() for name in cases if "sequence" not in name]
+
+
+@lru_cache(maxsize=None)
+def world(world_size: int):
+    return launch(run_3d_cases, world_size, CASES[world_size])
+
+
+def records(world_size: int, name: str):
+    by_rank = [ranks[name] for ranks in world(world_size)]
+    if "error" in by_rank[0]:
+        pytest.fail(by_rank[0]["error"])
+    return [rank["on"] for rank in by_rank]
+
+
+@pytest.mark.parametrize("world_size,name", TRAINED)
+def test_every_bucket_matches_the_unsharded_reference(world_size, name):
+    record = records(world_size, name)[0]
+    tolerance = TOLERANCE[CASES[world_size][name].get("dtype", "fp32")]
+    for measured, reference in zip(record["measured"], record["reference"]):
+        assert set(measured["pre_clip"]) == set(reference)
+        assert_close_stats(measured["pre_clip"], reference, tolerance)
+    assert len(record["measured"]) == 2
+
+
+@pytest.mark.parametrize("world_size,name", TRAINED)
+def test_ranks_agree_norms_add_up_and_clipping_applies_one_factor(world_size, name):
+    by_rank = records(world_size, name)
+    assert all(repr(record["measured"]) == repr(by_rank[0]["measured"]) for record in by_rank)
+    clipped = 0
+    for measured, global_norm in zip(by_rank[0]["measured"], by_rank[0]["global_norm"]):
+        combined = math.sqrt(sum(stats["norm"]**2 for stats in measured["pre_clip"].values()))
+        assert combined == pytest.approx(global_norm, rel=1e-5)
+        assert measured["clip_coef"] == pytest.approx(min(1.0, 0.05 / (global_norm + 1e-6)), rel=1e-6)
+        for key, stats in measured["pre_clip"].items():
+            assert measured["post_clip"][key]["norm"] == pytest.approx(stats["norm"] * measured["clip_coef"])
+        clipped += measured["clip_coef"] < 1
+    assert clipped == 2, "the clip value 0.05 should clip both steps"
+
+
+def test_bf16_cases_use_bf16_optimizer():
+    checked = 0
+    for world_size, name in TRAINED:
+        expected = "BF16_Optimizer" if CASES[world_size][name].get("dtype") == "bf16" else "DeepSpeedZeroOptimizer"
+        assert records(world_size, name)[0]["optimizer"] == expected
+        checked += 1
+    assert checked == 4
+
+
+def test_megatron_sequence_parallel_is_refused_at_initialize():
+    for rank in world(4):
+        assert "--sequence-parallel" in rank["tp2_dp2_sequence_parallel"].get("message", "")

@@ -169,7 +169,9 @@ def _wrapped(original: Callable, where: str, statement: Union[AdapterCall, Assig
 
 def _undecorated(method: Callable) -> Callable:
     """``method`` as written: DeepSpeed's ``instrument_w_nvtx`` wraps without ``functools.wraps``, hiding the
-    parameters a call site names behind ``(*args, **kwargs)``."""
+    parameters a call site names behind ``(*args, **kwargs)``. A method ``install()`` already wrapped is seen
+    through first."""
+    method = inspect.unwrap(method)
     if method.__qualname__ == "instrument_w_nvtx.<locals>.wrapped_fn":
         return method.__closure__[method.__code__.co_freevars.index("func")].cell_contents
     return method

@@ -35,6 +35,7 @@ RANGE_TEXT = f">={SUPPORTED_RANGE[0]},<{SUPPORTED_RANGE[1]}"
 _ZERO = "runtime/zero/stage_1_and_2.py"
 _BF16 = "runtime/bf16_optimizer.py"
 _FUSED_FP16 = "runtime/fp16/fused_optimizer.py"
+_MICS = "runtime/zero/mics.py"
 
 
 @dataclass(frozen=True)
@@ -59,6 +60,9 @@ class Capabilities:
     fp16_loss_scaled_by_optimizer: bool
     """Before 0.18 the engine hands a ZeRO-less fp16 loss to the optimizer's ``backward``, which multiplies
     it by the loss scale; from 0.18 those gradients carry no loss scale."""
+    zero3_mics: bool
+    """ZeRO-3 has MiCS (``runtime/zero/mics.py``, ``MiCS_Optimizer``, a subclass of the stage-3 optimizer
+    with its own shard groups), refused by the ZeRO-3 adapter; 0.19.8 no longer has it."""
     cpu_all_gather_needs_no_grad: bool
     """0.18's ZeRO-1/2 parameter all-gather fails on CPU with torch 2.13 unless run under ``no_grad``
     (``megatron_integration.cpu_compat``; never applied by ``install()``)."""
@@ -76,6 +80,8 @@ def of_source_tree(package_dir: str, release: str) -> Capabilities:
     package or a checkout), release ``release``."""
 
     def defines(path: str, text: str) -> bool:
+        if not os.path.exists(os.path.join(package_dir, path)):
+            return False
         with open(os.path.join(package_dir, path), encoding="utf-8") as handle:
             return text in handle.read()
 
@@ -87,6 +93,7 @@ def of_source_tree(package_dir: str, release: str) -> Capabilities:
                         bf16_skips_steps=defines(_BF16, "self.overflow"),
                         fp16_skip_method=defines(_FUSED_FP16, "def _skip_invalid_grad_norm"),
                         fp16_loss_scaled_by_optimizer=number < Version("0.18"),
+                        zero3_mics=defines(_MICS, "class MiCS_Optimizer"),
                         cpu_all_gather_needs_no_grad=Version("0.18") <= number < Version("0.19"))
 
 

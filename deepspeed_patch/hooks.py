@@ -28,6 +28,7 @@ from .adapters.base import LayerGradNormsAdapter as Adapter
 from .adapters.fused_fp16 import FusedFP16Adapter
 from .adapters.unfused_fp16 import UnfusedFP16Adapter
 from .adapters.zero import ZeroAdapter
+from .adapters.zero3 import Zero3Adapter
 from .capabilities import Capabilities
 from .config import load_config
 
@@ -86,6 +87,7 @@ class CallSite:
 _CONFIG = "runtime/config.py", "DeepSpeedConfig"
 _ENGINE = "runtime/engine.py", "DeepSpeedEngine"
 _ZERO = "runtime/zero/stage_1_and_2.py", "DeepSpeedZeroOptimizer"
+_ZERO3 = "runtime/zero/stage3.py", "DeepSpeedZeroOptimizer_Stage3"
 _BF16 = "runtime/bf16_optimizer.py", "BF16_Optimizer"
 _FUSED = "runtime/fp16/fused_optimizer.py", "FP16_Optimizer"
 _UNFUSED = "runtime/fp16/unfused_optimizer.py", "FP16_UnfusedOptimizer"
@@ -114,6 +116,9 @@ CALL_SITES = (
     *_optimizer(_ZERO,
                 ("unscale_and_clip_grads", START, AdapterCall(ZeroAdapter.unscale_and_clip_grads, _GROUPS_AND_NORM)),
                 ("_update_scale", START, AdapterCall(ZeroAdapter.update_scale, ("has_overflow", )))),
+    *_optimizer(_ZERO3, ("unscale_and_clip_grads", START,
+                          AdapterCall(Zero3Adapter.unscale_and_clip_grads, ("sub_group_id", "total_norm"))),
+                ("_update_scale", START, AdapterCall(Zero3Adapter.update_scale, ("has_overflow", )))),
     *_optimizer(_BF16),  # BF16Adapter reads when the engine's step begins and ends
     *_optimizer(
         _FUSED,
@@ -139,7 +144,7 @@ def _arguments(signature: inspect.Signature, names: Tuple[str, ...], args: tuple
 
 def _wrapped(original: Callable, where: str, statement: Union[AdapterCall, Assign]) -> Callable:
     """``original`` with ``statement`` run where the call site says."""
-    signature = inspect.signature(original)
+    signature = inspect.signature(_undecorated(original))
 
     def run(args: tuple, kwargs: dict, returned=None) -> None:
         self = args[0]
@@ -162,6 +167,16 @@ def _wrapped(original: Callable, where: str, statement: Union[AdapterCall, Assig
     return functools.wraps(original)(wrapper)
 
 
+def _undecorated(method: Callable) -> Callable:
+    """``method`` as written: DeepSpeed's ``instrument_w_nvtx`` wraps without ``functools.wraps``, hiding the
+    parameters a call site names behind ``(*args, **kwargs)``. A method ``install()`` already wrapped is seen
+    through first."""
+    method = inspect.unwrap(method)
+    if method.__qualname__ == "instrument_w_nvtx.<locals>.wrapped_fn":
+        return method.__closure__[method.__code__.co_freevars.index("func")].cell_contents
+    return method
+
+
 def _problem(site: CallSite) -> Optional[str]:
     """What the installed DeepSpeed lacks for ``site``, or ``None``."""
     where = f"{site.module}.{site.cls}"
@@ -173,6 +188,7 @@ def _problem(site: CallSite) -> Optional[str]:
     method = getattr(cls, site.method, None)
     if method is None:
         return f"no method {where}.{site.method}"
+    method = _undecorated(method)
     parameters = inspect.signature(method).parameters
     missing = [name for name in site.statement.arguments if name not in parameters and name not in ("self", RETURNED)]
     return f"{where}.{site.method}{inspect.signature(method)} has no parameter {missing[0]!r}" if missing else None

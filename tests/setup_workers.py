@@ -161,11 +161,6 @@ BAD_BLOCKS = {
     "group_by_matching_nothing": {"enabled": True, "granularity": "group_by", "group_by": "decoder\\.(\\d+)"},
 }
 
-UNSUPPORTED = {
-    "stage3": base_config(zero_optimization={"stage": 3}, layer_grad_norms={"enabled": True}),
-}
-
-
 class MoEModel(torch.nn.Module):
     """One linear layer, then a 2-expert DeepSpeed MoE layer."""
 
@@ -209,7 +204,6 @@ def run_setup_checks(multi_rank: bool) -> Dict[str, Any]:
         return results
     results["bad_blocks"] = {name: initialize_error(base_config(layer_grad_norms=block))
                              for name, block in BAD_BLOCKS.items()}
-    results["unsupported"] = {name: initialize_error(config) for name, config in UNSUPPORTED.items()}
     results["disabled_block_ok"] = initialize_error(base_config(layer_grad_norms={"enabled": False}))
     results["no_match"] = no_match_warning()
     results["moe"] = moe_error()

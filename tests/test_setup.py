@@ -6,7 +6,7 @@ import pytest
 
 from deepspeed_patch.reduction import COLLECTIVES_PER_STEP
 from megatron_integration.cpu_launch import launch
-from setup_workers import BAD_BLOCKS, UNSUPPORTED, run_setup_checks
+from setup_workers import BAD_BLOCKS, run_setup_checks
 
 
 @lru_cache(maxsize=None)
@@ -46,23 +46,12 @@ def test_bad_block_fails_at_initialize_naming_key_and_value(name):
         assert fragment in error, error
 
 
-@pytest.mark.parametrize("name", sorted(UNSUPPORTED))
-def test_unsupported_setup_fails_at_initialize(name):
-    error = single_rank()["unsupported"][name]
-    assert error.startswith("UnsupportedSetupError"), error
-    assert "ZeRO stage 1 or 2" in error
-
-
 def test_a_failure_on_one_rank_switches_the_statistics_off_everywhere_and_training_goes_on():
     first, second = (result["failure"] for result in two_ranks())
     assert len(first["losses"]) == len(second["losses"]) == 4  # no hang, no crash
     for record in (first, second):
         assert record["measured"][0]["step"] == 1
         assert record["measured"][1:] == [None, None, None]
-
-
-def test_unsupported_error_names_the_optimizer_in_use():
-    assert "this engine uses DeepSpeedZeroOptimizer_Stage3" in single_rank()["unsupported"]["stage3"]
 
 
 def test_pipeline_without_zero_is_refused_naming_the_pipeline():

@@ -5,10 +5,11 @@ global norm after every step and, on rank 0, the plain-PyTorch reference statist
 step. Cases that ask for it train again with the feature off, to prove training is unchanged.
 """
 
+import contextlib
 import logging
 import os
 import sys
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
 
 import torch
 
@@ -47,6 +48,7 @@ DEFAULT_CASE: Dict[str, Any] = {
     "compare_off": False,  # also train with the feature off and compare bit for bit
     "grad_accum_dtype": None,
     "fused": False,  # without ZeRO: FP16_Optimizer (flat groups) instead of FP16_UnfusedOptimizer
+    "zero_init": False,  # stage 3: build the model under deepspeed.zero.Init (else partitioned at initialize)
 }
 
 
@@ -134,13 +136,25 @@ def loss_scale(optimizer) -> float:
     return float(getattr(optimizer, "loss_scale", None) or 1.0)
 
 
+def full_weights(module: torch.nn.Module, dtype: Optional[torch.dtype] = torch.float32) -> Dict[str, torch.Tensor]:
+    """A copy of every weight of ``module`` (in ``dtype``; ``None``: its own), gathered where ZeRO-3
+    partitions them (collective: every rank calls it)."""
+    import deepspeed
+
+    named = list(module.named_parameters())
+    with deepspeed.zero.GatheredParameters([param for _, param in named]):
+        return {name: param.detach().to(dtype or param.dtype, copy=True) for name, param in named}
+
+
 def train(case: Dict[str, Any], enabled: bool) -> Dict[str, Any]:
     import deepspeed
     from deepspeed import comm as dist
 
     rank, world_size = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
-    model = TinyGPT(model_config(case))
+    config = ds_config(case, enabled)
+    with deepspeed.zero.Init(config_dict_or_path=config) if case["zero_init"] else contextlib.nullcontext():
+        model = TinyGPT(model_config(case))
     for name, param in model.named_parameters():
         param.requires_grad_(name not in case["frozen"])
     trainable = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
@@ -152,12 +166,12 @@ def train(case: Dict[str, Any], enabled: bool) -> Dict[str, Any]:
     else:
         params = [p for _, p in trainable]
     optimizer = (fused_sgd if case["fused"] else torch.optim.SGD)(params, lr=1.0)
-    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config(case, enabled))
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
 
     record = {"losses": [], "measured": [], "global_norm": [], "reference": [], "applied": [], "loss_scales": [],
               "layer_reference": []}
     for step in range(1, case["steps"] + 1):
-        before = {name: p.detach().float().clone() for name, p in engine.module.named_parameters()}
+        before = full_weights(engine.module)
         scale_before = loss_scale(engine.optimizer)
         for batch in batches_of_step(case, step, world_size, rank):
             loss = engine(batch)
@@ -166,7 +180,7 @@ def train(case: Dict[str, Any], enabled: bool) -> Dict[str, Any]:
                 loss = loss * 1e30
             engine.backward(loss)
             engine.step()
-        after = {name: p.detach().float() for name, p in engine.module.named_parameters()}
+        after = full_weights(engine.module)
         record["loss_scales"].append((scale_before, loss_scale(engine.optimizer)))
         # SGD with lr=1: the update is the gradient the optimizer consumed, after clipping.
         key_of = reference_key_of(case["block"])
@@ -179,7 +193,7 @@ def train(case: Dict[str, Any], enabled: bool) -> Dict[str, Any]:
                                        batches_of_step(case, step, world_size), case["frozen"], scale)
             record["reference"].append(bucket_stats(grads, key_of))
             record["layer_reference"].append(bucket_stats(grads))
-    record["final"] = {name: p.detach().clone() for name, p in engine.module.named_parameters()}
+    record["final"] = full_weights(engine.module, dtype=None)
     record["optimizer"] = type(engine.optimizer).__name__
     engine.destroy()
     return record

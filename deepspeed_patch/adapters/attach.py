@@ -28,9 +28,10 @@ from .fused_fp16 import FusedFP16Adapter
 from .param_grads import ParamGradAdapter
 from .unfused_fp16 import UnfusedFP16Adapter
 from .zero import ZeroAdapter
+from .zero3 import Zero3Adapter
 
 # The optimizers whose gradients an adapter reads; each rank of the last two holds the whole gradient.
-OPTIMIZER_FAMILIES = (ZeroAdapter, BF16Adapter, FusedFP16Adapter, UnfusedFP16Adapter)
+OPTIMIZER_FAMILIES = (ZeroAdapter, Zero3Adapter, BF16Adapter, FusedFP16Adapter, UnfusedFP16Adapter)
 REPLICATED_FAMILIES = (FusedFP16Adapter, UnfusedFP16Adapter)
 
 
@@ -44,7 +45,7 @@ def attach(engine) -> Optional[LayerGradNormsAdapter]:
     family = next((family for family in OPTIMIZER_FAMILIES if family.handles(optimizer)), None)
     if family is None:
         return _param_grad_adapter(engine, config)
-    _check_supported(optimizer)
+    _check_supported(optimizer, family.unsupported(optimizer, engine.param_names, capabilities.installed()))
     if family in REPLICATED_FAMILIES:
         _check_whole_model(engine)
         group = REPLICATED
@@ -66,13 +67,13 @@ def _param_grad_adapter(engine, config: LayerGradNormsConfig) -> ParamGradAdapte
         _check_whole_model(engine)
     else:
         raise UnsupportedSetupError(
-            f"{CONFIG_KEY} needs the ZeRO stage 1 or 2 optimizer (DeepSpeedZeroOptimizer), BF16_Optimizer, or no "
+            f"{CONFIG_KEY} needs a ZeRO optimizer (stage 1, 2 or 3), BF16_Optimizer, or no "
             f"ZeRO (fp32, or FP16_Optimizer / FP16_UnfusedOptimizer for fp16/bf16); this engine uses "
             f"{type(engine.optimizer).__name__} (zero_optimization.stage={engine.zero_optimization_stage()}, "
             f"bf16={engine.bfloat16_enabled()}, fp16={engine.fp16_enabled()})")
     if config.trigger is not None and not config.trigger.history:
         raise UnsupportedSetupError(f"{CONFIG_KEY}.trigger needs an optimizer that reports the global "
-                                    "gradient norm (ZeRO-1/2, BF16_Optimizer, fp16/bf16 without ZeRO), or, in fp32 "
+                                    "gradient norm (ZeRO-1/2/3, BF16_Optimizer, fp16/bf16 without ZeRO), or, in fp32 "
                                     "without ZeRO, trigger.history > 0 (the recorder reads every step's norm)")
     params = [param for param in engine.module.parameters() if param.requires_grad]
     return ParamGradAdapter(params, _setup(engine, config, params, REPLICATED), max_norm=engine.gradient_clipping)
@@ -114,14 +115,15 @@ def _stats_group(engine, optimizer):
     return None
 
 
-def _check_supported(optimizer) -> None:
+def _check_supported(optimizer, family_refusals: List[str]) -> None:
+    """Refuse what no adapter measures yet, and what ``family_refusals`` (the adapter's own) names."""
     refusals = {
         "MoE expert parameter groups": getattr(optimizer, "has_moe_layers", False),
         "ZenFlow": bool(getattr(optimizer, "zenflow", False)),
         "torch autocast": getattr(optimizer, "torch_autocast_gradscaler", None) is not None,
         "the Muon optimizer": "muon" in type(optimizer.optimizer).__name__.lower(),
     }
-    refused = [what for what, present in refusals.items() if present]
+    refused = [what for what, present in refusals.items() if present] + family_refusals
     if refused:
         raise UnsupportedSetupError(f"{CONFIG_KEY} does not support {', '.join(refused)} yet; "
                                     f"remove the '{CONFIG_KEY}' block or set enabled=false")

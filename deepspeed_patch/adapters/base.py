@@ -21,12 +21,14 @@ is pushed into the recorder's ring instead of being reduced, and the whole ring 
 trigger fires. Without it, unmeasured steps cost one modulo and a few attribute reads.
 """
 
+import functools
 from dataclasses import dataclass
-from typing import Callable, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 
 from ..capabilities import Capabilities
+from ..clipping import zero_unscale_divisor
 from ..config import LayerGradNormsConfig
 from ..layer_map import LayerMap
 from ..measurement import Measurement, Schedule
@@ -160,11 +162,54 @@ class OptimizerAdapter(LayerGradNormsAdapter):
         self.capabilities = setup.capabilities
         super().__init__(setup, num_groups, device)
 
+    @staticmethod
+    def unsupported(optimizer, names: Dict[torch.nn.Parameter, str], capabilities: Capabilities) -> List[str]:
+        """The features of this ``optimizer`` the family cannot measure, named for the refusal at initialize
+        (``names``: the engine's parameter names)."""
+        return []
+
     def overflow(self) -> bool:
         return bool(self.optimizer.overflow)
 
     def global_norm(self) -> Optional[float]:
         return self.optimizer._global_grad_norm
+
+
+class ZeroPartitionsAdapter(OptimizerAdapter):
+    """ZeRO's optimizers (stages 1 to 3): each group's flat fp32 gradient partition, still multiplied by the
+    loss scale, is read in ``unscale_and_clip_grads``; on a step the loss scaler skips, in ``_update_scale``,
+    before the gradients are dropped. ``tables`` holds each group's runs."""
+
+    tables: List[RunTable]
+
+    def observe_group(self, measurement: Measurement, index: int, flat_grad: torch.Tensor, total_norm,
+                      zeroes_invalid_norm: bool) -> None:
+        """Fold in group ``index``'s flat partition and record what ``unscale_and_clip_grads`` divides it by,
+        for the global norm (times the loss scale) ``total_norm``, which stays on the device until ``finish``."""
+        optimizer = self.optimizer
+        measurement.observe_partition(index, flat_grad, self.tables[index])
+        measurement.set_applied_scale_of_norm(
+            total_norm,
+            functools.partial(zero_unscale_divisor,
+                              clip_grad=optimizer.clip_grad,
+                              loss_scale=optimizer.loss_scale,
+                              zeroes_invalid_norm=zeroes_invalid_norm))
+
+    def update_scale(self, has_overflow=False) -> None:
+        """Top of ``_update_scale``: once per step, before the loss scale changes and before a skipped
+        step's gradients are dropped."""
+        measurement = self.measurement
+        if measurement is None:
+            return
+        with measurement.guarded("reading a skipped step's gradients"):
+            measurement.set_gradient_scale(self.optimizer.loss_scale)
+            if has_overflow:
+                for index, table in enumerate(self.tables):
+                    self.observe_skipped(measurement, index, table)
+
+    def observe_skipped(self, measurement: Measurement, index: int, table: RunTable) -> None:
+        """Fold in group ``index``'s gradient on a skipped step, wherever the family holds it then."""
+        raise NotImplementedError
 
 
 def observe_chunks(measurement: Measurement, group_index: int, table: RunTable,

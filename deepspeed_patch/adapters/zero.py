@@ -11,20 +11,18 @@ the loss scaler skips, the partition is never built: its per-parameter pieces ar
 ``_update_scale``, before they are dropped.
 """
 
-import functools
 import itertools
 from typing import List
 
 import torch
 from deepspeed import comm as dist
 
-from ..clipping import zero_unscale_divisor
 from ..partition_slices import PartitionSlices, partition_runs, slices_of_runs
 from ..statistics import RunTable, run_table
-from .base import OptimizerAdapter, Setup, group_of, observe_chunks
+from .base import Setup, ZeroPartitionsAdapter, group_of, observe_chunks
 
 
-class ZeroAdapter(OptimizerAdapter):
+class ZeroAdapter(ZeroPartitionsAdapter):
     """Reads ``DeepSpeedZeroOptimizer``'s flat fp32 gradient partitions."""
 
     def __init__(self, optimizer, setup: Setup) -> None:
@@ -51,31 +49,12 @@ class ZeroAdapter(OptimizerAdapter):
         measurement = self.measurement
         if measurement is None:
             return
-        optimizer = self.optimizer
         with measurement.guarded("reading the gradient partition"):
             flat_grad = grad_groups_flat[0]
-            index = group_of(optimizer.single_partition_of_fp32_groups, flat_grad)
-            measurement.observe_partition(index, flat_grad, self.tables[index])
-            measurement.set_applied_scale_of_norm(
-                total_norm,
-                functools.partial(zero_unscale_divisor,
-                                  clip_grad=optimizer.clip_grad,
-                                  loss_scale=optimizer.loss_scale,
-                                  zeroes_invalid_norm=self.capabilities.zero_zeroes_invalid_norm))
+            index = group_of(self.optimizer.single_partition_of_fp32_groups, flat_grad)
+            self.observe_group(measurement, index, flat_grad, total_norm, self.capabilities.zero_zeroes_invalid_norm)
 
-    def update_scale(self, has_overflow=False) -> None:
-        """Top of ``_update_scale``: once per step, before the loss scale changes and before a skipped
-        step's gradients are dropped."""
-        measurement = self.measurement
-        if measurement is None:
-            return
-        with measurement.guarded("reading a skipped step's gradients"):
-            measurement.set_gradient_scale(self.optimizer.loss_scale)
-            if has_overflow:
-                for index, table in enumerate(self.tables):
-                    self._observe_skipped(measurement, index, table)
-
-    def _observe_skipped(self, measurement, index: int, table: RunTable) -> None:
+    def observe_skipped(self, measurement, index: int, table: RunTable) -> None:
         """Group ``index``'s gradient on a skipped step: the offloaded fp32 partition, the flat partition a
         pre-flattening pass left, or the per-parameter pieces (fp16) the partition would be built from."""
         optimizer = self.optimizer

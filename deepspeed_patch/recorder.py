@@ -8,8 +8,8 @@ A spike is seen only once its step is over, and the steps before it are often th
 ``trigger.history: K`` every step's measurement is pushed here unreduced: this rank's ``(buckets + 1, 9)``
 table (the status row last) stays on the device, in one preallocated ring of K tables written in place,
 beside the step's scales. A quiet step adds no collective and no host copy. When the trigger fires, every
-rank reduces the whole ring in one reduction (that of one measured step), and each recorded step becomes a result shaped like
-``get_layer_grad_norms()``, every bucket.
+rank reduces the whole ring in one reduction (that of one measured step), and each recorded step becomes a
+result shaped like ``get_layer_grad_norms()``, every bucket.
 """
 
 from collections import deque

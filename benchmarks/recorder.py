@@ -17,36 +17,19 @@ import statistics
 import time
 from typing import Any, Dict, List, Tuple
 
-import torch
 from common import machine, mib, paired_ratios, percent, spread, write_results
-from step_time import Spec, model_config, time_call_sites
+from step_time import Spec, model_config, time_call_sites, tiny_engine
 
 from megatron_integration.tiny_gpt import TinyGPT, synthetic_batch
 
 
 def bench_rank(spec: Spec, history: int) -> Dict[str, Any]:
     """Tagged iteration times (``True``: recorder on), the seconds inside the call sites, the fire's cost."""
-    import deepspeed
     from deepspeed import comm as dist
 
-    import deepspeed_patch
-
     inside = time_call_sites()
-    deepspeed_patch.install()
-    torch.set_num_threads(spec.threads)
-    torch.manual_seed(0)
+    engine = tiny_engine(spec, {"enabled": False, "trigger": {"grad_norm_factor": 1e9, "history": history}})
     config = model_config(spec)
-    model = TinyGPT(config)
-    ds_config = {
-        "train_micro_batch_size_per_gpu": spec.micro_batch,
-        "gradient_clipping": 1.0,
-        "zero_optimization": {"stage": spec.zero_stage},
-        "zero_allow_untested_optimizer": True,
-        "steps_per_print": 10**9,
-        "layer_grad_norms": {"enabled": False, "trigger": {"grad_norm_factor": 1e9, "history": history}},
-    }
-    engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-4),
-                                      config=ds_config)
     adapter = engine.layer_grad_norms
     recorder, rank = adapter.recorder, dist.get_rank()
     timings: Dict[str, List[Tuple[bool, float]]] = {"step": [], "inside": []}

@@ -97,31 +97,39 @@ def time_call_sites(before: Callable[[], None] = lambda: None) -> List[float]:
     return spent
 
 
-def bench_rank(spec: Spec) -> Dict[str, List[Tuple[bool, float]]]:
-    """Per-iteration wall time, tagged with whether the method ran, for every method; and, for the
-    per-layer statistics, the seconds spent inside the call sites (``"inside"``)."""
+def tiny_engine(spec: Spec, block: dict):
+    """The benchmarks' engine: ``deepspeed_patch.install()``, then a TinyGPT of ``spec`` under its ZeRO stage
+    (AdamW, clipping at 1.0) with ``block`` as its ``layer_grad_norms`` block."""
     import deepspeed
-    from deepspeed import comm as dist
 
     import deepspeed_patch
 
-    inside = time_call_sites()
     deepspeed_patch.install()
     if spec.threads:
         torch.set_num_threads(spec.threads)
     torch.manual_seed(0)
-    config = model_config(spec)
-    model = TinyGPT(config)
+    model = TinyGPT(model_config(spec))
     ds_config = {
         "train_micro_batch_size_per_gpu": spec.micro_batch,
         "gradient_clipping": 1.0,
         "zero_optimization": {"stage": spec.zero_stage},
         "zero_allow_untested_optimizer": True,
         "steps_per_print": 10**9,
-        "layer_grad_norms": {"enabled": True, "interval": 2},
+        "layer_grad_norms": block,
     }
     engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-4),
                                       config=ds_config)
+    return engine
+
+
+def bench_rank(spec: Spec) -> Dict[str, List[Tuple[bool, float]]]:
+    """Per-iteration wall time, tagged with whether the method ran, for every method; and, for the
+    per-layer statistics, the seconds spent inside the call sites (``"inside"``)."""
+    from deepspeed import comm as dist
+
+    inside = time_call_sites()
+    engine = tiny_engine(spec, {"enabled": True, "interval": 2})
+    config = model_config(spec)
     rank = dist.get_rank()
     activation_stats: List[torch.Tensor] = []
 

@@ -5,7 +5,10 @@
 """Gradients in each parameter's ``.grad``, complete and averaged on every rank: DeepSpeed without ZeRO
 in fp32 (the engine clips them itself), plain PyTorch and DistributedDataParallel (``plain.py``).
 
-They are read when the step begins, before anything clips them; no collective is needed. The engine keeps
+They are read when the step begins, before anything clips them; no collective is needed, except under
+pipeline or tensor parallelism, where each rank holds its stage's or shard's gradient: the tables are
+summed over the model-parallel group, and the engine clips by DeepSpeed's model-parallel norm
+(``clipping.engine_fp32_clip_norm``, one more all-reduce on a measured step with clipping). The engine keeps
 no global norm here; with a flight recorder (``trigger.history``) every step is read, and the trigger gets
 the global norm from that table (the whole model on every rank), with the one host sync it needs anyway.
 """

@@ -10,7 +10,9 @@ caller passes the ``capabilities.Capabilities`` fact that decides it.
 """
 
 import math
-from typing import Optional
+from typing import Iterable, Optional
+
+import torch
 
 EPSILON = 1e-6
 """Added to the global norm before dividing, by torch and by every DeepSpeed optimizer."""
@@ -46,3 +48,25 @@ def zero_unscale_divisor(scaled_total_norm: Optional[float],
     if zeroes_invalid_norm and (not math.isfinite(total_norm) or total_norm < 0):
         return math.inf
     return max(((total_norm / loss_scale) + EPSILON) / clip_grad, 1.0) * loss_scale
+
+
+def engine_fp32_clip_norm(parameters: Iterable[torch.nn.Parameter], mpu) -> torch.Tensor:
+    """The global norm ``DeepSpeedEngine.clip_fp32_gradients`` clips by without ZeRO under an ``mpu``
+    (``runtime.utils.clip_grad_norm_``), left on the device: a gradient counts on model-parallel rank 0,
+    or on every rank where its parameter is a model-parallel (tensor-sliced) one, and the squares are
+    summed over the model-parallel group. Under a pipeline that rank is the rank within the pipeline, so
+    the norm leaves out the later stages' other parameters and counts a tied copy on the first stage:
+    it is not the statistics' total norm, and the post-clip statistics must follow it. Nothing is written."""
+    from deepspeed import comm as dist
+    from deepspeed.accelerator import get_accelerator
+    from deepspeed.runtime.utils import is_model_parallel_parameter
+
+    on_rank_zero = mpu.get_model_parallel_rank() == 0
+    squares = [
+        param.grad.detach().float().norm(2)**2 for param in parameters
+        if param.grad is not None and (on_rank_zero or is_model_parallel_parameter(param))
+    ]
+    device = get_accelerator().current_device_name()
+    total = torch.stack(squares).sum().to(device) if squares else torch.zeros((), device=device)
+    dist.all_reduce(total, op=dist.ReduceOp.SUM, group=mpu.get_model_parallel_group())
+    return total.sqrt()

@@ -13,11 +13,11 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from pipeline_workers import run_cases
+from pipeline_workers import global_norm, run_cases
 from reference import bucket_stats
 from tp_workers import HIDDEN, LAYERS, MICRO_BATCH, SEQ, VOCAB, TensorParallelMLPLayer, TensorParallelModel, full_model
 
-DEFAULT_CASE: Dict[str, Any] = {"pp": 1, "tp": 2, "dp": 2, "dtype": "fp32", "clip": 0.05, "steps": 2}
+DEFAULT_CASE: Dict[str, Any] = {"pp": 1, "tp": 2, "dp": 2, "dtype": "fp32", "clip": 0.05, "steps": 2, "stage": 1}
 # The buckets outside the layers: under pipeline parallelism named after the spec's class.
 PIPELINE_NAMES = {"embed": "Embedding", "head": "Linear"}
 
@@ -86,7 +86,7 @@ def train(case: Dict[str, Any]) -> Dict[str, Any]:
         "train_micro_batch_size_per_gpu": MICRO_BATCH,
         "gradient_clipping": case["clip"],
         "zero_optimization": {
-            "stage": 1
+            "stage": case["stage"]
         },
         "zero_allow_untested_optimizer": True,
         "steps_per_print": 10**9,
@@ -114,7 +114,7 @@ def train(case: Dict[str, Any]) -> Dict[str, Any]:
             engine.backward(engine(batch))
             engine.step()
         record["measured"].append(engine.get_layer_grad_norms())
-        record["global_norm"].append(float(engine.get_global_grad_norm()))
+        record["global_norm"].append(global_norm(engine))
     engine.destroy()
     return record
 

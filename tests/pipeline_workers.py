@@ -6,7 +6,8 @@ all stages before each step), run in plain PyTorch on the same micro-batches.
 
 import dataclasses
 import logging
-from typing import Any, Callable, Dict, Tuple
+import math
+from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
 
@@ -17,7 +18,7 @@ from releases import pipeline_gradient_factor
 from zero_workers import DTYPES, MICRO_BATCH
 
 DEFAULT_CASE: Dict[str, Any] = {"first_layer_index": 3, "dtype": "fp32", "gas": 2, "clip": 0.0, "steps": 3,
-                                "layers": 4, "tie": False}
+                                "layers": 4, "tie": False, "stage": 1}
 
 
 def plain_name(pipe_name: str, first_layer_index: int, num_layers: int) -> str:
@@ -80,7 +81,7 @@ def train_pipe(case: Dict[str, Any]) -> Dict[str, Any]:
         "train_micro_batch_size_per_gpu": MICRO_BATCH,
         "gradient_accumulation_steps": case["gas"],
         "gradient_clipping": case["clip"],
-        "zero_optimization": {"stage": 1},
+        "zero_optimization": {"stage": case["stage"]},
         "zero_allow_untested_optimizer": True,
         "steps_per_print": 10**9,
         "layer_grad_norms": {"enabled": True},
@@ -89,17 +90,30 @@ def train_pipe(case: Dict[str, Any]) -> Dict[str, Any]:
         ds_config.update(bf16={"enabled": True}, data_types={"grad_accum_dtype": "fp32"})
     engine, *_ = deepspeed.initialize(model=pipe, model_parameters=[p for p in pipe.parameters()],
                                       optimizer=lambda params: torch.optim.SGD(params, lr=1.0), config=ds_config)
-    record = {"measured": [], "global_norm": [], "reference": [], "optimizer": type(engine.optimizer).__name__}
+    record = {"measured": [], "global_norm": [], "reference": [], "update": [],
+              "optimizer": type(engine.optimizer).__name__}
     for step in range(1, case["steps"] + 1):
         batches = [synthetic_batch(config, MICRO_BATCH, seed=100 * step + micro) for micro in range(case["gas"])]
         before, stage_of = full_weights(engine, case)
         engine.train_batch(data_iter=iter([(batch[:, :-1], batch[:, 1:]) for batch in batches]))
         record["measured"].append(engine.get_layer_grad_norms())
-        record["global_norm"].append(float(engine.get_global_grad_norm()))
+        record["global_norm"].append(global_norm(engine))
+        record["update"].append(update_norm(before, full_weights(engine, case)[0]))
         grads = trained_gradients(before, stage_of, config, case, batches)
         record["reference"].append(bucket_stats(grads))
     engine.destroy()
     return record
+
+
+def global_norm(engine) -> Optional[float]:
+    """The engine's global gradient norm of the last step; ``None`` in fp32 without ZeRO (none is kept)."""
+    norm = engine.get_global_grad_norm()
+    return None if norm is None else float(norm)
+
+
+def update_norm(before: Dict[str, torch.Tensor], after: Dict[str, torch.Tensor]) -> float:
+    """The norm of the whole model's step: SGD with lr 1 steps by the gradient the optimizer really applied."""
+    return math.sqrt(sum(float((before[name] - after[name]).double().pow(2).sum()) for name in before))
 
 
 def run_cases(train: Callable[[Dict[str, Any]], Dict[str, Any]], defaults: Dict[str, Any],

@@ -183,10 +183,15 @@ def moe_error() -> str:
                                                  config=base_config(layer_grad_norms={"enabled": True})))
 
 
-def pipeline_without_zero_error() -> str:
-    """The error for a one-stage pipeline trained in fp32 without ZeRO (each rank would hold one stage)."""
-    return initialize_error(base_config(zero_optimization={"stage": 0}, layer_grad_norms={"enabled": True}),
-                            tiny_gpt_pipe(TinyGPTConfig(), num_stages=1))
+def pipeline_without_zero_errors() -> Dict[str, str]:
+    """The errors for a one-stage pipeline trained in fp32 without ZeRO: none measuring, and the trigger's
+    refusal (its per-step norm would be one stage's)."""
+    trigger = {"grad_norm_factor": 3.0, "window": 5, "capture_steps": 1, "history": 4}
+    return {
+        name: initialize_error(base_config(zero_optimization={"stage": 0}, layer_grad_norms=block),
+                               tiny_gpt_pipe(TinyGPTConfig(), num_stages=1))
+        for name, block in (("measured", {"enabled": True}), ("trigger", {"enabled": True, "trigger": trigger}))
+    }
 
 
 def run_setup_checks(multi_rank: bool) -> Dict[str, Any]:
@@ -207,5 +212,5 @@ def run_setup_checks(multi_rank: bool) -> Dict[str, Any]:
     results["disabled_block_ok"] = initialize_error(base_config(layer_grad_norms={"enabled": False}))
     results["no_match"] = no_match_warning()
     results["moe"] = moe_error()
-    results["pipeline_without_zero"] = pipeline_without_zero_error()
+    results["pipeline_without_zero"] = pipeline_without_zero_errors()
     return results

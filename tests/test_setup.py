@@ -54,9 +54,12 @@ def test_a_failure_on_one_rank_switches_the_statistics_off_everywhere_and_traini
         assert record["measured"][1:] == [None, None, None]
 
 
-def test_pipeline_without_zero_is_refused_naming_the_pipeline():
-    assert single_rank()["pipeline_without_zero"] == ("UnsupportedSetupError: layer_grad_norms: without ZeRO, "
-                                                      "pipeline and tensor parallelism are not supported")
+def test_pipeline_without_zero_is_measured_and_only_its_fp32_trigger_refused():
+    errors = single_rank()["pipeline_without_zero"]
+    assert errors["measured"] == ""
+    assert errors["trigger"] == ("UnsupportedSetupError: layer_grad_norms.trigger in fp32 without ZeRO under "
+                                 "pipeline or tensor parallelism is not supported (the recorder's per-step norm "
+                                 "would be this rank's stage or shard only); use ZeRO-1/2 or fp16/bf16")
 
 
 def test_moe_is_refused_at_initialize_naming_it():

@@ -12,6 +12,7 @@ from torch import nn
 from torch.nn import functional as F
 
 import deepspeed_patch
+from pipeline_workers import global_norm, update_norm
 from reference import bucket_stats
 
 HIDDEN, VOCAB, SEQ, LAYERS, MICRO_BATCH = 16, 64, 8, 3, 2
@@ -149,7 +150,7 @@ def gathered_shards(model: nn.Module):
     return shards
 
 
-def run_tensor_parallel(clip: float, steps: int = 3) -> Dict[str, Any]:
+def run_tensor_parallel(clip: float, steps: int = 3, stage: int = 1) -> Dict[str, Any]:
     import deepspeed
     from deepspeed import comm as dist
 
@@ -165,14 +166,14 @@ def run_tensor_parallel(clip: float, steps: int = 3) -> Dict[str, Any]:
     config = {
         "train_micro_batch_size_per_gpu": MICRO_BATCH,
         "gradient_clipping": clip,
-        "zero_optimization": {"stage": 1},
+        "zero_optimization": {"stage": stage},
         "zero_allow_untested_optimizer": True,
         "steps_per_print": 10**9,
         "layer_grad_norms": {"enabled": True},
     }
     engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=1.0),
                                       config=config, mpu=mpu)
-    record = {"measured": [], "global_norm": [], "reference": []}
+    record = {"measured": [], "global_norm": [], "reference": [], "update": []}
     for step in range(steps):
         batch = torch.randint(0, VOCAB, (MICRO_BATCH, SEQ + 1), generator=torch.Generator().manual_seed(step))
         reference = full_model(gathered_shards(engine.module))
@@ -181,6 +182,8 @@ def run_tensor_parallel(clip: float, steps: int = 3) -> Dict[str, Any]:
         engine.backward(engine(batch))
         engine.step()
         record["measured"].append(engine.get_layer_grad_norms())
-        record["global_norm"].append(float(engine.get_global_grad_norm()))
+        record["global_norm"].append(global_norm(engine))
+        after = full_model(gathered_shards(engine.module))
+        record["update"].append(update_norm(dict(reference.named_parameters()), dict(after.named_parameters())))
     engine.destroy()
     return record

@@ -18,6 +18,7 @@ from deepspeed.runtime.utils import is_model_parallel_parameter
 from deepspeed.utils.bwc import bwc_tensor_model_parallel_rank
 
 from .. import capabilities
+from ..clipping import engine_fp32_clip_norm
 from ..config import CONFIG_KEY, LayerGradNormsConfig, UnsupportedSetupError
 from ..layer_map import model_layer_map
 from ..monitor import MonitorEvents
@@ -30,7 +31,7 @@ from .unfused_fp16 import UnfusedFP16Adapter
 from .zero import ZeroAdapter
 from .zero3 import Zero3Adapter
 
-# The optimizers whose gradients an adapter reads; each rank of the last two holds the whole gradient.
+# The optimizers whose gradients an adapter reads; each rank of the last two holds its complete gradient.
 OPTIMIZER_FAMILIES = (ZeroAdapter, Zero3Adapter, BF16Adapter, FusedFP16Adapter, UnfusedFP16Adapter)
 REPLICATED_FAMILIES = (FusedFP16Adapter, UnfusedFP16Adapter)
 
@@ -47,8 +48,7 @@ def attach(engine) -> Optional[LayerGradNormsAdapter]:
         return _param_grad_adapter(engine, config)
     _check_supported(optimizer, family.unsupported(optimizer, engine.param_names, capabilities.installed()))
     if family in REPLICATED_FAMILIES:
-        _check_whole_model(engine)
-        group = REPLICATED
+        group = _stage0_group(engine)
     else:
         group = _stats_group(engine, optimizer)
     try:
@@ -63,9 +63,7 @@ def attach(engine) -> Optional[LayerGradNormsAdapter]:
 
 def _param_grad_adapter(engine, config: LayerGradNormsConfig) -> ParamGradAdapter:
     """DeepSpeed without ZeRO in fp32: the engine clips the ``.grad`` it holds on every rank itself."""
-    if _plain_fp32(engine):
-        _check_whole_model(engine)
-    else:
+    if not _plain_fp32(engine):
         raise UnsupportedSetupError(
             f"{CONFIG_KEY} needs a ZeRO optimizer (stage 1, 2 or 3), BF16_Optimizer, or no "
             f"ZeRO (fp32, or FP16_Optimizer / FP16_UnfusedOptimizer for fp16/bf16); this engine uses "
@@ -75,8 +73,25 @@ def _param_grad_adapter(engine, config: LayerGradNormsConfig) -> ParamGradAdapte
         raise UnsupportedSetupError(f"{CONFIG_KEY}.trigger needs an optimizer that reports the global "
                                     "gradient norm (ZeRO-1/2/3, BF16_Optimizer, fp16/bf16 without ZeRO), or, in fp32 "
                                     "without ZeRO, trigger.history > 0 (the recorder reads every step's norm)")
+    group = _stage0_group(engine)
+    if config.trigger is not None and group is not REPLICATED:
+        raise UnsupportedSetupError(f"{CONFIG_KEY}.trigger in fp32 without ZeRO under pipeline or tensor "
+                                    "parallelism is not supported (the recorder's per-step norm would be "
+                                    "this rank's stage or shard only); use ZeRO-1/2 or fp16/bf16")
     params = [param for param in engine.module.parameters() if param.requires_grad]
-    return ParamGradAdapter(params, _setup(engine, config, params, REPLICATED), max_norm=engine.gradient_clipping)
+    return ParamGradAdapter(params,
+                            _setup(engine, config, params, group),
+                            max_norm=engine.gradient_clipping,
+                            clip_norm=None if group is REPLICATED else _engine_clip_norm(engine.module, engine.mpu))
+
+
+def _engine_clip_norm(module: torch.nn.Module, mpu):
+    """The norm the engine clips ``module``'s gradients by under model parallelism (not the table's own)."""
+
+    def clip_norm() -> torch.Tensor:
+        return engine_fp32_clip_norm(module.parameters(), mpu)
+
+    return clip_norm
 
 
 def _setup(engine, config: LayerGradNormsConfig, params: List[torch.nn.Parameter], group) -> Setup:
@@ -140,9 +155,24 @@ def _check_no_sequence_parallel(params: List[torch.nn.Parameter], names) -> None
                                     f"{', ...' if len(marked) > 3 else ''}); run without it or set enabled=false")
 
 
-def _check_whole_model(engine) -> None:
-    if not _whole_model_on_each_rank(engine):
-        raise UnsupportedSetupError(f"{CONFIG_KEY}: without ZeRO, pipeline and tensor parallelism are not supported")
+def _stage0_group(engine):
+    """Without ZeRO each rank holds the complete gradient of its pipeline stage and tensor shard, averaged
+    over data parallelism: the whole model on every rank (``REPLICATED``), or, under pipeline or tensor
+    parallelism, the model split over the ranks of one data-parallel replica, the model-parallel group.
+    The replicas hold the same gradient, so summing over all ranks would count it once per replica; each
+    replica's group gives the same result."""
+    if _whole_model_on_each_rank(engine):
+        return REPLICATED
+    mpu = engine.mpu
+    if mpu is None:
+        raise UnsupportedSetupError(f"{CONFIG_KEY}: a PipelineModule without ZeRO needs the engine's pipeline "
+                                    "grid as its mpu; this engine has none")
+    covered = mpu.get_data_parallel_world_size() * mpu.get_model_parallel_world_size()
+    if covered != dist.get_world_size():
+        raise UnsupportedSetupError(f"{CONFIG_KEY}: without ZeRO, data x model parallel ranks ({covered}) are not "
+                                    f"all {dist.get_world_size()} ranks (sequence or expert parallelism?); "
+                                    "not supported")
+    return mpu.get_model_parallel_group()
 
 
 def _plain_fp32(engine) -> bool:

@@ -9,6 +9,8 @@ import pytest
 
 from megatron_integration.cpu_launch import free_port, remove_shm_buffers
 
+pytestmark = pytest.mark.extended  # CI runs it in its extended pass (tests/README.md)
+
 pytest.importorskip("accelerate")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -10,6 +10,8 @@ import sys
 import pytest
 import torch
 
+pytestmark = pytest.mark.extended  # CI runs it in its extended pass (tests/README.md)
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BUG_REPORTS = os.path.join(REPO, "deepspeed_patch", "upstream", "bug_reports")
 # what both scripts train: sum(x @ w) over these rows, whose gradient is the column sums

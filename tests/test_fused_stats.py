@@ -290,7 +290,7 @@ NO_CUDA = pytest.mark.skipif(not ON_CUDA, reason="no CUDA device (benchmarks/gpu
 
 
 @pytest.mark.parametrize("kernel,device", [
-    pytest.param(HOST, "cpu", id="host"),
+    pytest.param(HOST, "cpu", id="host", marks=pytest.mark.extended),  # a minute or two: CI's extended pass
     # 50M elements take minutes in Triton's interpreter: on the host only the C++ kernel takes them
     pytest.param(TRITON, "cuda", id="triton-cuda", marks=NO_CUDA),
 ])

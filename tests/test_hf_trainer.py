@@ -19,6 +19,8 @@ from deepspeed_patch.tags import flat_scalars, scalar_tag  # noqa: E402
 from hf_workers import MAX_GRAD_NORM, STEPS, run, run_deepspeed_cases  # noqa: E402
 from megatron_integration.cpu_launch import launch  # noqa: E402
 
+pytestmark = pytest.mark.extended  # CI runs it in its extended pass (tests/README.md)
+
 STATISTICS = ("norm", "min", "max")
 BUCKETS = {"layer00", "layer01", "layer02", "transformer.wte", "transformer.wpe", "transformer.ln_f"}
 DEEPSPEED_CASES = {

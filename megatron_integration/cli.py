@@ -75,8 +75,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def add_e2e_parser(commands) -> None:
-    e2e = commands.add_parser("megatron-e2e", help="train a Megatron-DeepSpeed checkout's own pretrain_gpt.py on 2 "
-                              "CPU ranks in each set-up and check its per-layer log line and TensorBoard")
+    e2e = commands.add_parser("megatron-e2e", help="train a Megatron-DeepSpeed checkout's own pretrain_gpt.py on 2 or "
+                              "8 CPU ranks in each set-up and check its per-layer log line and TensorBoard")
     defaults = E2EOptions(fork="")
     e2e.add_argument("--fork", required=True, help="root of a Megatron-DeepSpeed checkout, with the patch applied")
     e2e.add_argument("--setups", type=_setup_list, default=",".join(defaults.setups),

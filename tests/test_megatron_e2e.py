@@ -111,11 +111,25 @@ def test_a_wrong_grad_norm_fails_the_check(tmp_path):
     assert not result["passed"]
 
 
-def test_setups_divide_the_two_ranks():
-    assert {"zero1", "zero2", "bloom", "tp2"} <= set(SETUPS)
+def test_setups_divide_their_ranks():
+    assert {"zero1", "zero2", "bloom", "tp2", "bloom3d", "zero1-3d"} <= set(SETUPS)
     for setup in SETUPS.values():
         config = setup.ds_config()
+        assert setup.tensor_parallel * setup.pipeline_parallel * setup.data_parallel == setup.world_size
         assert config["train_batch_size"] == (config["train_micro_batch_size_per_gpu"] * setup.data_parallel
                                               * config["gradient_accumulation_steps"])
-    assert SETUPS["bloom"].ds_config()["data_types"] == {"grad_accum_dtype": "fp32"}
-    assert "--no-pipeline-parallel" not in SETUPS["bloom"].fork_flags()
+    for name in ("bloom", "bloom3d"):
+        assert SETUPS[name].ds_config()["data_types"] == {"grad_accum_dtype": "fp32"}
+        assert "--no-pipeline-parallel" not in SETUPS[name].fork_flags()
+
+
+@pytest.mark.parametrize("name, bf16", [("bloom3d", True), ("zero1-3d", False)])
+def test_3d_setups_are_tp2_pp2_dp2_on_eight_ranks(name, bf16):
+    setup = SETUPS[name]
+    assert (setup.tensor_parallel, setup.pipeline_parallel, setup.data_parallel, setup.world_size) == (2, 2, 2, 8)
+    flags = setup.fork_flags()
+    assert flags[flags.index("--tensor-model-parallel-size") + 1] == "2"
+    assert flags[flags.index("--pipeline-model-parallel-size") + 1] == "2"
+    assert ("--bf16" in flags) == bf16 and "--no-pipeline-parallel" not in flags
+    assert setup.ds_config()["zero_optimization"] == {"stage": 1}
+    assert setup.ds_config()["gradient_accumulation_steps"] == 2

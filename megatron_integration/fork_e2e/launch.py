@@ -1,5 +1,5 @@
 """Build the tiny data set with the fork's own tool, and launch the fork's ``pretrain_gpt.py`` with the
-DeepSpeed launcher (``deepspeed --num_gpus 2``, on CPU ranks) through ``entry.py``."""
+DeepSpeed launcher (``deepspeed --num_gpus 2`` or 8, on CPU ranks) through ``entry.py``."""
 
 import hashlib
 import json
@@ -13,7 +13,7 @@ from typing import Dict, List
 import megatron_integration
 
 from ..cpu_launch import free_port, remove_shm_buffers
-from .setups import VOCAB_SIZE, WORLD_SIZE, Setup, model_flags
+from .setups import VOCAB_SIZE, Setup, model_flags
 
 REPO_ROOT = Path(megatron_integration.__file__).resolve().parent.parent
 ENTRY = Path(__file__).resolve().parent / "entry.py"
@@ -67,10 +67,10 @@ def build_data(fork: Path, out: Path, python: str) -> Path:
     return Path(f"{prefix}_text_document")
 
 
-def launch_command(python: str, fork: Path, port: int, fork_args: List[str]) -> List[str]:
-    """``deepspeed --num_gpus 2 --master_port PORT entry.py FORK/pretrain_gpt.py ARGS`` with ``python``'s
+def launch_command(python: str, fork: Path, port: int, world_size: int, fork_args: List[str]) -> List[str]:
+    """``deepspeed --num_gpus WORLD_SIZE --master_port PORT entry.py FORK/pretrain_gpt.py ARGS`` with ``python``'s
     DeepSpeed (the ``deepspeed`` script is this module's ``main``)."""
-    return [python, "-m", "deepspeed.launcher.runner", "--num_gpus", str(WORLD_SIZE), "--master_port", str(port),
+    return [python, "-m", "deepspeed.launcher.runner", "--num_gpus", str(world_size), "--master_port", str(port),
             str(ENTRY), str(fork / "pretrain_gpt.py")] + fork_args
 
 
@@ -84,7 +84,7 @@ def run_setup(setup: Setup, fork: Path, data_path: Path, out: Path, python: str,
         "--data-path", str(data_path), "--tensorboard-dir", str(out / "tensorboard"),
         "--deepspeed", "--deepspeed_config", str(config_path)]
     port = free_port()
-    command = launch_command(python, fork, port, fork_args)
+    command = launch_command(python, fork, port, setup.world_size, fork_args)
     (out / "command.txt").write_text(" ".join(command) + "\n")
     with open(out / "stdout.log", "w") as log:
         launcher = subprocess.Popen(command, cwd=fork, env=rank_environment(python), stdout=log,

@@ -1,6 +1,7 @@
 """The set-ups the end-to-end run trains: the fork's command-line flags and the ds_config of each.
 
-Every set-up is a tiny GPT (4 layers, hidden 64, 4 heads, sequence 32) on 2 CPU ranks, global batch 8,
+Every set-up is a tiny GPT (4 layers, hidden 64, 4 heads, sequence 32) on 2 CPU ranks (8 in the 3D set-ups:
+tensor parallel 2 x pipeline parallel 2 x data parallel 2), global batch 8,
 micro batch 2, gradient clipping at 1.0, with ``--log-layer-grad-norms --layer-grad-norms-layers all`` so that the
 root-sum-square of the buckets can be checked against the fork's own grad norm.
 """
@@ -8,7 +9,6 @@ root-sum-square of the buckets can be checked against the fork's own grad norm.
 from dataclasses import dataclass, field
 from typing import Any, Dict, List
 
-WORLD_SIZE = 2
 NUM_LAYERS, HIDDEN, HEADS, SEQ_LEN = 4, 64, 4, 32
 MICRO_BATCH, GLOBAL_BATCH = 2, 8  # a micro batch of 2: the attention shim matters (see shims.py)
 VOCAB_SIZE = 100
@@ -32,10 +32,12 @@ class Setup:
     optimizer: str = "DeepSpeedZeroOptimizer"
     """The class ``deepspeed.initialize`` returns for this set-up: the code path it is about."""
     extra_ds_config: Dict[str, Any] = field(default_factory=dict)
+    world_size: int = 2
+    """The number of CPU ranks the launcher starts."""
 
     @property
     def data_parallel(self) -> int:
-        return WORLD_SIZE // (self.tensor_parallel * self.pipeline_parallel)
+        return self.world_size // (self.tensor_parallel * self.pipeline_parallel)
 
     def ds_config(self) -> Dict[str, Any]:
         config = {
@@ -63,15 +65,21 @@ class Setup:
         return flags
 
 
+BF16_FP32_ACCUMULATION = {"data_types": {"grad_accum_dtype": "fp32"}}  # with bf16 and ZeRO-1: BF16_Optimizer
+
 SETUPS = {
     setup.name: setup
     for setup in (
         Setup("zero1", "ZeRO-1, fp32, data parallel 2"),
         Setup("zero2", "ZeRO-2, fp32, data parallel 2", zero_stage=2),
         Setup("bloom", "the BLOOM set-up: bf16, ZeRO-1, grad_accum_dtype fp32 (BF16_Optimizer), pipeline parallel 2",
-              pipeline_parallel=2, bf16=True, optimizer="BF16_Optimizer",
-              extra_ds_config={"data_types": {"grad_accum_dtype": "fp32"}}),
+              pipeline_parallel=2, bf16=True, optimizer="BF16_Optimizer", extra_ds_config=BF16_FP32_ACCUMULATION),
         Setup("tp2", "tensor parallel 2, ZeRO-1, fp32", tensor_parallel=2),
+        Setup("bloom3d", "the BLOOM set-up in 3D: bf16, ZeRO-1, grad_accum_dtype fp32 (BF16_Optimizer), "
+              "tensor parallel 2 x pipeline parallel 2 x data parallel 2", tensor_parallel=2, pipeline_parallel=2,
+              bf16=True, optimizer="BF16_Optimizer", extra_ds_config=BF16_FP32_ACCUMULATION, world_size=8),
+        Setup("zero1-3d", "ZeRO-1, fp32, tensor parallel 2 x pipeline parallel 2 x data parallel 2",
+              tensor_parallel=2, pipeline_parallel=2, world_size=8),
     )
 }
 

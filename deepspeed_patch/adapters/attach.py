@@ -144,7 +144,8 @@ def _check_moe(engine, family: Optional[type]) -> None:
         return
     if family is not ZeroAdapter:
         raise UnsupportedSetupError(f"{CONFIG_KEY} supports Mixture-of-Experts under ZeRO stage 1 or 2 only; "
-                                    f"this engine uses {type(engine.optimizer).__name__}")
+                                    f"this engine uses {type(engine.optimizer).__name__} "
+                                    f"(zero_optimization.stage={engine.zero_optimization_stage()})")
     if not _whole_model_on_each_rank(engine):
         raise UnsupportedSetupError(f"{CONFIG_KEY} does not support Mixture-of-Experts with pipeline or tensor "
                                     f"parallelism yet; remove the '{CONFIG_KEY}' block or set enabled=false")

@@ -16,6 +16,10 @@ labelled by what tells the stacks' prefixes apart.
 A ``PipelineModule`` names parameters by spec index (``5.self_attention.dense.weight``) and each
 stage holds only some of them, so its buckets come from the layer specs, the same on every stage:
 the specs of the repeated layer class are the transformer layers, numbered in order.
+
+A layer with a DeepSpeed Mixture-of-Experts block (``deepspeed.moe.layer.MoE``) has two more buckets:
+``"3.experts"`` for its experts' parameters and ``"3.gate"`` for its router; bucket ``3`` keeps its
+dense parts. The three partition the layer, so its total norm is the root-sum-square of theirs.
 """
 
 import logging
@@ -39,6 +43,9 @@ DEFAULT_LAYER_PATTERN = r"(?:^|\.)(?:layers|h|blocks|block|layer)\.(\d+)\."
 
 BucketKey = Hashable
 
+# The router of DeepSpeed's MoE block: ``MoE.deepspeed_moe`` (``MOELayer``) holds it as ``gate`` (``TopKGate``).
+MOE_GATE = ".deepspeed_moe.gate."
+
 
 def locate_layer(name: str, pattern: "re.Pattern[str]") -> Optional[Tuple[str, int]]:
     """The stack (the name before the layer index, ``model.encoder.layers.``) and the layer index of a
@@ -51,6 +58,17 @@ def module_of(name: str) -> str:
     """The bucket of a parameter outside the transformer layers: the name of its module."""
     module, _, _ = name.rpartition(".")
     return module or name
+
+
+def moe_part(name: str, param) -> Optional[str]:
+    """The part of a Mixture-of-Experts layer a parameter is in: ``"experts"`` (DeepSpeed marks expert
+    parameters ``allreduce=False``: their gradients are reduced over the expert-data-parallel group),
+    ``"gate"`` (the router), or ``None`` for a dense parameter."""
+    from deepspeed.moe.utils import is_moe_param
+
+    if is_moe_param(param):
+        return "experts"
+    return "gate" if MOE_GATE in f".{name}" else None
 
 
 @dataclass(frozen=True)
@@ -190,7 +208,7 @@ def build_layer_map(named_params: Iterable[Tuple[str, object]],
 
     grouping = re.compile(group_by) if group_by else None
 
-    def key_of(name: str) -> Optional[BucketKey]:
+    def key_of(name: str, param) -> Optional[BucketKey]:
         if granularity == "param":
             return name
         if granularity == "group_by":
@@ -199,9 +217,11 @@ def build_layer_map(named_params: Iterable[Tuple[str, object]],
         where = layer_of_name(name)
         if where is None:
             return module_of(name)
-        return where[1] if len(stacks) == 1 else LayerKey(stacks[where[0]].label, where[1])
+        layer = where[1] if len(stacks) == 1 else LayerKey(stacks[where[0]].label, where[1])
+        part = moe_part(name, param)
+        return layer if part is None else f"{layer}.{part}"
 
-    param_key = {id(param): key_of(name) for name, param in named_params}
+    param_key = {id(param): key_of(name, param) for name, param in named_params}
     key_layers: Dict[BucketKey, set] = {}
     for name, param in named_params:
         if param_key[id(param)] is not None:
@@ -209,8 +229,9 @@ def build_layer_map(named_params: Iterable[Tuple[str, object]],
     keys = list(key_layers)
     if granularity == "layer":
         _refuse_merged_buckets(key_layers, layer_pattern)
-        layers = sorted((key for key in keys if is_layer(key)), key=lambda key: next(iter(key_layers[key])))
-        keys = layers + [key for key in keys if not is_layer(key)]
+        in_layers = [key for key in keys if None not in key_layers[key]]  # a layer and its MoE parts
+        layers = sorted(in_layers, key=lambda key: (next(iter(key_layers[key])), not is_layer(key)))
+        keys = layers + [key for key in keys if None in key_layers[key]]
     position = {key: index for index, key in enumerate(keys)}
     position[None] = len(keys)  # the unreported row
     layer_of = [next(iter(key_layers[key])) if len(key_layers[key]) == 1 else None for key in keys]

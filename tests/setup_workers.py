@@ -173,14 +173,16 @@ class MoEModel(torch.nn.Module):
 
 
 def moe_error() -> str:
-    """The error for a model with MoE expert parameter groups, as ``Type: message``."""
+    """The error for a model with MoE expert parameter groups without ZeRO (each rank's ``.grad`` holds only
+    its own experts), as ``Type: message``."""
     import deepspeed
     from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
 
     model = MoEModel()
     groups = split_params_into_different_moe_groups_for_optimizer([{"params": list(model.parameters()), "name": "p"}])
     return error_of(lambda: deepspeed.initialize(model=model, optimizer=torch.optim.SGD(groups, lr=0.1),
-                                                 config=base_config(layer_grad_norms={"enabled": True})))
+                                                 config=base_config(zero_optimization={"stage": 0},
+                                                                    layer_grad_norms={"enabled": True})))
 
 
 def pipeline_without_zero_errors() -> Dict[str, str]:

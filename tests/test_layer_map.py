@@ -153,3 +153,17 @@ def test_a_layer_key_is_its_string_and_survives_pickling():
     assert key == "decoder.2" and hash(key) == hash("decoder.2") and {"decoder.2": 1}[key] == 1
     copy = pickle.loads(pickle.dumps(key))
     assert (type(copy), copy, copy.stack, copy.index) == (LayerKey, "decoder.2", "decoder", 2)
+
+
+def test_moe_experts_and_router_get_buckets_inside_their_layer():
+    """DeepSpeed marks expert parameters ``allreduce=False``; its router is ``deepspeed_moe.gate``."""
+    names = ["embed.weight", "layers.1.moe.deepspeed_moe.gate.wg.weight",
+             "layers.1.moe.deepspeed_moe.experts.deepspeed_experts.0.weight", "layers.1.attn.weight",
+             "layers.0.mlp.weight", "head.weight"]
+    params = {name: torch.nn.Parameter(torch.zeros(1)) for name in names}
+    params[names[2]].allreduce = False
+    layer_map = build_layer_map(list(params.items()), names)
+    assert layer_map.keys == (0, 1, "1.gate", "1.experts", "embed", "head")
+    assert [layer_map.keys[layer_map.bucket_of(params[name])] for name in names[1:4]] == ["1.gate", "1.experts", 1]
+    assert layer_map.layer_of == (0, 1, 1, 1, None, None)
+    assert layer_map.select([1]) == (1, "1.gate", "1.experts", "embed", "head")

@@ -62,8 +62,9 @@ def test_pipeline_without_zero_is_measured_and_only_its_fp32_trigger_refused():
                                  "would be this rank's stage or shard only); use ZeRO-1/2 or fp16/bf16")
 
 
-def test_moe_is_refused_at_initialize_naming_it():
-    assert single_rank()["moe"].startswith("UnsupportedSetupError: layer_grad_norms does not support MoE")
+def test_moe_without_zero_is_refused_at_initialize_naming_it():
+    assert single_rank()["moe"] == ("UnsupportedSetupError: layer_grad_norms supports Mixture-of-Experts under ZeRO "
+                                    "stage 1 or 2 only; this engine uses SGD (zero_optimization.stage=0)")
 
 
 def test_disabled_block_is_accepted():

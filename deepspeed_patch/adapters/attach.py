@@ -44,6 +44,7 @@ def attach(engine) -> Optional[LayerGradNormsAdapter]:
         return None  # a trigger or a control file can switch measuring on later: they need the adapter
     optimizer = engine.optimizer
     family = next((family for family in OPTIMIZER_FAMILIES if family.handles(optimizer)), None)
+    _check_moe(engine, family)
     if family is None:
         return _param_grad_adapter(engine, config)
     _check_supported(optimizer, family.unsupported(optimizer, engine.param_names, capabilities.installed()))
@@ -133,7 +134,6 @@ def _stats_group(engine, optimizer):
 def _check_supported(optimizer, family_refusals: List[str]) -> None:
     """Refuse what no adapter measures yet, and what ``family_refusals`` (the adapter's own) names."""
     refusals = {
-        "MoE expert parameter groups": getattr(optimizer, "has_moe_layers", False),
         "ZenFlow": bool(getattr(optimizer, "zenflow", False)),
         "torch autocast": getattr(optimizer, "torch_autocast_gradscaler", None) is not None,
         "the Muon optimizer": "muon" in type(optimizer.optimizer).__name__.lower(),
@@ -142,6 +142,28 @@ def _check_supported(optimizer, family_refusals: List[str]) -> None:
     if refused:
         raise UnsupportedSetupError(f"{CONFIG_KEY} does not support {', '.join(refused)} yet; "
                                     f"remove the '{CONFIG_KEY}' block or set enabled=false")
+
+
+def _check_moe(engine, family: Optional[type]) -> None:
+    """Mixture-of-Experts is measured under ZeRO stage 1 and 2 without model parallelism.
+
+    There each parameter group's gradient is partitioned over its own ``real_dp_process_group``: the
+    data-parallel group for dense groups, an expert-data-parallel group for expert groups. The ranks of
+    one expert-data-parallel group hold the same experts, and every expert lives in exactly one such
+    group, so each element of the model's gradient lies in exactly one rank's partition and one SUM (and
+    one MAX) over the data-parallel group combines them. Other optimizers reduce and hold expert
+    gradients in ways no test covers yet, and pipeline or tensor parallelism splits the expert groups
+    further, so those combinations are refused, by name.
+    """
+    if not getattr(engine, "has_moe_layers", False):
+        return
+    if family is not ZeroAdapter:
+        raise UnsupportedSetupError(f"{CONFIG_KEY} supports Mixture-of-Experts under ZeRO stage 1 or 2 only; "
+                                    f"this engine uses {type(engine.optimizer).__name__} "
+                                    f"(zero_optimization.stage={engine.zero_optimization_stage()})")
+    if not _whole_model_on_each_rank(engine):
+        raise UnsupportedSetupError(f"{CONFIG_KEY} does not support Mixture-of-Experts with pipeline or tensor "
+                                    f"parallelism yet; remove the '{CONFIG_KEY}' block or set enabled=false")
 
 
 def _check_no_sequence_parallel(params: List[torch.nn.Parameter], names) -> None:

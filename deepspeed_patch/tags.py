@@ -20,6 +20,12 @@ the transformer layers (embeddings, final norm, head) have runs of their own but
 
 A writer that puts (tag, value, step) events into one run, as DeepSpeed's monitors do, uses the flat
 form: the bucket appended to the tag, ``layer-grad-norms/pre-clip/layer00``.
+
+The flight recorder's steps (``trigger.history``) go to runs of their own, one directory per fire:
+``layer-grad-norms-history/fire-000123/layer00`` holding ``layer-grad-norms-history/pre-clip`` and the
+like. Those steps were logged already; written again into the runs above, the steps would go backwards
+and TensorBoard would purge every later point of those runs (``purge_orphaned_data``). A run per fire is
+written once, its steps in order, and its cards are apart from the live ones.
 """
 
 import re
@@ -28,13 +34,15 @@ from typing import Dict, Hashable, Iterable, Optional, Tuple, Union
 __all__ = [
     "TAG_ROOT", "OUTSIDE_LAYERS_ROOT", "VALUES", "LOGGED_PHASES", "LOGGED_STATISTICS", "LayerKey", "LayerId",
     "is_layer", "layer_position", "bucket_label", "layer_of_label", "phase_label", "scalar_tag", "run_name",
-    "flat_scalars"
+    "flat_scalars", "HISTORY_ROOT", "HISTORY_RUN", "history_root", "history_run_name"
 ]
 
 TAG_ROOT = "layer-grad-norms"
 """The tags of buckets in the transformer layers, and the directory holding the runs of all buckets."""
 OUTSIDE_LAYERS_ROOT = "non-layer-grad-norms"
 """The tags of buckets outside the transformer layers, under the one-run-per-bucket layout."""
+HISTORY_ROOT = f"{TAG_ROOT}-history"
+"""The runs and tags of the flight recorder's steps, one directory of runs per fire."""
 VALUES = "values"
 """The statistics other than the norm (min, max, ...): of the gradient's values."""
 LOGGED_PHASES = ("pre_clip", "post_clip")
@@ -42,6 +50,8 @@ LOGGED_STATISTICS = ("norm", "min", "max")
 """What goes to logs, of every selected bucket; the rest of the result stays in the result."""
 
 _LAYER_LABEL = re.compile(r"^(?:(.+)\.)?layer(\d+)$")
+HISTORY_RUN = re.compile(rf"(?:^|/){HISTORY_ROOT}/fire-(\d+)/([^/]+)$")
+"""A run ``history_run_name`` named: its groups are the fire's step and the bucket's label."""
 
 
 class LayerKey(str):
@@ -124,5 +134,19 @@ def flat_scalars(result: dict,
     left out."""
     return {
         scalar_tag(phase, name, key): values[name]
-        for phase in phases for key, values in (result[phase] or {}).items() for name in statistics
+        for phase in phases
+        for key, values in (result[phase] or {}).items()
+        for name in statistics
     }
+
+
+def history_run_name(fired_at: int, bucket: Hashable) -> str:
+    """The run of a bucket's recorded steps at the fire of step ``fired_at``:
+    ``layer-grad-norms-history/fire-000123/layer00``."""
+    return f"{HISTORY_ROOT}/fire-{fired_at:06d}/{bucket_label(bucket)}"
+
+
+def history_root(root: str) -> str:
+    """The tag root of the recorded steps of buckets whose live tags are under ``root``:
+    ``layer-grad-norms-history``, ``non-layer-grad-norms-history``."""
+    return f"{root}-history"

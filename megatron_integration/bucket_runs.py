@@ -22,6 +22,8 @@ class BucketRuns:
         self.layout_written = False
         self.logged_step: Optional[int] = None
         """The step of the last result written: each result is written once, however often it is read."""
+        self.logged_fire: Optional[int] = None
+        """The step of the last fire whose recorded steps were written: each fire's are written once."""
         self._parent_flush, self._parent_close = parent.flush, parent.close
         parent.flush, parent.close = self._flush_with_parent, self._close_with_parent
 
@@ -39,6 +41,12 @@ class BucketRuns:
     def flush(self) -> None:
         for writer in self.writers.values():
             writer.flush()
+
+    def close_runs(self, prefix: str) -> None:
+        """Close and forget the writers of the runs under ``prefix``: runs written once (a fire's recorded
+        steps) hold no file open for the rest of the job."""
+        for run in [run for run in self.writers if run.startswith(prefix)]:
+            self.writers.pop(run).close()
 
     def _flush_with_parent(self) -> None:
         self.flush()

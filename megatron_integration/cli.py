@@ -14,13 +14,15 @@ from typing import List, Optional
 
 with contextlib.redirect_stdout(sys.stderr):
     from deepspeed_patch.config import LAYER_SPEC_FORMS, parse_layer_spec
+    from deepspeed_patch.on_demand import WARM_UP
     from deepspeed_patch.upstream.apply import COMMANDS, run_patch_command
 
-    from .demo import DemoOptions, run_demo
+    from .demo import SPIKE_HISTORY, DemoOptions, run_demo
     from .fork_e2e.run import E2EOptions, run_e2e, summary_markdown
     from .fork_e2e.setups import SETUPS
-    from .plot import plot_layer_norms
-    from .report import format_report, summarize
+    from .plot import plot_layer_norms, plot_spike_history
+    from .report import format_report, summarize_source
+    from .spike import localise, read_fires
     from .tensorboard_reader import NoLayerDataError, read_layer_series
 
 
@@ -36,6 +38,13 @@ def _positive(value: str) -> int:
     if not value.isdigit() or int(value) < 1:
         raise argparse.ArgumentTypeError(f"{value!r} is not a positive integer")
     return int(value)
+
+
+def _spike(value: str) -> tuple:
+    step, _, layer = value.partition(":")
+    if not (step.isdigit() and layer.isdigit()):
+        raise argparse.ArgumentTypeError(f"{value!r}: expected STEP:LAYER, two non-negative integers (10:3)")
+    return int(step), int(layer)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -55,11 +64,17 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--layers", type=_layer_spec, default=defaults.layers,
                       help=f"layers to report: {LAYER_SPEC_FORMS}")
     demo.add_argument("--out", default=defaults.out, help="directory for TensorBoard, the figure and the report")
+    demo.add_argument("--spike", type=_spike, metavar="STEP:LAYER",
+                      help="inject a gradient spike into transformer layer LAYER at optimizer step STEP, with a "
+                      f"flight recorder of {SPIKE_HISTORY} steps; the report and spike_history.png localise it")
     logdir_help = ("a TensorBoard directory written by log_layer_grad_norms or DeepSpeed's monitor, or a JSONL "
                    "dump (layer_grad_norms.dump)")
     plot = commands.add_parser("plot", help="draw the per-layer gradient-norm figure of a TensorBoard directory")
     plot.add_argument("logdir", help=logdir_help)
-    plot.add_argument("-o", "--output", help="PNG or SVG file (default: LOGDIR/layer_grad_norms.png)")
+    plot.add_argument("-o", "--output", help="PNG or SVG file (default: layer_grad_norms.png, or spike_history.png "
+                      "with --history, in LOGDIR or beside the dump)")
+    plot.add_argument("--history", action="store_true",
+                      help="draw instead the flight recorder's steps of each fire of the trigger, every layer")
     report = commands.add_parser("report", help="per-layer medians, early/late ratio, clipping, overflow")
     report.add_argument("logdir", help=logdir_help)
     report.add_argument("--json", action="store_true", help="print the report as JSON")
@@ -117,13 +132,11 @@ def main(argv: Optional[List[str]] = None) -> None:
         if args.command == "patch":
             parser.exit(run_patch_command(args.action, args.deepspeed))
         elif args.command == "plot":
-            output = args.output or os.path.join(args.logdir, "layer_grad_norms.png")
-            plot_layer_norms(read_layer_series(args.logdir), output)
-            print(f"figure: {output}")
+            print(f"figure: {plot_command(parser, args)}")
         elif args.command == "megatron-e2e":
             run_e2e_command(parser, args)
         elif args.command == "report":
-            summary = summarize(read_layer_series(args.logdir))
+            summary = summarize_source(args.logdir)
             print(json.dumps(summary, indent=2) if args.json else format_report(summary))
         else:
             run_demo_command(parser, args)
@@ -131,12 +144,34 @@ def main(argv: Optional[List[str]] = None) -> None:
         parser.exit(2, f"layer-grad-norms {args.command}: {err}\n")
 
 
+def plot_command(parser: argparse.ArgumentParser, args: argparse.Namespace) -> str:
+    """Draw the figure ``plot`` asks for; returns its path."""
+    folder = args.logdir if os.path.isdir(args.logdir) else os.path.dirname(args.logdir)
+    output = args.output or os.path.join(folder, "spike_history.png" if args.history else "layer_grad_norms.png")
+    if not args.history:
+        plot_layer_norms(read_layer_series(args.logdir), output)
+        return output
+    fires = read_fires(args.logdir)
+    if not fires:
+        parser.exit(2, f"layer-grad-norms plot --history: {args.logdir}: no fire of the trigger with a flight "
+                    "recorder (trigger.history) is recorded there\n")
+    plot_spike_history(fires, [localise(fire) for fire in fires], output)
+    return output
+
+
 def run_demo_command(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if args.hidden % 4:
         parser.error(f"--hidden {args.hidden}: must be a multiple of 4 (the number of attention heads)")
+    if args.spike is not None:
+        step, layer = args.spike
+        if not WARM_UP < step <= args.steps:
+            parser.error(f"--spike {step}:{layer}: the step must be from {WARM_UP + 1} (the trigger judges after "
+                         f"{WARM_UP} steps) to --steps {args.steps}")
+        if layer >= args.num_layers:
+            parser.error(f"--spike {step}:{layer}: the layer must be below --num-layers {args.num_layers}")
     options = DemoOptions(steps=args.steps, num_layers=args.num_layers, hidden=args.hidden,
                           zero_stage=args.zero_stage, world_size=args.world_size, arch=args.arch,
-                          layers=args.layers, out=args.out)
+                          layers=args.layers, out=args.out, spike=args.spike)
     print(run_demo(options))
 
 

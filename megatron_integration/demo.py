@@ -3,20 +3,29 @@
 It logs through the same training-log hook a Megatron run uses, then draws the figure and writes
 the report, answering the NormFormer question for this small run: under Pre-LN, are the gradients
 of the early layers larger than those of the late layers?
+
+With a spike (``--spike STEP:LAYER``) the run records every layer's last ``SPIKE_HISTORY`` steps
+(``trigger.history``), and at step STEP a loss term on one layer's parameters multiplies that layer's
+gradient, and so the global gradient norm, far past the trigger's factor: the trigger fires, the hook writes
+the recorded steps, and the report and a second figure show which layer rose, and when.
 """
 
 import argparse
+import math
 import os
 import shutil
 from dataclasses import dataclass
+from typing import Optional, Tuple
 
 import torch
+from torch import nn
 from tqdm import tqdm
 
 from .arguments import DEFAULT_LAYERS, layer_grad_norms_ds_config
 from .cpu_launch import launch
-from .plot import plot_layer_norms
+from .plot import plot_layer_norms, plot_spike_history
 from .report import format_report, summarize
+from .spike import localise, read_fires
 from .tensorboard_reader import read_layer_series
 from .tiny_gpt import TinyGPT, TinyGPTConfig, synthetic_batch
 from .training_log import log_layer_grad_norms
@@ -33,13 +42,40 @@ class DemoOptions:
     layers: str = DEFAULT_LAYERS  # the NormFormer figure's five: 0, 1, mid, -2, -1
     micro_batch: int = 8
     out: str = "runs/demo"
+    spike: Optional[Tuple[int, int]] = None
+    """``(step, layer)``: inject a gradient spike into that layer at that step, with a flight recorder on."""
+
+
+SPIKE_HISTORY = 8
+"""The recorded steps of the demo with a spike (``trigger.history``)."""
+SPIKE_SIZE = 30.0
+"""The injected gradient's norm, in multiples of the previous step's global gradient norm: far past the
+trigger's factor (3 by default)."""
 
 
 def megatron_style_args(options: DemoOptions) -> argparse.Namespace:
-    """The arguments a Megatron run with ``--log-layer-grad-norms`` would have."""
+    """The arguments a Megatron run with ``--log-layer-grad-norms`` would have (and
+    ``--layer-grad-norms-history`` with a spike)."""
     return argparse.Namespace(log_layer_grad_norms=True, layer_grad_norms_layers=options.layers,
                               layer_grad_norms_interval=1, tensorboard_log_interval=1,
+                              layer_grad_norms_history=SPIKE_HISTORY if options.spike else None,
                               log_interval=max(1, options.steps // 10), consumed_train_samples=0)
+
+
+def spike_term(layer: nn.Module, norm: float) -> torch.Tensor:
+    """A loss term whose gradient is, on every parameter of ``layer``, the same value, of L2 norm ``norm``
+    over the layer; nothing elsewhere."""
+    params = [param for param in layer.parameters() if param.requires_grad]
+    return norm / math.sqrt(sum(param.numel() for param in params)) * sum(param.sum() for param in params)
+
+
+def injected_spike(engine, options: DemoOptions, step: int) -> torch.Tensor:
+    """The loss term of the demo's spike at ``step`` (zero at other steps): ``SPIKE_SIZE`` x the last
+    global gradient norm, on the chosen layer."""
+    if options.spike is None or step != options.spike[0]:
+        return torch.zeros(())
+    last_norm = engine.get_global_grad_norm()
+    return spike_term(engine.module.layers[options.spike[1]], SPIKE_SIZE * float(last_norm or 1.0))
 
 
 def train_rank(options: DemoOptions) -> None:
@@ -71,7 +107,7 @@ def train_rank(options: DemoOptions) -> None:
     progress = tqdm(total=options.steps, desc="demo", unit="step", disable=not last_rank)
     for step in range(1, options.steps + 1):
         loss = engine(synthetic_batch(model_config, options.micro_batch, seed=step * world_size + rank))
-        engine.backward(loss)
+        engine.backward(loss + injected_spike(engine, options, step))
         engine.step()
         args.consumed_train_samples += options.micro_batch * world_size
         field = log_layer_grad_norms(engine, step, writer, args)
@@ -98,9 +134,16 @@ def run_demo(options: DemoOptions) -> str:
     series = read_layer_series(tensorboard_dir)
     figure = os.path.join(options.out, "layer_grad_norms.png")
     plot_layer_norms(series, figure)
-    report = format_report(summarize(series))
+    summary, fires = summarize(series), read_fires(tensorboard_dir)
+    summary["spikes"] = [localise(fire) for fire in fires]
+    figures = f"figure: {figure}\n"
+    if fires:
+        history_figure = os.path.join(options.out, "spike_history.png")
+        plot_spike_history(fires, summary["spikes"], history_figure)
+        figures += f"spike history: {history_figure}\n"
+    report = format_report(summary)
     with open(os.path.join(options.out, "report.txt"), "w") as out:
         out.write(report + "\n")
     return (f"{report}\n\n({options.arch}, {options.num_layers} layers, hidden {options.hidden}, "
             f"ZeRO-{options.zero_stage}, {options.world_size} ranks)\n"
-            f"TensorBoard: {tensorboard_dir}\nfigure: {figure}\nreport: {os.path.join(options.out, 'report.txt')}")
+            f"TensorBoard: {tensorboard_dir}\n{figures}report: {os.path.join(options.out, 'report.txt')}")

@@ -4,13 +4,16 @@ Left and middle: gradient norm over steps, pre- and post-clip, for layers 0, 1, 
 logged, on a log scale. Right: the depth profile, log10 of the pre-clip norm for every logged layer
 against step, as a heatmap. In a model of several layer stacks (an encoder's and a decoder's) each
 stack gets its five lines, in a line style of its own, and its band of the depth profile.
+
+``plot --history``: the flight recorder's steps of each fire (``plot_spike_history``), every layer.
 """
 
 import math
-from typing import List
+from typing import Dict, List
 
 from deepspeed_patch.tags import LayerId, layer_position
 
+from .spike import Fire
 from .tensorboard_reader import LayerSeries, layer_title
 
 LINE_STYLES = ("-", "--", ":", "-.")
@@ -68,4 +71,58 @@ def _depth_profile(axis, series: LayerSeries, figure) -> None:
     axis.set_xlabel("step")
     axis.set_ylabel("layer" if series.stacks() == [None] else "stack, layer")
     axis.set_title("depth profile: log10 pre-clip norm")
+    figure.colorbar(image, ax=axis)
+
+
+def plot_spike_history(fires: List[Fire], spikes: List[Dict], out: str):
+    """One row per fire (``spike.read_fires``, with their ``spike.localise``): left, every layer's pre-clip
+    norm over the recorded steps, the layer that rose most drawn thick and named; right, each layer's rise,
+    log10 of its norm over its median before the fire, layer against step. Returns the matplotlib Figure."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib import pyplot as plt
+
+    figure, axes = plt.subplots(len(fires), 2, figsize=(13, 4.2 * len(fires)), squeeze=False)
+    for (norm_axis, rise_axis), fire, spike in zip(axes, fires, spikes):
+        _recorded_norms(norm_axis, fire, spike)
+        _rise_map(rise_axis, fire, spike, figure)
+    figure.tight_layout()
+    figure.savefig(out)
+    return figure
+
+
+def _recorded_norms(axis, fire: Fire, spike: Dict) -> None:
+    from matplotlib import colormaps
+
+    layers = list(spike["layers"])
+    colours = colormaps["viridis"]
+    for position, layer in enumerate(layers):
+        points = fire.norms[layer]
+        most = layer == spike["rose_most"]
+        axis.plot([step for step, _ in points], [value for _, value in points], marker=".",
+                  color="tab:red" if most else colours(position / max(len(layers) - 1, 1)),
+                  linewidth=2.5 if most else 1, zorder=3 if most else 2,
+                  label=layer_title(layer) if most or position in (0, len(layers) - 1) else None)
+    axis.axvline(fire.fired_at, color="grey", linestyle="--", linewidth=1, label=f"fire, step {fire.fired_at}")
+    axis.set_yscale("log")
+    axis.set_xlabel("step")
+    axis.set_ylabel("pre-clip gradient L2 norm")
+    axis.set_title(f"recorded steps of the fire at step {fire.fired_at}, every layer")
+    axis.legend(fontsize="small")
+
+
+def _rise_map(axis, fire: Fire, spike: Dict, figure) -> None:
+    layers = list(spike["layers"])
+    steps = sorted({step for points in fire.norms.values() for step, _ in points})
+    grid = []
+    for layer in layers:
+        baseline, by_step = spike["layers"][layer]["baseline"], dict(fire.norms[layer])
+        grid.append([math.log10(by_step[s] / baseline) if baseline > 0 and by_step.get(s, 0) > 0
+                     and math.isfinite(by_step[s]) else math.nan for s in steps])
+    image = axis.imshow(grid, aspect="auto", origin="lower", interpolation="nearest", cmap="magma",
+                        extent=(steps[0] - 0.5, steps[-1] + 0.5, -0.5, len(layers) - 0.5))
+    axis.set_yticks(range(len(layers)), [layer_title(layer) for layer in layers], fontsize="small")
+    axis.set_xlabel("step")
+    axis.set_title("rise: log10 of the norm over the layer's median before the fire")
     figure.colorbar(image, ax=axis)

@@ -1,7 +1,8 @@
 """``layer-grad-norms report``: does this run show larger gradients in early layers than late ones?
 
 In a model of several layer stacks (an encoder's and a decoder's) each stack is compared with itself:
-its first two logged layers against its last two.
+its first two logged layers against its last two. A run whose trigger fired with a flight recorder gets a
+spike section per fire (``spike``).
 """
 
 import math
@@ -10,7 +11,8 @@ from typing import Dict, List, Optional, Sequence
 
 from deepspeed_patch.tags import LayerId, layer_position
 
-from .tensorboard_reader import LayerSeries, layer_title
+from .spike import format_spikes, spike_summaries
+from .tensorboard_reader import LayerSeries, layer_title, read_layer_series
 
 
 def _indices(layers: Sequence[LayerId]) -> str:
@@ -68,6 +70,13 @@ def summarize(series: LayerSeries, window: float = 0.5) -> Dict:
     return summary
 
 
+def summarize_source(source: str) -> Dict:
+    """``summarize`` of a TensorBoard directory or JSONL dump, with its fires' spike sections under ``spikes``."""
+    summary = summarize(read_layer_series(source))
+    summary["spikes"] = spike_summaries(source)
+    return summary
+
+
 def _of_stack(stack: Optional[str]) -> str:
     return "" if stack is None else f" of the stack {stack!r}"
 
@@ -89,4 +98,6 @@ def format_report(summary: Dict) -> str:
     else:
         lines.append(f"early/late ratio: {summary['early_late_ratio']:.2f}")
     lines.append(summary["answer"])
+    if summary.get("spikes"):
+        lines.append(format_spikes(summary["spikes"]))
     return "\n".join(lines)

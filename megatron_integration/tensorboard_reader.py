@@ -18,6 +18,11 @@ run twice into the same ``--out``) is read once: the value written last wins, an
 it replaced are dropped (``latest_per_step``), as in TensorBoard's data server; TensorBoard's Python
 ``EventMultiplexer``, read here, keeps every point of files written by PyTorch.
 
+The flight recorder's runs (``layer-grad-norms-history/fire-000123/layer00``) are not read here: those steps
+were logged live already; ``spike`` reads them, fire by fire. The dump's recorded steps (lines marked
+``"history": true``) are read here as any other line: they repeat steps written before, and the rule above
+keeps the last written (all buckets, where the live lines held the selected ones).
+
 Layers are identified as in the results (``deepspeed_patch.tags``): by ``int`` index in a model of one
 stack, by ``LayerKey`` (``"encoder.3"``) in a model of several; stacks come in the order they were
 written.
@@ -133,7 +138,7 @@ def read_layer_series(source: str) -> LayerSeries:
     if os.path.isfile(source):
         _collect_jsonl(source, collector)
     else:
-        for run, tag, points in _tensorboard_scalars(source):
+        for run, tag, points in tensorboard_scalars(source):
             found.append(tag)
             _collect_tag(run, tag, points, collector)
     result = collector.result()
@@ -167,7 +172,7 @@ def _collect_tag(run: str, tag: str, points: Points, collector: _Collector) -> N
         collector.part(phase, statistic, layer_of_label(bucket_run.group(1)), points)
 
 
-def _tensorboard_scalars(logdir: str) -> Iterator[Tuple[str, str, Points]]:
+def tensorboard_scalars(logdir: str) -> Iterator[Tuple[str, str, Points]]:
     """``(run, tag, points)`` of every scalar series under ``logdir``, read as TensorBoard reads them: the
     points in the order written (by wall time: a run's later event files come from a later process), the
     series in the order they were first written (the writer's order of the layer stacks)."""
@@ -189,7 +194,7 @@ def _tensorboard_scalars(logdir: str) -> Iterator[Tuple[str, str, Points]]:
         yield run, tag, points
 
 
-def _json_bucket(key: str, stacked: bool) -> Hashable:
+def json_bucket(key: str, stacked: bool) -> Hashable:
     """A result key from its JSON form: ``"3"`` is layer 3; where no layer is keyed by its index alone
     (``stacked``: a model of several layer stacks), ``"encoder.3"`` is layer 3 of the stack ``encoder``."""
     if key.isdigit():
@@ -211,7 +216,7 @@ def _collect_jsonl(path: str, collector: _Collector) -> None:
                 buckets = record.get(phase) or {}
                 stacked = not any(key.isdigit() for key in buckets)
                 for key, values in buckets.items():
-                    bucket = _json_bucket(key, stacked)  # JSON keys are strings
+                    bucket = json_bucket(key, stacked)  # JSON keys are strings
                     for statistic in LOGGED_STATISTICS:
                         series.setdefault((phase_label(phase), statistic, bucket), []).append(
                             (record["step"], values[statistic]))

@@ -8,6 +8,10 @@ layer (``layer-grad-norms/layer00``, beside the writer's own run) holding one sc
 ``deepspeed_patch.tags``); and it returns a compact field for the stdout log line. Otherwise it returns
 at once: no collective, no work.
 
+When the trigger fires with a flight recorder (``trigger.history``), the recorded steps of every bucket go,
+once per fire, to runs of their own (``layer-grad-norms-history/fire-000123/layer00``): written into the
+runs above, steps going backwards would make TensorBoard purge the later points of those runs.
+
 Against the iteration only: Megatron-DeepSpeed writes its headline scalars (loss, learning rate,
 grad-norm) also ``vs samples`` and ``vs tokens``, but its per-component diagnostics (timers,
 throughput, memory) against the iteration alone, and these statistics are such diagnostics: a
@@ -16,12 +20,20 @@ throughput, memory) against the iteration alone, and these statistics are such d
 
 import argparse
 import math
-from typing import Dict
+from dataclasses import replace
+from typing import Dict, Hashable, List
 
-from deepspeed_patch.tags import LOGGED_PHASES, LOGGED_STATISTICS, is_layer
+from deepspeed_patch.tags import (
+    HISTORY_ROOT,
+    LOGGED_PHASES,
+    LOGGED_STATISTICS,
+    history_root,
+    history_run_name,
+    is_layer,
+)
 
-from .bucket_runs import bucket_runs
-from .tensorboard_layout import custom_scalars_layout, placements
+from .bucket_runs import BucketRuns, bucket_runs
+from .tensorboard_layout import Placement, custom_scalars_layout, placements
 
 
 def drawable(value: float) -> float:
@@ -40,13 +52,36 @@ def write_tensorboard(writer, stats: Dict) -> None:
         runs.layout_written = True
     for place in sorted(placed.values(), key=lambda place: place.layer is None):
         runs.writer(place.run)  # layers first, in the result's order: TensorBoard colours runs in the order they start
+    _write_scalars(runs, placed, stats)
+    runs.logged_step = iteration
+    runs.flush()
+
+
+def _write_scalars(runs: BucketRuns, placed: Dict[Hashable, Placement], stats: Dict) -> None:
+    """Each bucket's statistics of one result into its run, against the result's step."""
     for phase in LOGGED_PHASES:
         for key, values in (stats[phase] or {}).items():
             place = placed[key]
             for statistic in LOGGED_STATISTICS:
-                runs.writer(place.run).add_scalar(place.tag(phase, statistic), drawable(values[statistic]), iteration)
-    runs.logged_step = iteration
-    runs.flush()
+                runs.writer(place.run).add_scalar(place.tag(phase, statistic), drawable(values[statistic]),
+                                                  stats["step"])
+
+
+def write_history(writer, history: List[Dict]) -> None:
+    """A fire's recorded steps (``get_layer_grad_norms_history()``, oldest first), each bucket into its run
+    of that fire, then those runs closed: they are written once, their steps in order."""
+    fired_at = history[-1]["trigger"]["fired_at"]
+    placed = {
+        key: replace(place,
+                     run=history_run_name(fired_at, key if place.layer is None else place.layer),
+                     root=history_root(place.root))
+        for key, place in placements(history[-1]["pre_clip"]).items()
+    }
+    runs = bucket_runs(writer)
+    for stats in history:
+        _write_scalars(runs, placed, stats)
+    runs.close_runs(f"{HISTORY_ROOT}/fire-{fired_at:06d}/")
+    runs.logged_fire = fired_at
 
 
 def log_string_field(stats: Dict) -> str:
@@ -54,6 +89,13 @@ def log_string_field(stats: Dict) -> str:
     a model of several layer stacks)."""
     layers = [(key, values["norm"]) for key, values in stats["pre_clip"].items() if is_layer(key)]
     return " layer grad norm:" + "".join(f" {key}: {norm:.3E} |" for key, norm in layers)
+
+
+def _write_new_history(engine, writer) -> None:
+    """The recorded steps of the engine's last fire, if not written yet."""
+    history = getattr(engine, "get_layer_grad_norms_history", lambda: None)()
+    if history and bucket_runs(writer).logged_fire != history[-1]["trigger"]["fired_at"]:
+        write_history(writer, history)
 
 
 def log_layer_grad_norms(engine, iteration: int, writer, args: argparse.Namespace, loss=None) -> str:
@@ -66,6 +108,8 @@ def log_layer_grad_norms(engine, iteration: int, writer, args: argparse.Namespac
     calls it). The field is returned on ``args.log_interval`` iterations measured at that iteration,
     else ``''``.
 
+    A fire's recorded steps (``trigger.history``) are written once, when the hook first sees them.
+
     ``loss``: the iteration's loss as Megatron reduces it (``loss_dict["lm loss"]``, the same on every rank),
     reported to the engine for ``trigger.loss_factor``; it is judged at the end of the next optimizer step.
     """
@@ -73,6 +117,8 @@ def log_layer_grad_norms(engine, iteration: int, writer, args: argparse.Namespac
         return ""
     if loss is not None and getattr(engine, "layer_grad_norms", None) is not None:
         engine.layer_grad_norms.report_loss(loss)
+    if writer is not None:
+        _write_new_history(engine, writer)
     stats = engine.get_layer_grad_norms()
     if stats is None:
         return ""

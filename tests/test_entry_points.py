@@ -16,7 +16,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_demo_end_to_end(tmp_path, capsys):
-    """Into an ``--out`` that holds a longer demo's log: the demo starts its TensorBoard directory afresh."""
+    """Into an ``--out`` that holds a longer demo's log: the demo starts its TensorBoard directory afresh. With a
+    spike injected into layer 2 at step 6 (the first the trigger judges): the recorder catches it and the report's
+    one-line answer names the layer and the step."""
     from torch.utils.tensorboard import SummaryWriter
 
     from megatron_integration.training_log import write_tensorboard
@@ -26,7 +28,7 @@ def test_demo_end_to_end(tmp_path, capsys):
         for step in range(1, 201):
             write_tensorboard(writer, dict(stale, step=step, post_clip=stale["pre_clip"]))
     main(["demo", "--steps", "6", "--num-layers", "5", "--hidden", "16", "--layers", "0,1,mid,-2,-1",
-          "--out", str(tmp_path)])
+          "--out", str(tmp_path), "--spike", "6:2"])
     output = capsys.readouterr().out
     assert "early/late ratio: " in output
     assert f"figure: {tmp_path / 'layer_grad_norms.png'}" in output
@@ -36,6 +38,20 @@ def test_demo_end_to_end(tmp_path, capsys):
     summary = json.loads(capsys.readouterr().out)
     assert summary["steps"] == [1, 6]  # not 1 to 200
     assert list(summary["median_norm"]) == ["0", "1", "2", "3", "4"]  # 0, 1, mid = 2, -2 = 3, -1 = 4
+    (spike,) = summary["spikes"]
+    assert (spike["fired_at"], spike["steps"], spike["rose_most"]) == (6, [1, 6], 2)
+    assert spike["answer"].startswith("spike at step 6: layer 2 rose most, ")
+    assert spike["answer"] in output.splitlines()
+    assert (tmp_path / "spike_history.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_demo_rejects_a_spike_the_trigger_cannot_judge(capsys):
+    with pytest.raises(SystemExit):
+        main(["demo", "--steps", "20", "--spike", "5:0"])
+    assert "--spike 5:0: the step must be from 6" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["demo", "--num-layers", "4", "--spike", "8:4"])
+    assert "--spike 8:4: the layer must be below --num-layers 4" in capsys.readouterr().err
 
 
 def test_demo_rejects_a_bad_layer_spec(capsys):

@@ -162,6 +162,7 @@ def test_fork_patches_call_only_what_the_package_exports(fork):
     assert names <= set(megatron_integration.__all__)
     for call in ("add_layer_grad_norms_args(parser)", "layer_grad_norms_ds_config(args,", "log_layer_grad_norms("):
         assert call in patch
+    assert "+            loss=loss_dict.get('lm loss'))" in patch  # the reduced loss, for the trigger's loss_factor
     assert {"a/megatron/arguments.py", "a/megatron/training.py"} == set(re.findall(r"^--- (\S+)$", patch, re.M))
 
 

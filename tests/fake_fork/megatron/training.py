@@ -51,19 +51,22 @@ def train(args, engine, data_iterator, writer) -> None:
 
 
 def train_step(forward_step_func, data_iterator, model, optimizer, opt_param_scheduler, config):
-    """The fork's signature; returns ``(loss, skipped, grad_norm, num_zeros)`` with ``grad_norm = None``."""
+    """The fork's signature; returns ``(loss, skipped, grad_norm, num_zeros)`` with ``grad_norm = None`` and the
+    loss averaged over the data-parallel ranks, the same on every rank, as the fork's ``loss_dict['lm loss']``."""
     engine = model[0]
     losses = []
     for _ in range(engine.gradient_accumulation_steps()):
         loss = engine(next(data_iterator))
         engine.backward(loss)
         engine.step()
-        losses.append(loss.item())
-    return sum(losses) / len(losses), 0, None, None
+        losses.append(loss.detach())
+    reduced = torch.stack(losses).mean()
+    torch.distributed.all_reduce(reduced)
+    return reduced.item() / torch.distributed.get_world_size(), 0, None, None
 
 
 def training_log(args, loss, grad_norm, iteration, writer, model) -> None:
-    layer_grad_norms_string = log_layer_grad_norms(model[0], iteration, writer, args)
+    layer_grad_norms_string = log_layer_grad_norms(model[0], iteration, writer, args, loss=loss)
     if writer is not None and iteration % args.tensorboard_log_interval == 0 and grad_norm is not None:
         writer.add_scalar("grad-norm/grad-norm", grad_norm, iteration)
     if iteration % args.log_interval == 0 and args.rank == args.world_size - 1:

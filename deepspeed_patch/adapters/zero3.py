@@ -52,18 +52,22 @@ class Zero3Adapter(ZeroPartitionsAdapter):
     def unsupported(optimizer, names: Dict[torch.nn.Parameter, str], capabilities: Capabilities) -> List[str]:
         """Set-ups whose gradient partitions are not one partition per data-parallel rank on one device."""
         own_groups = [
-            names.get(param, "?") for params in optimizer.fp16_groups for param in params
-            if not _same_ranks(getattr(param, "ds_process_group", optimizer.dp_process_group),
-                               optimizer.dp_process_group)
+            names.get(param, "?") for params in optimizer.fp16_groups for param in params if
+            not _same_ranks(getattr(param, "ds_process_group", optimizer.dp_process_group), optimizer.dp_process_group)
         ]
         shown = ", ".join(own_groups[:3]) + (", ..." if len(own_groups) > 3 else "")
         hpz = optimizer.zero_hpz_partition_size
         refusals = {
-            "MiCS (its own shard groups)": capabilities.zero3_mics and _is_mics(optimizer),
-            f"parameters partitioned over their own process group (ds_process_group: {shown})": bool(own_groups),
-            f"hpZ (zero_hpz_partition_size={hpz})": hpz > 1,
-            "NVMe offload of the optimizer (offload_optimizer.device=nvme)": bool(optimizer.swap_optimizer),
-            "NVMe offload of the parameters (offload_param.device=nvme)": bool(optimizer.params_in_nvme_and_cpu),
+            "MiCS (its own shard groups)":
+            capabilities.zero3_mics and _is_mics(optimizer),
+            f"parameters partitioned over their own process group (ds_process_group: {shown})":
+            bool(own_groups),
+            f"hpZ (zero_hpz_partition_size={hpz})":
+            hpz > 1,
+            "NVMe offload of the optimizer (offload_optimizer.device=nvme)":
+            bool(optimizer.swap_optimizer),
+            "NVMe offload of the parameters (offload_param.device=nvme)":
+            bool(optimizer.params_in_nvme_and_cpu),
             f"partial optimizer offload (offload_optimizer.ratio={optimizer.partial_offload})":
             bool(optimizer.offload_optimizer) and optimizer.partial_offload != 1.0,
         }

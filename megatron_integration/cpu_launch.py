@@ -8,8 +8,9 @@ import glob
 import os
 import pickle
 import socket
+import subprocess
 import traceback
-from typing import Any, Callable, List
+from typing import Any, Callable, List, Optional
 
 import torch.multiprocessing as mp
 
@@ -70,3 +71,15 @@ def remove_shm_buffers(port: int, address: str = "127.0.0.1") -> None:
     for path in glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_*_{address}_{port}_*"):
         with contextlib.suppress(FileNotFoundError):
             os.remove(path)
+
+
+def run_script(script: str, num_ranks: int = 2, timeout: float = 600,
+               cwd: Optional[str] = None) -> subprocess.CompletedProcess:
+    """``deepspeed --num_gpus num_ranks script`` (CPU ranks), its output captured; its shared-memory buffers
+    removed whatever happens."""
+    port = free_port()
+    try:
+        return subprocess.run(["deepspeed", "--num_gpus", str(num_ranks), "--master_port", str(port), script],
+                              capture_output=True, text=True, timeout=timeout, cwd=cwd)
+    finally:
+        remove_shm_buffers(port)

@@ -5,10 +5,12 @@ layer N; any other parameter goes to the bucket named after its module; in Huggi
 BART, ``encoder.block.N.`` / ``model.encoder.layers.N.`` give ``"encoder.N"``, the decoder's ``"decoder.N"``).
 """
 
+import math
 import re
 from collections import defaultdict
 from typing import Callable, Dict, Hashable, Iterable, Optional
 
+import pytest
 import torch
 
 from megatron_integration.tiny_gpt import TinyGPT, TinyGPTConfig
@@ -126,3 +128,17 @@ def assert_close_stats(measured, reference, tolerance, stats=STATS):
             scale = max(ref["norm" if stat == "norm" else "abs_max"], 1e-30)
             error = abs(measured[key][stat] - ref[stat]) / scale
             assert error <= tolerance, f"bucket {key!r} {stat}: {measured[key][stat]} vs reference {ref[stat]}"
+
+
+def assert_clipped_like_torch(measured: dict, reference: Dict, max_norm: float, tolerance: float,
+                              stats=STATS) -> None:
+    """``pre_clip`` equal to ``reference`` bucket for bucket, clipping active, and ``clip_coef`` and ``post_clip``
+    as ``torch.nn.utils.clip_grad_norm_`` to ``max_norm`` makes them from the reference (which covers every
+    parameter)."""
+    assert set(measured["pre_clip"]) == set(reference)
+    assert_close_stats(measured["pre_clip"], reference, tolerance, stats=stats)
+    coef = min(1.0, max_norm / (math.sqrt(sum(ref["norm"]**2 for ref in reference.values())) + 1e-6))
+    assert coef < 0.5  # clipping is active
+    assert measured["clip_coef"] == pytest.approx(coef, rel=1e-5)
+    clipped = {key: {stat: ref[stat] * coef for stat in stats} for key, ref in reference.items()}
+    assert_close_stats(measured["post_clip"], clipped, tolerance, stats=stats)

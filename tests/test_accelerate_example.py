@@ -3,11 +3,10 @@ per-layer norms after each optimizer step of an Accelerate loop add up to its gl
 
 import os
 import re
-import subprocess
 
 import pytest
 
-from megatron_integration.cpu_launch import free_port, remove_shm_buffers
+from megatron_integration.cpu_launch import run_script
 
 pytestmark = pytest.mark.extended  # CI runs it in its extended pass (tests/README.md)
 
@@ -17,13 +16,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_accelerate_loop_runs_on_two_ranks():
-    port = free_port()
-    try:
-        result = subprocess.run(["deepspeed", "--num_gpus", "2", "--master_port", str(port),
-                                 os.path.join(ROOT, "examples", "accelerate_loop.py")],
-                                capture_output=True, text=True, timeout=600, cwd=ROOT)
-    finally:
-        remove_shm_buffers(port)
+    result = run_script(os.path.join(ROOT, "examples", "accelerate_loop.py"), timeout=600, cwd=ROOT)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     lines = re.findall(r"step (\d+) grad_norm (\S+) root-sum-square (\S+)", result.stdout)
     assert [int(step) for step, _, _ in lines] == [1, 2, 3]

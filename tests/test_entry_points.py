@@ -10,7 +10,7 @@ from typing import List
 import pytest
 
 from megatron_integration.cli import main
-from megatron_integration.cpu_launch import free_port, remove_shm_buffers
+from megatron_integration.cpu_launch import run_script
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -75,13 +75,7 @@ def test_help_shows_defaults_and_says_what_each_argument_is(command, fragments, 
 
 
 def test_readme_quickstart_runs_on_two_ranks():
-    port = free_port()
-    try:
-        result = subprocess.run(["deepspeed", "--num_gpus", "2", "--master_port", str(port),
-                                 os.path.join(ROOT, "examples", "quickstart.py")],
-                                capture_output=True, text=True, timeout=300, cwd=ROOT)
-    finally:
-        remove_shm_buffers(port)
+    result = run_script(os.path.join(ROOT, "examples", "quickstart.py"), timeout=300, cwd=ROOT)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "step 3 clip_coef" in result.stdout
     assert "  head  norm" in result.stdout

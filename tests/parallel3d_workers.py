@@ -1,4 +1,5 @@
-"""What each rank runs in the 3D tests: tensor x pipeline x data parallelism, ZeRO-1 or BF16_Optimizer.
+"""What each rank runs in the 3D tests: tensor x pipeline x data parallelism, ZeRO-1 or BF16_Optimizer; and
+without ZeRO (stage 0) in fp32, fp16 (with an overflow step) and bf16.
 
 The model is ``tp_workers``' column/row-parallel MLP stack; with pipeline stages it is a
 ``PipelineModule`` of the same modules (embedding, the TP layers, head). Ranks follow DeepSpeed's
@@ -13,11 +14,13 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from pipeline_workers import global_norm, run_cases
+from pipeline_workers import OVERFLOW_FACTOR, blow_up_loss, ds_config, global_norm, run_cases
 from reference import bucket_stats
 from tp_workers import HIDDEN, LAYERS, MICRO_BATCH, SEQ, VOCAB, TensorParallelMLPLayer, TensorParallelModel, full_model
+from zero_workers import DTYPES, FP16_INITIAL_SCALE_POWER, fused_sgd, loss_scale
 
-DEFAULT_CASE: Dict[str, Any] = {"pp": 1, "tp": 2, "dp": 2, "dtype": "fp32", "clip": 0.05, "steps": 2, "stage": 1}
+DEFAULT_CASE: Dict[str, Any] = {"pp": 1, "tp": 2, "dp": 2, "dtype": "fp32", "clip": 0.05, "steps": 2, "stage": 1,
+                                "fused": False, "overflow_step": None, "compare_off": False}
 # The buckets outside the layers: under pipeline parallelism named after the spec's class.
 PIPELINE_NAMES = {"embed": "Embedding", "head": "Linear"}
 
@@ -65,14 +68,16 @@ def reference_stats(engine, case: Dict[str, Any], tp_rank: int, batches: List[to
     shards = [{} for _ in range(case["tp"])]
     for rank_tp, part in gathered:
         shards[rank_tp].update(part)
-    model = full_model(shards).to(torch.bfloat16 if case["dtype"] == "bf16" else torch.float32)
+    model = full_model(shards).to(DTYPES[case["dtype"]])
+    # fp16: the loss scaled as the engine's first scale does, so that no gradient flushes to zero
+    scale = 2.0**FP16_INITIAL_SCALE_POWER if case["dtype"] == "fp16" else 1.0
     for batch in batches:
-        (model(batch) / len(batches)).backward()
-    stats = bucket_stats({name: p.grad for name, p in model.named_parameters()})
+        (model(batch) * (scale / len(batches))).backward()
+    stats = bucket_stats({name: p.grad.double() / scale for name, p in model.named_parameters()})
     return {PIPELINE_NAMES.get(key, key) if pipelined else key: value for key, value in stats.items()}
 
 
-def train(case: Dict[str, Any]) -> Dict[str, Any]:
+def train(case: Dict[str, Any], enabled: bool = True) -> Dict[str, Any]:
     import deepspeed
     from deepspeed.runtime.pipe.topology import PipelineParallelGrid, PipeModelDataParallelTopology
 
@@ -82,39 +87,32 @@ def train(case: Dict[str, Any]) -> Dict[str, Any]:
     model = build_model(case, tp_rank, grid.get_slice_parallel_group())
     if case.get("sequence_parallel"):
         model.embed.weight.sequence_parallel = True  # as Megatron marks its layer norms under --sequence-parallel
-    config = {
-        "train_micro_batch_size_per_gpu": MICRO_BATCH,
-        "gradient_clipping": case["clip"],
-        "zero_optimization": {
-            "stage": case["stage"]
-        },
-        "zero_allow_untested_optimizer": True,
-        "steps_per_print": 10**9,
-        "layer_grad_norms": {
-            "enabled": True
-        },
-    }
-    if case["dtype"] == "bf16":
-        config.update(bf16={"enabled": True}, data_types={"grad_accum_dtype": "fp32"})
+    loss_factor = blow_up_loss(model) if case["pp"] > 1 else [1.0]
     engine, *_ = deepspeed.initialize(model=model,
-                                      optimizer=torch.optim.SGD(model.parameters(), lr=1.0),
-                                      config=config,
+                                      optimizer=(fused_sgd if case["fused"] else torch.optim.SGD)(model.parameters(),
+                                                                                                   lr=1.0),
+                                      config=ds_config({**case, "gas": 1}, enabled),
                                       mpu=None if case["pp"] > 1 else grid)
-    record = {"measured": [], "global_norm": [], "reference": [], "optimizer": type(engine.optimizer).__name__}
-    for step in range(case["steps"]):
+    record = {"measured": [], "global_norm": [], "reference": [], "loss_scales": [],
+              "optimizer": type(engine.optimizer).__name__}
+    for step in range(1, case["steps"] + 1):
         batches = [
             torch.randint(0, VOCAB, (MICRO_BATCH, SEQ + 1), generator=torch.Generator().manual_seed(10 * step + dp))
             for dp in range(case["dp"])
         ]
         record["reference"].append(reference_stats(engine, case, tp_rank, batches))
         batch = batches[dp_rank]
+        scale_before = loss_scale(engine.optimizer)
+        loss_factor[0] = OVERFLOW_FACTOR if step == case["overflow_step"] else 1.0
         if case["pp"] > 1:
             engine.train_batch(data_iter=iter([(batch[:, :-1], batch[:, 1:])]))
         else:
-            engine.backward(engine(batch))
+            engine.backward(engine(batch) * loss_factor[0])
             engine.step()
+        record["loss_scales"].append((scale_before, loss_scale(engine.optimizer)))
         record["measured"].append(engine.get_layer_grad_norms())
         record["global_norm"].append(global_norm(engine))
+    record["final"] = [param.detach().clone() for param in engine.module.parameters()]
     engine.destroy()
     return record
 

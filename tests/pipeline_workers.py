@@ -5,6 +5,7 @@ all stages before each step), run in plain PyTorch on the same micro-batches.
 """
 
 import dataclasses
+import functools
 import logging
 import math
 from typing import Any, Callable, Dict, Optional, Tuple
@@ -15,10 +16,13 @@ import deepspeed_patch
 from megatron_integration.tiny_gpt import TinyGPT, TinyGPTConfig, synthetic_batch, tiny_gpt_pipe
 from reference import averaged_gradients, bucket_stats
 from releases import pipeline_gradient_factor
-from zero_workers import DTYPES, MICRO_BATCH
+from zero_workers import DTYPES, FP16_INITIAL_SCALE_POWER, MICRO_BATCH, force_fp16_on_cpu, fused_sgd, loss_scale
 
 DEFAULT_CASE: Dict[str, Any] = {"first_layer_index": 3, "dtype": "fp32", "gas": 2, "clip": 0.0, "steps": 3,
-                                "layers": 4, "tie": False, "stage": 1}
+                                "layers": 4, "tie": False, "stage": 1, "fused": False, "overflow_step": None,
+                                "compare_off": False}
+# An fp16 step's loss times this overflows: every gradient of the step is non-finite.
+OVERFLOW_FACTOR = 1e30
 
 
 def plain_name(pipe_name: str, first_layer_index: int, num_layers: int) -> str:
@@ -59,14 +63,38 @@ def trained_gradients(weights: Dict[str, torch.Tensor], stage_of: Dict[str, int]
         weights = {**weights, "head.weight": weights["embed.weight"]}
         stage_of = {**stage_of, "head.weight": stages - 1}
     untied = dataclasses.replace(config, tie_embeddings=False)
-    grads = {name: grad * pipeline_gradient_factor(case["gas"], stage_of[name], stages)
-             for name, grad in averaged_gradients(weights, untied, DTYPES[case["dtype"]], batches).items()}
+    # fp16: the reference scales its loss as the engine's first scale does, so no gradient flushes to zero.
+    scale = 2.0**FP16_INITIAL_SCALE_POWER if case["dtype"] == "fp16" else 1.0
+    mean = averaged_gradients(weights, untied, DTYPES[case["dtype"]], batches, loss_scale=scale)
+    grads = {name: grad * pipeline_gradient_factor(case["gas"], stage_of[name], stages) for name, grad in mean.items()}
     if config.tie_embeddings:
         grads["embed.weight"] = grads["embed.weight"] + grads.pop("head.weight")
     return grads
 
 
-def train_pipe(case: Dict[str, Any]) -> Dict[str, Any]:
+def ds_config(case: Dict[str, Any], enabled: bool) -> Dict[str, Any]:
+    """The case's ds_config (also the 3D workers'). bf16 under ZeRO accumulates in fp32 (BF16_Optimizer, as
+    BLOOM); without ZeRO in bf16, the only accumulation DeepSpeed allows there."""
+    ds_config = {
+        "train_micro_batch_size_per_gpu": MICRO_BATCH,
+        "gradient_accumulation_steps": case["gas"],
+        "gradient_clipping": case["clip"],
+        "zero_optimization": {"stage": case["stage"]},
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 10**9,
+    }
+    if enabled:
+        ds_config["layer_grad_norms"] = {"enabled": True}
+    if case["dtype"] == "bf16":
+        ds_config["bf16"] = {"enabled": True}
+        if case["stage"] > 0:
+            ds_config["data_types"] = {"grad_accum_dtype": "fp32"}
+    if case["dtype"] == "fp16":
+        ds_config["fp16"] = {"enabled": True, "initial_scale_power": FP16_INITIAL_SCALE_POWER, "loss_scale_window": 2}
+    return ds_config
+
+
+def train_pipe(case: Dict[str, Any], enabled: bool = True) -> Dict[str, Any]:
     import deepspeed
     from deepspeed import comm as dist
 
@@ -77,32 +105,35 @@ def train_pipe(case: Dict[str, Any]) -> Dict[str, Any]:
     with torch.no_grad():
         for name, param in pipe.named_parameters():
             param.copy_(plain[plain_name(name, case["first_layer_index"], case["layers"])])
-    ds_config = {
-        "train_micro_batch_size_per_gpu": MICRO_BATCH,
-        "gradient_accumulation_steps": case["gas"],
-        "gradient_clipping": case["clip"],
-        "zero_optimization": {"stage": case["stage"]},
-        "zero_allow_untested_optimizer": True,
-        "steps_per_print": 10**9,
-        "layer_grad_norms": {"enabled": True},
-    }
-    if case["dtype"] == "bf16":
-        ds_config.update(bf16={"enabled": True}, data_types={"grad_accum_dtype": "fp32"})
+    loss_factor = blow_up_loss(pipe)
+    optimizer = functools.partial(fused_sgd if case["fused"] else torch.optim.SGD, lr=1.0)
     engine, *_ = deepspeed.initialize(model=pipe, model_parameters=[p for p in pipe.parameters()],
-                                      optimizer=lambda params: torch.optim.SGD(params, lr=1.0), config=ds_config)
-    record = {"measured": [], "global_norm": [], "reference": [], "update": [],
+                                      optimizer=optimizer, config=ds_config(case, enabled))
+    record = {"measured": [], "global_norm": [], "reference": [], "update": [], "loss_scales": [],
               "optimizer": type(engine.optimizer).__name__}
     for step in range(1, case["steps"] + 1):
         batches = [synthetic_batch(config, MICRO_BATCH, seed=100 * step + micro) for micro in range(case["gas"])]
         before, stage_of = full_weights(engine, case)
+        scale_before = loss_scale(engine.optimizer)
+        loss_factor[0] = OVERFLOW_FACTOR if step == case["overflow_step"] else 1.0
         engine.train_batch(data_iter=iter([(batch[:, :-1], batch[:, 1:]) for batch in batches]))
+        record["loss_scales"].append((scale_before, loss_scale(engine.optimizer)))
         record["measured"].append(engine.get_layer_grad_norms())
         record["global_norm"].append(global_norm(engine))
         record["update"].append(update_norm(before, full_weights(engine, case)[0]))
         grads = trained_gradients(before, stage_of, config, case, batches)
         record["reference"].append(bucket_stats(grads))
+    record["final"] = full_weights(engine, case)[0]
     engine.destroy()
     return record
+
+
+def blow_up_loss(pipe) -> list:
+    """Wrap ``pipe``'s loss function; the returned one-element list is the factor it multiplies the loss by."""
+    factor = [1.0]
+    plain_loss = pipe.loss_fn
+    pipe.loss_fn = lambda outputs, labels: plain_loss(outputs, labels) * factor[0]
+    return factor
 
 
 def global_norm(engine) -> Optional[float]:
@@ -116,19 +147,23 @@ def update_norm(before: Dict[str, torch.Tensor], after: Dict[str, torch.Tensor])
     return math.sqrt(sum(float((before[name] - after[name]).double().pow(2).sum()) for name in before))
 
 
-def run_cases(train: Callable[[Dict[str, Any]], Dict[str, Any]], defaults: Dict[str, Any],
+def run_cases(train: Callable[..., Dict[str, Any]], defaults: Dict[str, Any],
               cases: Dict[str, Dict[str, Any]]) -> Dict[str, Any]:
-    """``train`` on every case (``defaults`` updated by its overrides) in one launch; a case's error is
-    returned instead of stopping the others."""
+    """``train`` on every case (``defaults`` updated by its overrides) in one launch, and again with the
+    feature off where the case says ``compare_off``; a case's error is returned instead of stopping the
+    others."""
     import traceback
 
     deepspeed_patch.install()
+    force_fp16_on_cpu()
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
     results = {}
     for name, overrides in cases.items():
         case = {**defaults, **overrides}
         try:
             results[name] = {"on": train(case), "case": case}
+            if case.get("compare_off"):
+                results[name]["off"] = train(case, enabled=False)
         except Exception as error:
             results[name] = {"error": traceback.format_exc(), "message": str(error), "case": case}
     return results

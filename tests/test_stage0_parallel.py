@@ -1,30 +1,54 @@
-"""Per-layer statistics under pipeline and tensor parallelism without ZeRO (stage 0, fp32).
+"""Per-layer statistics under pipeline and tensor parallelism without ZeRO (stage 0): fp32, fp16 through
+FP16_Optimizer and FP16_UnfusedOptimizer (with an overflow step), and bf16.
 
-Each rank's ``.grad`` is its stage's or shard's complete gradient, averaged over data parallelism; the
-tables are summed over the model-parallel group (one data-parallel replica). PP 2 with a tied embedding
-and TP 2 on 2 ranks, PP 2 x DP 2 on 4; the references are the unsharded models in plain PyTorch. The
-applied clip factor is checked against the step SGD (lr 1) really took: DeepSpeed clips by its own
-model-parallel norm, which under a pipeline is not the whole model's.
+Each rank's gradient is its stage's or shard's complete gradient, averaged over data parallelism; the
+tables are summed over the model-parallel group (one data-parallel replica). PP 2 (both spec offsets, a
+tied embedding) and TP 2 on 2 ranks, PP 2 x DP 2 on 4; the references are the unsharded models in plain
+PyTorch. In fp32 the applied clip factor is checked against the step SGD (lr 1) really took: DeepSpeed
+clips by its own model-parallel norm, which under a pipeline is not the whole model's.
 """
 
 import math
 from functools import lru_cache
 
 import pytest
+import torch
 from parallel3d_workers import run_3d_cases
 from stage0_workers import TP_CASE, run_two_ranks
 
 from megatron_integration.cpu_launch import launch
 from reference import TOLERANCE, assert_close_stats
+from releases import STAGE0_LOSS_CARRIES_SCALE, bf16_without_zero
 
-PIPELINE_CASES = {"pp2_tied_clip": {"stage": 0, "tie": True, "clip": 0.1, "first_layer_index": 3}}
-PIPELINE_DP_CASES = {"pp2_dp2_clip": {"stage": 0, "pp": 2, "tp": 1, "dp": 2}}
+# fp16 clip values are small: from DeepSpeed 0.18 on, the fp16 optimizers without ZeRO clip by the norm
+# divided by the loss scale (the engine no longer scales the loss there, the optimizer still unscales).
+FP16_CLIP = 1e-3
+PIPELINE_CASES = {
+    "pp2_tied_clip": {"stage": 0, "tie": True, "clip": 0.1, "first_layer_index": 3},
+    "pp2_fp16_fused_tied_overflow_clip": {"stage": 0, "dtype": "fp16", "fused": True, "tie": True, "clip": FP16_CLIP,
+                                          "overflow_step": 2, "steps": 4, "compare_off": True},
+    "pp2_fp16_unfused_overflow_offset2": {"stage": 0, "dtype": "fp16", "overflow_step": 2, "first_layer_index": 2},
+    "pp2_bf16_clip_offset2": {"stage": 0, "dtype": "bf16", "clip": 0.1, "first_layer_index": 2},
+}
+# The 3D workers' model (column/row-parallel MLP layers) on 2 ranks: tensor parallel 2 without ZeRO.
+PARALLEL_CASES = {
+    "tp2_fp16_fused_overflow_clip": {"stage": 0, "pp": 1, "tp": 2, "dp": 1, "dtype": "fp16", "fused": True,
+                                     "clip": FP16_CLIP, "overflow_step": 2, "steps": 3, "compare_off": True},
+    "tp2_bf16_clip": {"stage": 0, "pp": 1, "tp": 2, "dp": 1, "dtype": "bf16"},
+}
+PIPELINE_DP_CASES = {
+    "pp2_dp2_clip": {"stage": 0, "pp": 2, "tp": 1, "dp": 2},
+    "pp2_dp2_fp16_overflow_clip": {"stage": 0, "pp": 2, "tp": 1, "dp": 2, "dtype": "fp16", "clip": FP16_CLIP,
+                                   "overflow_step": 2, "steps": 3},
+}
 TP_CLIP, STEPS = 0.5, 3
+LOW_PRECISION = [name for cases in (PIPELINE_CASES, PARALLEL_CASES, PIPELINE_DP_CASES)
+                 for name, case in cases.items() if case.get("dtype", "fp32") != "fp32"]
 
 
 @lru_cache(maxsize=None)
 def two_ranks():
-    return launch(run_two_ranks, 2, PIPELINE_CASES, TP_CLIP, STEPS)
+    return launch(run_two_ranks, 2, PIPELINE_CASES, PARALLEL_CASES, TP_CLIP, STEPS)
 
 
 @lru_cache(maxsize=None)
@@ -32,13 +56,19 @@ def four_ranks():
     return launch(run_3d_cases, 4, PIPELINE_DP_CASES)
 
 
-def records(ranks, name):
-    """The case's record on every rank; a rank's error fails the test."""
-    by_rank = [rank[name] for rank in ranks]
+def results(name):
+    """The case's result on every rank (its record under "on", the feature-off run's under "off", and the
+    case); a rank's error fails the test."""
+    by_rank = [rank[name] for rank in (four_ranks() if name in PIPELINE_DP_CASES else two_ranks())]
     for rank in by_rank:
         if "error" in rank:
             pytest.fail(rank["error"])
-    return [rank.get("on", rank) for rank in by_rank]
+    return by_rank
+
+
+def records(name):
+    """The case's record (with the feature on) on every rank."""
+    return [rank.get("on", rank) for rank in results(name)]
 
 
 def every_step(record, steps: int) -> list:
@@ -53,7 +83,7 @@ def total(stats: dict) -> float:
 
 
 def test_pipeline_layers_and_tied_embedding_match_the_plain_module():
-    first, second = records(two_ranks(), "pp2_tied_clip")
+    first, second = records("pp2_tied_clip")
     assert repr(first["measured"]) == repr(second["measured"])
     checked = 0
     for measured, reference in every_step(first, STEPS):
@@ -68,7 +98,7 @@ def test_pipeline_layers_and_tied_embedding_match_the_plain_module():
 
 @pytest.mark.parametrize("name", ["pp2_tied_clip", TP_CASE])
 def test_post_clip_is_the_step_deepspeed_took(name):
-    record = records(two_ranks(), name)[0]
+    record = records(name)[0]
     assert len(record["update"]) == STEPS
     coefficients = []
     for measured, update in zip(record["measured"], record["update"]):
@@ -78,7 +108,7 @@ def test_post_clip_is_the_step_deepspeed_took(name):
 
 
 def test_tensor_parallel_matches_the_unsharded_reference():
-    first, second = records(two_ranks(), TP_CASE)
+    first, second = records(TP_CASE)
     assert repr(first["measured"]) == repr(second["measured"])
     checked = 0
     for measured, reference in every_step(first, STEPS):
@@ -89,7 +119,7 @@ def test_tensor_parallel_matches_the_unsharded_reference():
 
 
 def test_pipeline_with_data_parallelism_counts_each_replica_once():
-    ranks = records(four_ranks(), "pp2_dp2_clip")
+    ranks = records("pp2_dp2_clip")
     assert len({repr(rank["measured"]) for rank in ranks}) == 1 and len(ranks) == 4
     steps = PIPELINE_DP_CASES["pp2_dp2_clip"].get("steps", 2)
     checked = 0
@@ -98,3 +128,86 @@ def test_pipeline_with_data_parallelism_counts_each_replica_once():
         assert_close_stats(measured["pre_clip"], reference, TOLERANCE["fp32"])
         checked += 1
     assert checked == steps
+
+
+def intended_optimizer(case: dict) -> str:
+    """The optimizer DeepSpeed runs a low-precision stage-0 case with (engine._do_optimizer_sanity_check)."""
+    if case["dtype"] == "fp16":
+        return "FP16_Optimizer" if case.get("fused") else "FP16_UnfusedOptimizer"
+    return "BF16_Optimizer" if case.get("pp", 2) > 1 else bf16_without_zero(fused=False)
+
+
+def reported_keys(case: dict, reference: dict) -> set:
+    """The reference buckets the comparison covers: all of them in the 3D workers' model (named as the
+    engine names them); the layers in the tiny GPT's pipeline, whose embedding buckets the fp32 test covers."""
+    if "pp" in case:
+        return set(reference)
+    return {key for key in reference if isinstance(key, int)}
+
+
+@pytest.mark.parametrize("name", LOW_PRECISION)
+def test_low_precision_matches_the_reference_and_reports_the_overflow(name):
+    """Every step: an overflow step non-finite in every layer and not clipped, the others exact against the
+    unsharded reference in the same precision; the same result on every rank; the intended optimizer."""
+    by_rank = results(name)
+    record, case = by_rank[0]["on"], by_rank[0]["case"]
+    assert record["optimizer"] == intended_optimizer(case)
+    assert len({repr(rank["on"]["measured"]) for rank in by_rank}) == 1  # repr: NaNs compare equal
+    checked = 0
+    for measured, reference in every_step(record, case["steps"]):
+        keys = reported_keys(case, reference)
+        if measured["step"] == case["overflow_step"]:
+            assert measured["overflow"] is True and measured["post_clip"] is None
+            layers = [key for key in measured["pre_clip"] if isinstance(key, int)]
+            assert len(layers) == len([key for key in reference if isinstance(key, int)]) > 0
+            assert all(measured["pre_clip"][key]["nonfinite"] > 0 for key in layers)
+        else:
+            assert measured["overflow"] is False
+            assert_close_stats(measured["pre_clip"], {key: reference[key] for key in keys}, TOLERANCE[case["dtype"]])
+        checked += 1
+    assert checked == case["steps"] and (case["overflow_step"] or 0) <= case["steps"]
+
+
+@pytest.mark.parametrize("name", LOW_PRECISION)
+def test_low_precision_clip_coefficient_is_the_optimizers(name):
+    """The coefficient the fp16/bf16 optimizer applies: its clip factor from the whole model's norm, times
+    old/new loss scale (the scale is updated before it unscales), and in DeepSpeed 0.18 and later, where
+    the engine leaves the loss unscaled without ZeRO, 1/new scale."""
+    by_rank = results(name)
+    record, case = by_rank[0]["on"], by_rank[0]["case"]
+    clip_factors = []
+    for (measured, reference), (old_scale, new_scale) in zip(every_step(record, case["steps"]),
+                                                             record["loss_scales"]):
+        if measured["overflow"]:
+            continue
+        old_scale = old_scale if STAGE0_LOSS_CARRIES_SCALE else 1.0
+        norm = total(reference) * old_scale / new_scale
+        clip_factor = max(1.0, (norm + 1e-6) / case["clip"]) if case.get("clip") else 1.0
+        clip_factors.append(clip_factor)
+        assert measured["clip_coef"] == pytest.approx(old_scale / (new_scale * clip_factor),
+                                                      rel=10 * TOLERANCE[case["dtype"]])
+        for key, pre in measured["pre_clip"].items():
+            assert measured["post_clip"][key]["norm"] == pytest.approx(pre["norm"] * measured["clip_coef"], rel=1e-12)
+    assert len(clip_factors) == case["steps"] - (case["overflow_step"] is not None)
+    assert max(clip_factors) > 1 or not case.get("clip"), "the clip value should clip at least one step"
+
+
+def test_bf16_pipeline_buckets_add_up_to_the_global_norm():
+    """BF16_Optimizer keeps the whole model's norm (DeepSpeed's own reduction): the buckets add up to it."""
+    record = results("pp2_bf16_clip_offset2")[0]["on"]
+    assert len(record["measured"]) == len(record["global_norm"]) == 3
+    for measured, norm in zip(record["measured"], record["global_norm"]):
+        assert total(measured["pre_clip"]) == pytest.approx(norm, rel=1e-5)
+
+
+@pytest.mark.parametrize("name", [name for cases in (PIPELINE_CASES, PARALLEL_CASES)
+                                  for name, case in cases.items() if case.get("compare_off")])
+def test_training_is_bit_identical_with_the_feature_off(name):
+    for rank in results(name):
+        on, off = rank["on"], rank["off"]
+        assert off["measured"] == [None] * rank["case"]["steps"]
+        assert off["loss_scales"] == on["loss_scales"]
+        pairs = list(on["final"].items()) if isinstance(on["final"], dict) else list(enumerate(on["final"]))
+        assert len(pairs) > 0
+        for key, value in pairs:
+            assert torch.equal(value, off["final"][key]), key

@@ -110,10 +110,12 @@ def _chart_regexes(chart) -> List[str]:
     return list(chart.multiline.tag) or [series.value for series in chart.margin.series]
 
 
-def root_sum_square_errors(data: TensorBoardData) -> Dict[int, Tuple[float, float, float]]:
-    """``step -> (root-sum-square of the bucket norms, the fork's grad norm, relative error)`` on every step
-    where the fork logged its grad norm and every bucket was measured."""
-    buckets, grad_norm = data.bucket_norms().values(), data.fork_grad_norm()
+def root_sum_square_errors(data: TensorBoardData, grad_norm: Optional[Series] = None,
+                           ) -> Dict[int, Tuple[float, float, float]]:
+    """``step -> (root-sum-square of the bucket norms, the grad norm, relative error)`` on every step where
+    ``grad_norm`` (by default the fork's own) has a value and every bucket was measured."""
+    buckets = data.bucket_norms().values()
+    grad_norm = data.fork_grad_norm() if grad_norm is None else grad_norm
     result = {}
     for step, norm in sorted(grad_norm.items()):
         if buckets and all(step in series for series in buckets):

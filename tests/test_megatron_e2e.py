@@ -89,8 +89,9 @@ def test_parse_log_reads_the_real_forks_line():
     assert line.layers == {0: 0.7803, 1: 0.6722, 2: 0.6251, 3: 0.6465}
 
 
-def write_run(logdir: Path, layout: str, norms, grad_norm_scale: float = 1.0) -> None:
-    """Per-layer pre-clip norms and the fork's grad norm, in the ``layout`` "one-run" or "run-per-bucket"."""
+def write_run(logdir: Path, layout: str, norms, grad_norm_scale: float = 1.0, new_style: bool = False) -> None:
+    """Per-layer pre-clip norms and the fork's grad norm, in the ``layout`` "one-run" or "run-per-bucket"; the
+    grad norm as a tensor summary with ``new_style`` (the bigscience fork's writer)."""
     from torch.utils.tensorboard import SummaryWriter
 
     main = SummaryWriter(str(logdir))
@@ -104,7 +105,7 @@ def write_run(logdir: Path, layout: str, norms, grad_norm_scale: float = 1.0) ->
                 writer = writers.setdefault(bucket, SummaryWriter(str(logdir / "layer-grad-norms" / bucket)))
                 writer.add_scalar(f"{root}/pre-clip", value, step)
         rss = math.sqrt(sum(value ** 2 for value in buckets.values()))
-        main.add_scalar("grad-norm/grad-norm", rss * grad_norm_scale, step)
+        main.add_scalar("grad-norm/grad-norm", rss * grad_norm_scale, step, new_style=new_style)
     for writer in [main, *writers.values()]:
         writer.close()
 
@@ -120,6 +121,12 @@ def test_root_sum_square_in_either_layout(tmp_path, layout):
     errors = checks.root_sum_square_errors(data)
     assert sorted(errors) == [1, 2, 3]
     assert max(error for _, _, error in errors.values()) < 1e-6
+
+
+def test_a_new_style_grad_norm_is_read(tmp_path):
+    write_run(tmp_path, "run-per-bucket", NORMS, new_style=True)
+    errors = checks.root_sum_square_errors(checks.read_tensorboard(str(tmp_path)))
+    assert sorted(errors) == [1, 2, 3] and max(error for _, _, error in errors.values()) < 1e-6
 
 
 def test_a_wrong_grad_norm_fails_the_check(tmp_path):

@@ -81,6 +81,7 @@ class TensorBoardData:
 def read_tensorboard(logdir: str) -> TensorBoardData:
     from tensorboard.backend.event_processing.event_multiplexer import EventMultiplexer
     from tensorboard.plugins.custom_scalar import layout_pb2, metadata
+    from tensorboard.util import tensor_util
 
     multiplexer = EventMultiplexer(size_guidance={"scalars": 0, "tensors": 0})
     multiplexer.AddRunsFromDirectory(logdir)
@@ -89,6 +90,10 @@ def read_tensorboard(logdir: str) -> TensorBoardData:
     for run, tags in multiplexer.Runs().items():
         for tag in tags.get("scalars", []):
             data.scalars[(run, tag)] = {event.step: event.value for event in multiplexer.Scalars(run, tag)}
+        for tag in tags.get("tensors", []):  # add_scalar(new_style=True), as the bigscience fork's writer does
+            if multiplexer.SummaryMetadata(run, tag).plugin_data.plugin_name == "scalars":
+                data.scalars[(run, tag)] = {event.step: tensor_util.make_ndarray(event.tensor_proto).item()
+                                            for event in multiplexer.Tensors(run, tag)}
         if metadata.CONFIG_SUMMARY_TAG in tags.get("tensors", []):
             for event in multiplexer.Tensors(run, metadata.CONFIG_SUMMARY_TAG):
                 data.layouts.append(_layout_dict(layout_pb2.Layout.FromString(event.tensor_proto.string_val[0])))

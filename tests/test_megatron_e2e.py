@@ -8,15 +8,21 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from torch.utils.cpp_extension import get_default_build_root
 
 from megatron_integration.fork_e2e import checks
+from megatron_integration.fork_e2e.reference import REFERENCE_LINE, combined_norm, square_sums
 from megatron_integration.fork_e2e.run import E2EOptions, run_e2e
-from megatron_integration.fork_e2e.setups import SETUPS
+from megatron_integration.fork_e2e.setups import SETUPS, Setup
 from megatron_integration.fork_e2e.verdict import check_run
 
 FAKE_FORK = Path(__file__).parent / "fake_fork"
 TRAIN_ITERS = 5
+# fp32 without ZeRO, where the fork logs no grad norm: the buckets are checked against reference.py's norm
+# (data-parallel replicas here; pipeline-tied copies in the real fork's pipe-stage0)
+FAKE_STAGE0 = Setup("stage0-dp", "fp32 without ZeRO, data parallel 2", zero_stage=0, optimizer="AdamW",
+                    rss_against="reference")
 REAL_LOG_LINE = (  # the microsoft fork at 4efb479 with microsoft.patch, ZeRO-1 on 2 CPU ranks, iteration 5
     " iteration        5/      10 | consumed samples:           20 | consumed tokens:          640 | elapsed time per "
     "iteration (ms): 588.3 | learning rate: 7.222E-04 | global batch size:     4 | lm loss: 4.861312E+00 | loss scale:"
@@ -35,7 +41,9 @@ def fake_run(tmp_path_factory):
     default_build = os.path.join(get_default_build_root(), f"py{sys.version_info.major}{sys.version_info.minor}_cpu")
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("TORCH_EXTENSIONS_DIR", os.environ.get("TORCH_EXTENSIONS_DIR", default_build))
-        summary = run_e2e(E2EOptions(fork=str(fork), setups=("zero1",), out=str(out), train_iters=TRAIN_ITERS))
+        patch.setitem(SETUPS, FAKE_STAGE0.name, FAKE_STAGE0)
+        summary = run_e2e(E2EOptions(fork=str(fork), setups=("zero1", FAKE_STAGE0.name), out=str(out),
+                                     train_iters=TRAIN_ITERS))
     return summary, out
 
 
@@ -54,6 +62,18 @@ def test_fake_fork_passes_every_check(fake_run):
     assert (out / "summary.md").read_text().count("passed") >= 1
 
 
+def test_without_zero_the_buckets_add_up_to_the_reference_norm(fake_run):
+    """The fake fork logs no grad norm in fp32 without ZeRO; the reference printed at each step stands in."""
+    summary, out = fake_run
+    result = summary["setups"][FAKE_STAGE0.name]
+    failed = {name: check["detail"] for name, check in result["checks"].items() if not check["ok"]}
+    assert not failed, (out / FAKE_STAGE0.name / "log_excerpt.txt").read_text()
+    assert "root-sum-square equals the reference norm (the fork logs none)" in result["checks"]
+    assert "root-sum-square equals the fork's grad norm" not in result["checks"]
+    assert sorted(result["root_sum_square"]) == list(range(1, TRAIN_ITERS + 1))
+    assert result["worst_relative_error"] < 1e-5
+
+
 def test_the_shims_ran_in_the_ranks(fake_run):
     """The fake fork cannot import or train without them: each one it needs is named in the run's log."""
     summary, _ = fake_run
@@ -69,8 +89,9 @@ def test_parse_log_reads_the_real_forks_line():
     assert line.layers == {0: 0.7803, 1: 0.6722, 2: 0.6251, 3: 0.6465}
 
 
-def write_run(logdir: Path, layout: str, norms, grad_norm_scale: float = 1.0) -> None:
-    """Per-layer pre-clip norms and the fork's grad norm, in the ``layout`` "one-run" or "run-per-bucket"."""
+def write_run(logdir: Path, layout: str, norms, grad_norm_scale: float = 1.0, new_style: bool = False) -> None:
+    """Per-layer pre-clip norms and the fork's grad norm, in the ``layout`` "one-run" or "run-per-bucket"; the
+    grad norm as a tensor summary with ``new_style`` (the bigscience fork's writer)."""
     from torch.utils.tensorboard import SummaryWriter
 
     main = SummaryWriter(str(logdir))
@@ -84,7 +105,7 @@ def write_run(logdir: Path, layout: str, norms, grad_norm_scale: float = 1.0) ->
                 writer = writers.setdefault(bucket, SummaryWriter(str(logdir / "layer-grad-norms" / bucket)))
                 writer.add_scalar(f"{root}/pre-clip", value, step)
         rss = math.sqrt(sum(value ** 2 for value in buckets.values()))
-        main.add_scalar("grad-norm/grad-norm", rss * grad_norm_scale, step)
+        main.add_scalar("grad-norm/grad-norm", rss * grad_norm_scale, step, new_style=new_style)
     for writer in [main, *writers.values()]:
         writer.close()
 
@@ -102,6 +123,12 @@ def test_root_sum_square_in_either_layout(tmp_path, layout):
     assert max(error for _, _, error in errors.values()) < 1e-6
 
 
+def test_a_new_style_grad_norm_is_read(tmp_path):
+    write_run(tmp_path, "run-per-bucket", NORMS, new_style=True)
+    errors = checks.root_sum_square_errors(checks.read_tensorboard(str(tmp_path)))
+    assert sorted(errors) == [1, 2, 3] and max(error for _, _, error in errors.values()) < 1e-6
+
+
 def test_a_wrong_grad_norm_fails_the_check(tmp_path):
     write_run(tmp_path, "one-run", NORMS, grad_norm_scale=1.01)
     result = check_run("", str(tmp_path), 0, train_iters=3, optimizer="DeepSpeedZeroOptimizer")
@@ -112,7 +139,7 @@ def test_a_wrong_grad_norm_fails_the_check(tmp_path):
 
 
 def test_setups_divide_their_ranks():
-    assert {"zero1", "zero2", "bloom", "tp2", "bloom3d", "zero1-3d"} <= set(SETUPS)
+    assert {"zero1", "zero2", "bloom", "tp2", "bloom3d", "zero1-3d", "pipe-stage0"} <= set(SETUPS)
     for setup in SETUPS.values():
         config = setup.ds_config()
         assert setup.tensor_parallel * setup.pipeline_parallel * setup.data_parallel == setup.world_size
@@ -133,3 +160,52 @@ def test_3d_setups_are_tp2_pp2_dp2_on_eight_ranks(name, bf16):
     assert ("--bf16" in flags) == bf16 and "--no-pipeline-parallel" not in flags
     assert setup.ds_config()["zero_optimization"] == {"stage": 1}
     assert setup.ds_config()["gradient_accumulation_steps"] == 2
+
+
+def test_reference_norm_counts_each_parameter_once():
+    """Two data-parallel replicas of a two-stage pipeline whose stages share a tied weight: the reference is
+    the norm of the distinct parameters' gradients, in plain torch."""
+    torch.manual_seed(0)
+    tied = torch.nn.Linear(5, 3)  # the same module, name and gradient on both stages, as a pipeline-tied copy
+    first = torch.nn.ModuleDict({"tied": tied, "1": torch.nn.Linear(3, 4)})
+    last = torch.nn.ModuleDict({"2": torch.nn.Linear(4, 2), "tied": tied})
+    for param in [*first.parameters(), *last.parameters()]:
+        param.grad = torch.randn_like(param)
+    distinct = [param.grad for param in torch.nn.ModuleList([first, last]).parameters()]  # each parameter once
+    tables = [square_sums(first), square_sums(last), square_sums(first), square_sums(last)]  # 2 replicas
+    norm, spread, zero_copies = combined_norm(tables)
+    assert len(distinct) == len({name for table in tables for name in table}) == 6
+    assert norm == pytest.approx(torch.cat([grad.flatten() for grad in distinct]).double().norm().item(), rel=1e-12)
+    assert spread == 0.0 and zero_copies == []
+
+
+def test_reference_norm_reports_copies_that_differ():
+    _, spread, zero_copies = combined_norm([{"tied": 4.0, "a": 1.0}, {"tied": 3.0}])
+    assert spread == pytest.approx(0.25) and zero_copies == []
+
+
+def test_reference_norm_leaves_out_an_unused_all_zero_copy():
+    """The last stage's copy of the position embeddings: unused there, its gradient DeepSpeed's zeros."""
+    norm, spread, zero_copies = combined_norm([{"position": 9.0, "a": 16.0}, {"position": 0.0, "b": 0.0}])
+    assert (norm, spread, zero_copies) == (5.0, 0.0, ["position"])
+
+
+@pytest.mark.parametrize("scale, passes", [(1.0, True), (1.01, False)])
+def test_the_reference_check_reads_the_printed_norms(tmp_path, scale, passes):
+    write_run(tmp_path, "one-run", NORMS)
+    norms = {step: scale * math.sqrt(sum(value ** 2 for value in buckets.values())) for step, buckets in NORMS.items()}
+    stdout = "".join(f"{REFERENCE_LINE} iteration {step}: {norm!r} (copies differ by 0.0e+00; "
+                     "all-zero copies of: none)\n" for step, norm in norms.items())
+    result = check_run(stdout, str(tmp_path), 0, train_iters=3, optimizer="AdamW", rss_against="reference")
+    check = result["checks"]["root-sum-square equals the reference norm (the fork logs none)"]
+    assert check["ok"] == passes and sorted(result["root_sum_square"]) == [1, 2, 3]
+    assert result["checks"]["reference norm: copies of a parameter agree"]["ok"]
+
+
+def test_pipe_stage0_is_fp32_without_zero_pp2_dp2_on_four_ranks():
+    setup = SETUPS["pipe-stage0"]
+    assert (setup.tensor_parallel, setup.pipeline_parallel, setup.data_parallel, setup.world_size) == (1, 2, 2, 4)
+    flags = setup.fork_flags()
+    assert "--no-pipeline-parallel" not in flags and "--bf16" not in flags
+    assert flags[flags.index("--zero-stage") + 1] == "0" and setup.ds_config()["zero_optimization"] == {"stage": 0}
+    assert setup.rss_against == "reference"

@@ -81,6 +81,7 @@ class TensorBoardData:
 def read_tensorboard(logdir: str) -> TensorBoardData:
     from tensorboard.backend.event_processing.event_multiplexer import EventMultiplexer
     from tensorboard.plugins.custom_scalar import layout_pb2, metadata
+    from tensorboard.util import tensor_util
 
     multiplexer = EventMultiplexer(size_guidance={"scalars": 0, "tensors": 0})
     multiplexer.AddRunsFromDirectory(logdir)
@@ -89,6 +90,10 @@ def read_tensorboard(logdir: str) -> TensorBoardData:
     for run, tags in multiplexer.Runs().items():
         for tag in tags.get("scalars", []):
             data.scalars[(run, tag)] = {event.step: event.value for event in multiplexer.Scalars(run, tag)}
+        for tag in tags.get("tensors", []):  # add_scalar(new_style=True), as the bigscience fork's writer does
+            if multiplexer.SummaryMetadata(run, tag).plugin_data.plugin_name == "scalars":
+                data.scalars[(run, tag)] = {event.step: tensor_util.make_ndarray(event.tensor_proto).item()
+                                            for event in multiplexer.Tensors(run, tag)}
         if metadata.CONFIG_SUMMARY_TAG in tags.get("tensors", []):
             for event in multiplexer.Tensors(run, metadata.CONFIG_SUMMARY_TAG):
                 data.layouts.append(_layout_dict(layout_pb2.Layout.FromString(event.tensor_proto.string_val[0])))
@@ -110,10 +115,12 @@ def _chart_regexes(chart) -> List[str]:
     return list(chart.multiline.tag) or [series.value for series in chart.margin.series]
 
 
-def root_sum_square_errors(data: TensorBoardData) -> Dict[int, Tuple[float, float, float]]:
-    """``step -> (root-sum-square of the bucket norms, the fork's grad norm, relative error)`` on every step
-    where the fork logged its grad norm and every bucket was measured."""
-    buckets, grad_norm = data.bucket_norms().values(), data.fork_grad_norm()
+def root_sum_square_errors(data: TensorBoardData, grad_norm: Optional[Series] = None,
+                           ) -> Dict[int, Tuple[float, float, float]]:
+    """``step -> (root-sum-square of the bucket norms, the grad norm, relative error)`` on every step where
+    ``grad_norm`` (by default the fork's own) has a value and every bucket was measured."""
+    buckets = data.bucket_norms().values()
+    grad_norm = data.fork_grad_norm() if grad_norm is None else grad_norm
     result = {}
     for step, norm in sorted(grad_norm.items()):
         if buckets and all(step in series for series in buckets):

@@ -49,7 +49,7 @@ def run_e2e(options: E2EOptions) -> Dict[str, Any]:
         (setup_out / "log_excerpt.txt").write_text(log_excerpt(stdout, failed=returncode != 0))
         result = {"description": setup.description, "ds_config": setup.ds_config(), "fork_flags": setup.fork_flags(),
                   **check_run(stdout, str(setup_out / "tensorboard"), returncode, options.train_iters,
-                              setup.optimizer)}
+                              setup.optimizer, setup.rss_against)}
         (setup_out / "checks.json").write_text(json.dumps(result, indent=2) + "\n")
         summary["setups"][name] = result
         print(f"[megatron-e2e] {name}: {'passed' if result['passed'] else 'FAILED'}", flush=True)
@@ -81,7 +81,8 @@ def summary_markdown(summary: Dict[str, Any]) -> str:
     lines = [f"# Megatron-DeepSpeed end to end: {summary['fork']}", "",
              f"fork commit `{summary['fork_commit']}`, DeepSpeed {summary['deepspeed']}, torch {summary['torch']}, "
              f"{summary['train_iters']} iterations, `--layer-grad-norms-layers {summary['layers']}`", "",
-             "| set-up | result | worst relative error, root-sum-square vs grad norm | shims |",
+             "| set-up | result | worst relative error, root-sum-square vs grad norm (the fork's, or the reference) "
+             "| shims |",
              "| --- | --- | --- | --- |"]
     for name, result in summary["setups"].items():
         worst = result["worst_relative_error"]

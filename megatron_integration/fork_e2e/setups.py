@@ -1,9 +1,10 @@
 """The set-ups the end-to-end run trains: the fork's command-line flags and the ds_config of each.
 
 Every set-up is a tiny GPT (4 layers, hidden 64, 4 heads, sequence 32) on 2 CPU ranks (8 in the 3D set-ups:
-tensor parallel 2 x pipeline parallel 2 x data parallel 2), global batch 8,
-micro batch 2, gradient clipping at 1.0, with ``--log-layer-grad-norms --layer-grad-norms-layers all`` so that the
-root-sum-square of the buckets can be checked against the fork's own grad norm.
+tensor parallel 2 x pipeline parallel 2 x data parallel 2; 4 in ``pipe-stage0``: pipeline parallel 2 x data
+parallel 2), global batch 8, micro batch 2, gradient clipping at 1.0, with ``--log-layer-grad-norms
+--layer-grad-norms-layers all`` so that the root-sum-square of the buckets can be checked against the fork's
+own grad norm, or, where the fork logs none (fp32 without ZeRO), against the reference of ``reference.py``.
 """
 
 from dataclasses import dataclass, field
@@ -34,6 +35,10 @@ class Setup:
     extra_ds_config: Dict[str, Any] = field(default_factory=dict)
     world_size: int = 2
     """The number of CPU ranks the launcher starts."""
+    rss_against: str = "fork"
+    """What the root-sum-square of the buckets must equal: ``fork``, the fork's own grad norm (DeepSpeed's
+    ``get_global_grad_norm()``), or ``reference``, the plain-torch norm ``reference.py`` prints, where the
+    fork logs no grad norm (fp32 without ZeRO: the engine keeps none)."""
 
     @property
     def data_parallel(self) -> int:
@@ -80,6 +85,8 @@ SETUPS = {
               bf16=True, optimizer="BF16_Optimizer", extra_ds_config=BF16_FP32_ACCUMULATION, world_size=8),
         Setup("zero1-3d", "ZeRO-1, fp32, tensor parallel 2 x pipeline parallel 2 x data parallel 2",
               tensor_parallel=2, pipeline_parallel=2, world_size=8),
+        Setup("pipe-stage0", "fp32 without ZeRO (stage 0), pipeline parallel 2 x data parallel 2",
+              pipeline_parallel=2, zero_stage=0, optimizer="Adam", world_size=4, rss_against="reference"),
     )
 }
 

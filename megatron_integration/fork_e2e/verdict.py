@@ -7,19 +7,22 @@ from deepspeed_patch.tags import TAG_ROOT
 
 from .checks import LogLine, TensorBoardData, log_line_errors, parse_log, read_tensorboard, root_sum_square_errors
 from .entry import OPTIMIZER_LINE, SHIMS_LINE
+from .reference import REFERENCE_LINE, parse_reference_norms
 from .setups import NUM_LAYERS
 
 RSS_REL_TOLERANCE = 1e-5  # TensorBoard stores float32: the sum of float32 squares, rounded, is within ~1e-7
+COPY_REL_TOLERANCE = 1e-6  # replicas and tied copies of a gradient are equal, up to the reduction's rounding
 EXCERPT_MARKERS = ("deepspeed info ...", "torch version ...", "Git info for Megatron", SHIMS_LINE, OPTIMIZER_LINE,
-                   "layer_grad_norms", " layer grad norm:", "Traceback", "Error", "error:")
+                   REFERENCE_LINE, "layer_grad_norms", " layer grad norm:", "Traceback", "Error", "error:")
 
 
-def check_run(stdout: str, logdir: str, returncode: int, train_iters: int, optimizer: str) -> Dict[str, Any]:
+def check_run(stdout: str, logdir: str, returncode: int, train_iters: int, optimizer: str,
+              rss_against: str = "fork") -> Dict[str, Any]:
     """Every check of one run, the worst relative error of the root-sum-square, and what was read back.
-    ``optimizer`` is the class ``deepspeed.initialize`` must return (the code path the set-up is about)."""
+    ``optimizer`` is the class ``deepspeed.initialize`` must return (the code path the set-up is about);
+    ``rss_against`` what the root-sum-square must equal (``Setup.rss_against``)."""
     lines = parse_log(stdout)
     data = read_tensorboard(logdir)
-    rss = root_sum_square_errors(data)
     iterations = list(range(1, train_iters + 1))
     checks = {
         "exit status 0": (returncode == 0, f"exit status {returncode}"),
@@ -28,8 +31,19 @@ def check_run(stdout: str, logdir: str, returncode: int, train_iters: int, optim
         "log line agrees with TensorBoard": _none_is_good(log_line_errors(lines, data)),
         "layer-grad-norms scalars read back": _layers_check(data, iterations),
         "custom-scalars layout": _layout_check(data),
-        "root-sum-square equals the fork's grad norm": _rss_check(rss, iterations),
     }
+    if rss_against == "fork":
+        rss = root_sum_square_errors(data)
+        checks["root-sum-square equals the fork's grad norm"] = _rss_check(rss, iterations)
+    elif rss_against == "reference":
+        references, spread = parse_reference_norms(stdout)
+        rss = root_sum_square_errors(data, references)
+        checks["reference norm: copies of a parameter agree"] = (
+            bool(references) and spread <= COPY_REL_TOLERANCE,
+            f"largest relative difference {spread:.1e} over {len(references)} iterations")
+        checks["root-sum-square equals the reference norm (the fork logs none)"] = _rss_check(rss, iterations)
+    else:
+        raise ValueError(f"rss_against: {rss_against!r} is neither 'fork' nor 'reference'")
     worst = max((error for _, _, error in rss.values()), default=None)
     return {
         "passed": all(ok for ok, _ in checks.values()),

@@ -1,5 +1,6 @@
-"""What the benchmark modules share: the machine, interleaved timing, ratios, result files."""
+"""What the benchmark modules share: the machine, interleaved timing, ratios, collective counts, result files."""
 
+import collections
 import json
 import os
 import platform
@@ -11,6 +12,11 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+# The collective entry points of deepspeed.comm's backend object (TorchBackend, or CCL's).
+COLLECTIVES = ("all_reduce", "inference_all_reduce", "all_reduce_coalesced", "reduce", "reduce_scatter",
+               "reduce_scatter_tensor", "broadcast", "broadcast_object_list", "all_gather", "all_gather_into_tensor",
+               "all_gather_base", "all_gather_coalesced", "all_gather_object", "all_to_all_single", "all_to_all",
+               "send", "recv", "isend", "irecv", "gather", "scatter", "barrier", "monitored_barrier")
 
 
 def machine() -> str:
@@ -117,3 +123,35 @@ def mib(num_bytes: float) -> str:
     if abs(num_bytes) >= 1 << 10:
         return f"{num_bytes / (1 << 10):.1f} KiB"
     return f"{num_bytes:.0f} B"
+
+
+class CollectiveCounter:
+    """Counts the calls into ``deepspeed.comm``'s backend; a call made from inside another counts once."""
+
+    def __init__(self) -> None:
+        from deepspeed.comm import comm
+
+        self.counts: collections.Counter = collections.Counter()
+        self._depth = 0
+        for name in COLLECTIVES:
+            original = getattr(comm.cdb, name, None)
+            if original is not None:
+                setattr(comm.cdb, name, self._counted(name, original))
+
+    def _counted(self, name: str, original):
+
+        def counted(*args, **kwargs):
+            if self._depth == 0:
+                self.counts[name] += 1
+            self._depth += 1
+            try:
+                return original(*args, **kwargs)
+            finally:
+                self._depth -= 1
+
+        return counted
+
+    def take(self) -> Dict[str, int]:
+        counts = dict(self.counts)
+        self.counts.clear()
+        return counts

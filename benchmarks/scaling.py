@@ -15,7 +15,7 @@ from typing import Dict, List, Sequence, Tuple
 
 import statistics_before
 import torch
-from common import interleaved, machine, ratio_of, times
+from common import CollectiveCounter, interleaved, machine, ratio_of, times
 from layout import gpt_config, tiny_gpt_partition
 
 from deepspeed_patch.statistics import accumulate_runs, empty_stats
@@ -25,13 +25,6 @@ SCALING_HIDDEN = 128
 PARAMS_LAYERS = 12
 PARAMS_HIDDEN = (64, 128, 256, 512, 768)
 COLLECTIVES_HIDDEN = 32
-# The collective entry points of deepspeed.comm's backend object (TorchBackend, or CCL's).
-COLLECTIVES = ("all_reduce", "inference_all_reduce", "all_reduce_coalesced", "reduce", "reduce_scatter",
-               "reduce_scatter_tensor", "broadcast", "broadcast_object_list", "all_gather", "all_gather_into_tensor",
-               "all_gather_base", "all_gather_coalesced", "all_gather_object", "all_to_all_single", "all_to_all",
-               "send", "recv", "isend", "irecv", "gather", "scatter", "barrier", "monitored_barrier")
-
-
 def time_partition(num_layers: int, hidden: int, rounds: int) -> dict:
     part = tiny_gpt_partition(num_layers, hidden)
     runs, buckets = part.runs, part.slices.buckets
@@ -60,38 +53,6 @@ def stats_rows(points: Sequence[dict]) -> List[str]:
                     f"| {timing['layer_stats']['seconds'] / timing['deepspeed_norm']['seconds']:.1f}x "
                     f"| {extra_us:.0f} us |")
     return rows
-
-
-class CollectiveCounter:
-    """Counts the calls into ``deepspeed.comm``'s backend; a call made from inside another counts once."""
-
-    def __init__(self) -> None:
-        from deepspeed.comm import comm
-
-        self.counts: collections.Counter = collections.Counter()
-        self._depth = 0
-        for name in COLLECTIVES:
-            original = getattr(comm.cdb, name, None)
-            if original is not None:
-                setattr(comm.cdb, name, self._counted(name, original))
-
-    def _counted(self, name: str, original):
-
-        def counted(*args, **kwargs):
-            if self._depth == 0:
-                self.counts[name] += 1
-            self._depth += 1
-            try:
-                return original(*args, **kwargs)
-            finally:
-                self._depth -= 1
-
-        return counted
-
-    def take(self) -> Dict[str, int]:
-        counts = dict(self.counts)
-        self.counts.clear()
-        return counts
 
 
 def collectives_rank(layer_counts: Sequence[int], stages: Sequence[int], steps: int) -> List[dict]:

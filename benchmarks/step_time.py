@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
-from common import machine, paired_ratios, percent, spread
+from common import CollectiveCounter, machine, paired_ratios, percent, spread
 
 from megatron_integration.tiny_gpt import TinyGPT, TinyGPTConfig, synthetic_batch
 
@@ -122,13 +122,12 @@ def tiny_engine(spec: Spec, block: dict):
     return engine
 
 
-def bench_rank(spec: Spec) -> Dict[str, List[Tuple[bool, float]]]:
-    """Per-iteration wall time, tagged with whether the method ran, for every method; and, for the
-    per-layer statistics, the seconds spent inside the call sites (``"inside"``)."""
+def iterations(engine, spec: Spec) -> Callable[..., float]:
+    """``iteration(step, after_backward=None, hooks=False)``: one forward, backward and optimizer step of
+    ``engine`` between barriers, its wall time; ``after_backward(engine)`` runs before the optimizer step,
+    ``hooks`` puts a backward hook on each transformer layer (norm, min, max of its output gradient)."""
     from deepspeed import comm as dist
 
-    inside = time_call_sites()
-    engine = tiny_engine(spec, {"enabled": True, "interval": 2})
     config = model_config(spec)
     rank = dist.get_rank()
     activation_stats: List[torch.Tensor] = []
@@ -154,26 +153,53 @@ def bench_rank(spec: Spec) -> Dict[str, List[Tuple[bool, float]]]:
         dist.barrier()
         return time.perf_counter() - start
 
-    timings: Dict[str, List[Tuple[bool, float]]] = {method: [] for method in METHODS + ("inside", )}
+    return iteration
+
+
+def layer_stats_timings(engine, iteration: Callable[..., float], steps: int, inside: List[float]) -> Dict[str, list]:
+    """Four warm-up iterations, then ``steps`` with the per-layer statistics on (``interval: 2``), each tagged
+    with whether it was measured: the wall time (``"layer_stats"``), the seconds inside the call sites
+    (``"inside"``) and the calls into ``deepspeed.comm`` by name (``"collectives"``, the barriers around
+    each iteration included)."""
+    counter = CollectiveCounter()
+    timings: Dict[str, list] = {"layer_stats": [], "inside": [], "collectives": []}
     for step in range(4):  # warm-up; leaves the optimizer step count even
         iteration(step)
-    for step in range(spec.steps):
+    for step in range(steps):
         inside_before = inside[0]
+        counter.take()
         seconds = iteration(step)
+        calls = counter.take()
         result = engine.get_layer_grad_norms()
         measured = result is not None and result["step"] == engine.global_steps
         timings["layer_stats"].append((measured, seconds))
         timings["inside"].append((measured, inside[0] - inside_before))
+        timings["collectives"].append((measured, calls))
+    return timings
+
+
+def layer_stats_rank(spec: Spec) -> Dict[str, list]:
+    """The per-layer statistics alone (``layer_stats_timings``), for comparing two versions of the package."""
+    inside = time_call_sites()
+    engine = tiny_engine(spec, {"enabled": True, "interval": 2})
+    timings = layer_stats_timings(engine, iterations(engine, spec), spec.steps, inside)
+    engine.destroy()
+    return timings
+
+
+def bench_rank(spec: Spec) -> Dict[str, list]:
+    """Per-iteration wall time, tagged with whether the method ran, for every method; and, for the
+    per-layer statistics, the seconds spent inside the call sites (``"inside"``) and the collectives."""
+    inside = time_call_sites()
+    engine = tiny_engine(spec, {"enabled": True, "interval": 2})
+    iteration = iterations(engine, spec)
+    timings = layer_stats_timings(engine, iteration, spec.steps, inside)
     engine.set_layer_grad_norms(enabled=False)
-    for step in range(spec.steps):
-        tagged = step % 2 == 1
-        timings["full_grad_loop"].append((tagged, iteration(step, full_grad_loop if tagged else None)))
-    for step in range(spec.steps):
-        tagged = step % 2 == 1
-        timings["backward_hooks"].append((tagged, iteration(step, hooks=tagged)))
-    for step in range(spec.steps):
-        tagged = step % 2 == 1
-        timings["param_norm_loop"].append((tagged, iteration(step, param_norm_loop if tagged else None)))
+    others = {"full_grad_loop": {"after_backward": full_grad_loop}, "backward_hooks": {"hooks": True},
+              "param_norm_loop": {"after_backward": param_norm_loop}}
+    for method, options in others.items():
+        timings[method] = [(step % 2 == 1, iteration(step, **(options if step % 2 == 1 else {})))
+                           for step in range(spec.steps)]
     engine.destroy()
     return timings
 

@@ -50,15 +50,14 @@ def zero_unscale_divisor(scaled_total_norm: Optional[float],
     return max(((total_norm / loss_scale) + EPSILON) / clip_grad, 1.0) * loss_scale
 
 
-def engine_fp32_clip_norm(parameters: Iterable[torch.nn.Parameter], mpu) -> torch.Tensor:
-    """The global norm ``DeepSpeedEngine.clip_fp32_gradients`` clips by without ZeRO under an ``mpu``
-    (``runtime.utils.clip_grad_norm_``), left on the device: a gradient counts on model-parallel rank 0,
-    or on every rank where its parameter is a model-parallel (tensor-sliced) one, and the squares are
-    summed over the model-parallel group. Under a pipeline that rank is the rank within the pipeline, so
-    the norm leaves out the later stages' other parameters and counts a tied copy on the first stage:
-    it is not the statistics' total norm, and the post-clip statistics must follow it. Nothing is written."""
-    from deepspeed import comm as dist
-    from deepspeed.accelerator import get_accelerator
+def engine_fp32_clip_square(parameters: Iterable[torch.nn.Parameter], mpu) -> torch.Tensor:
+    """This rank's share of the squared global norm ``DeepSpeedEngine.clip_fp32_gradients`` clips by without
+    ZeRO under an ``mpu`` (``runtime.utils.clip_grad_norm_``), left on the device: a gradient counts on
+    model-parallel rank 0, or on every rank where its parameter is a model-parallel (tensor-sliced) one;
+    summed over the model-parallel group (by the caller's reduction), it is the square of that norm. Under
+    a pipeline that rank is the rank within the pipeline, so the norm leaves out the later stages' other
+    parameters and counts a tied copy on the first stage: it is not the statistics' total norm, and the
+    post-clip statistics must follow it. Nothing is written, nothing is communicated."""
     from deepspeed.runtime.utils import is_model_parallel_parameter
 
     on_rank_zero = mpu.get_model_parallel_rank() == 0
@@ -66,7 +65,4 @@ def engine_fp32_clip_norm(parameters: Iterable[torch.nn.Parameter], mpu) -> torc
         param.grad.detach().float().norm(2)**2 for param in parameters
         if param.grad is not None and (on_rank_zero or is_model_parallel_parameter(param))
     ]
-    device = get_accelerator().current_device_name()
-    total = torch.stack(squares).sum().to(device) if squares else torch.zeros((), device=device)
-    dist.all_reduce(total, op=dist.ReduceOp.SUM, group=mpu.get_model_parallel_group())
-    return total.sqrt()
+    return torch.stack(squares).sum() if squares else torch.zeros(())

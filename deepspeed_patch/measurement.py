@@ -18,6 +18,7 @@ a result the others do not have.
 
 import contextlib
 import logging
+import math
 from dataclasses import dataclass, replace
 from typing import Callable, Hashable, List, Optional, Sequence, Tuple
 
@@ -30,6 +31,7 @@ from .on_demand import ControlFile, JsonlDump, SpikeTrigger, rank_of_process
 from .reduction import reduce_stats
 from .statistics import (
     NUMEL,
+    SUMSQ,
     RunTable,
     accumulate_partition,
     accumulate_runs,
@@ -61,6 +63,7 @@ class Measurement:
         self.gradient_scale = 1.0
         self.applied_scale = 1.0
         self.clip_norm: Optional[float] = None
+        self.clip_square: Optional[torch.Tensor] = None
         self.scale_of_norm: Optional["NormFormula"] = None
         self.failed = failed
         self.finished = False
@@ -110,23 +113,34 @@ class Measurement:
         else:
             self.set_applied_scale(formula(norm))
 
-    def set_clip_norm(self, max_norm: float) -> None:
+    def set_clip_norm(self, max_norm: float, local_square: Optional[torch.Tensor] = None) -> None:
         """Clipping to ``max_norm`` as ``torch.nn.utils.clip_grad_norm_`` does it: the factor comes from
-        the statistics' own total norm once they are reduced, with no extra read."""
+        the statistics' own total norm once they are reduced, with no extra read; or, where the caller
+        clips by another norm, from the sum over the ranks of ``local_square``, this rank's share of that
+        norm's square, which rides in the status row of the statistics' own SUM all-reduce."""
         self.clip_norm = max_norm
+        self.clip_square = local_square
 
     def local_table(self) -> torch.Tensor:
         """This rank's table and, as its last row, a status row whose element count flags a step this rank
-        failed to measure or left incomplete: it survives any reduction, as a count does."""
+        failed to measure or left incomplete (it survives any reduction, as a count does), and whose squared
+        norm carries this rank's share of the norm the caller clips by (``set_clip_norm``), if any."""
         complete = not self.failed and len(self.observed) == self.num_groups
         status = torch.zeros((1, self.stats.shape[1]), dtype=self.stats.dtype, device=self.stats.device)
         status[0, NUMEL] = 0.0 if complete else 1.0
+        if self.clip_square is not None:
+            status[0, SUMSQ] = self.clip_square.to(status)
         return torch.cat([self.stats, status])
 
     def scales(self, overflow: bool) -> "StepScales":
         """What the step's result needs beside its reduced table."""
-        return StepScales(self.step, bool(overflow), self.gradient_scale, self.applied_scale, self.clip_norm,
-                          self.scale_of_norm)
+        return StepScales(self.step,
+                          bool(overflow),
+                          self.gradient_scale,
+                          self.applied_scale,
+                          self.clip_norm,
+                          self.scale_of_norm,
+                          clip_by_status=self.clip_square is not None)
 
     def finish(self, group, overflow: bool, keys: Sequence[Hashable], selected: Sequence[Hashable]) -> Optional[dict]:
         """Reduce the step across ``group`` (``reduce_stats``; every rank must call it) and return the
@@ -157,6 +171,8 @@ class StepScales:
     scale_of_norm: Optional[NormFormula] = None
     """The applied scale as ``formula(norm)`` of an optimizer's global norm still on its device, resolved by
     ``host_copy`` (then ``None``)."""
+    clip_by_status: bool = False
+    """``clip_norm`` applies to the norm whose square the status row carries, not to the table's total."""
 
 
 def host_copy(reduced: torch.Tensor, scales: Sequence[StepScales]) -> Tuple[torch.Tensor, List[StepScales]]:
@@ -181,7 +197,8 @@ def step_result(stats: torch.Tensor, scales: StepScales, keys: Sequence[Hashable
         return None
     applied_scale = scales.applied_scale
     if scales.clip_norm:
-        applied_scale = torch_clip_divisor(total_norm(stats[:-1]), scales.clip_norm)
+        norm = math.sqrt(stats[-1, SUMSQ]) if scales.clip_by_status else total_norm(stats[:-1])
+        applied_scale = torch_clip_divisor(norm, scales.clip_norm)
     pre_clip = bucket_results(stats[:-1], keys, selected, 1.0 / scales.gradient_scale, extra)
     clip_coef = post_clip = None
     if not scales.overflow:

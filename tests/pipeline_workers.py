@@ -16,6 +16,7 @@ import deepspeed_patch
 from megatron_integration.tiny_gpt import TinyGPT, TinyGPTConfig, synthetic_batch, tiny_gpt_pipe
 from reference import averaged_gradients, bucket_stats
 from releases import pipeline_gradient_factor
+from setup_workers import counting_collectives
 from zero_workers import DTYPES, FP16_INITIAL_SCALE_POWER, MICRO_BATCH, force_fp16_on_cpu, fused_sgd, loss_scale
 
 DEFAULT_CASE: Dict[str, Any] = {"first_layer_index": 3, "dtype": "fp32", "gas": 2, "clip": 0.0, "steps": 3,
@@ -109,14 +110,16 @@ def train_pipe(case: Dict[str, Any], enabled: bool = True) -> Dict[str, Any]:
     optimizer = functools.partial(fused_sgd if case["fused"] else torch.optim.SGD, lr=1.0)
     engine, *_ = deepspeed.initialize(model=pipe, model_parameters=[p for p in pipe.parameters()],
                                       optimizer=optimizer, config=ds_config(case, enabled))
-    record = {"measured": [], "global_norm": [], "reference": [], "update": [], "loss_scales": [],
+    record = {"measured": [], "global_norm": [], "reference": [], "update": [], "loss_scales": [], "collectives": [],
               "optimizer": type(engine.optimizer).__name__}
     for step in range(1, case["steps"] + 1):
         batches = [synthetic_batch(config, MICRO_BATCH, seed=100 * step + micro) for micro in range(case["gas"])]
         before, stage_of = full_weights(engine, case)
         scale_before = loss_scale(engine.optimizer)
         loss_factor[0] = OVERFLOW_FACTOR if step == case["overflow_step"] else 1.0
-        engine.train_batch(data_iter=iter([(batch[:, :-1], batch[:, 1:]) for batch in batches]))
+        with counting_collectives() as collectives:
+            engine.train_batch(data_iter=iter([(batch[:, :-1], batch[:, 1:]) for batch in batches]))
+        record["collectives"].append(collectives[0])
         record["loss_scales"].append((scale_before, loss_scale(engine.optimizer)))
         record["measured"].append(engine.get_layer_grad_norms())
         record["global_norm"].append(global_norm(engine))

@@ -16,6 +16,7 @@ import torch
 from parallel3d_workers import run_3d_cases
 from stage0_workers import TP_CASE, run_two_ranks
 
+from deepspeed_patch.reduction import COLLECTIVES_PER_STEP
 from megatron_integration.cpu_launch import launch
 from reference import TOLERANCE, assert_close_stats
 from releases import STAGE0_LOSS_CARRIES_SCALE, bf16_without_zero
@@ -24,7 +25,7 @@ from releases import STAGE0_LOSS_CARRIES_SCALE, bf16_without_zero
 # divided by the loss scale (the engine no longer scales the loss there, the optimizer still unscales).
 FP16_CLIP = 1e-3
 PIPELINE_CASES = {
-    "pp2_tied_clip": {"stage": 0, "tie": True, "clip": 0.1, "first_layer_index": 3},
+    "pp2_tied_clip": {"stage": 0, "tie": True, "clip": 0.1, "first_layer_index": 3, "compare_off": True},
     "pp2_fp16_fused_tied_overflow_clip": {"stage": 0, "dtype": "fp16", "fused": True, "tie": True, "clip": FP16_CLIP,
                                           "overflow_step": 2, "steps": 4, "compare_off": True},
     "pp2_fp16_unfused_overflow_offset2": {"stage": 0, "dtype": "fp16", "overflow_step": 2, "first_layer_index": 2},
@@ -211,3 +212,13 @@ def test_training_is_bit_identical_with_the_feature_off(name):
         assert len(pairs) > 0
         for key, value in pairs:
             assert torch.equal(value, off["final"][key]), key
+
+
+@pytest.mark.parametrize("name", ["pp2_tied_clip", "pp2_fp16_fused_tied_overflow_clip"])
+def test_a_measured_step_adds_two_collectives(name):
+    """What the statistics add to a pipeline's step without ZeRO: their reduction's two all-reduces, clipping
+    by DeepSpeed's own model-parallel norm included (its share rides in the same SUM)."""
+    for rank in results(name):
+        on, off = rank["on"]["collectives"], rank["off"]["collectives"]
+        assert len(on) == len(off) == rank["case"]["steps"]
+        assert [count_on - count_off for count_on, count_off in zip(on, off)] == [COLLECTIVES_PER_STEP] * len(on)

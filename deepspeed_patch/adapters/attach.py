@@ -18,7 +18,7 @@ from deepspeed.runtime.utils import is_model_parallel_parameter
 from deepspeed.utils.bwc import bwc_tensor_model_parallel_rank
 
 from .. import capabilities
-from ..clipping import engine_fp32_clip_norm
+from ..clipping import engine_fp32_clip_square
 from ..config import CONFIG_KEY, LayerGradNormsConfig, UnsupportedSetupError
 from ..layer_map import model_layer_map
 from ..monitor import MonitorEvents
@@ -80,19 +80,21 @@ def _param_grad_adapter(engine, config: LayerGradNormsConfig) -> ParamGradAdapte
                                     "parallelism is not supported (the recorder's per-step norm would be "
                                     "this rank's stage or shard only); use ZeRO-1/2 or fp16/bf16")
     params = [param for param in engine.module.parameters() if param.requires_grad]
+    clip_square = None if group is REPLICATED else _engine_clip_square(engine.module, engine.mpu)
     return ParamGradAdapter(params,
                             _setup(engine, config, params, group),
                             max_norm=engine.gradient_clipping,
-                            clip_norm=None if group is REPLICATED else _engine_clip_norm(engine.module, engine.mpu))
+                            clip_square=clip_square)
 
 
-def _engine_clip_norm(module: torch.nn.Module, mpu):
-    """The norm the engine clips ``module``'s gradients by under model parallelism (not the table's own)."""
+def _engine_clip_square(module: torch.nn.Module, mpu):
+    """This rank's share of the square of the norm the engine clips ``module``'s gradients by under model
+    parallelism (not the table's own)."""
 
-    def clip_norm() -> torch.Tensor:
-        return engine_fp32_clip_norm(module.parameters(), mpu)
+    def clip_square() -> torch.Tensor:
+        return engine_fp32_clip_square(module.parameters(), mpu)
 
-    return clip_norm
+    return clip_square
 
 
 def _setup(engine, config: LayerGradNormsConfig, params: List[torch.nn.Parameter], group) -> Setup:

@@ -8,17 +8,15 @@ in fp32 (the engine clips them itself), plain PyTorch and DistributedDataParalle
 They are read when the step begins, before anything clips them; no collective is needed, except under
 pipeline or tensor parallelism, where each rank holds its stage's or shard's gradient: the tables are
 summed over the model-parallel group, and the engine clips by DeepSpeed's model-parallel norm
-(``clipping.engine_fp32_clip_norm``, one more all-reduce on a measured step with clipping). The engine keeps
+(``clipping.engine_fp32_clip_square``: each rank's share rides in the same reduction). The engine keeps
 no global norm here; with a flight recorder (``trigger.history``) every step is read, and the trigger gets
 the global norm from that table (the whole model on every rank), with the one host sync it needs anyway.
 """
 
-import functools
 from typing import Callable, List, Optional
 
 import torch
 
-from ..clipping import torch_clip_divisor
 from ..measurement import Measurement
 from ..statistics import total_norm
 from .base import LayerGradNormsAdapter, Setup
@@ -31,15 +29,16 @@ class ParamGradAdapter(LayerGradNormsAdapter):
                  params: List[torch.nn.Parameter],
                  setup: Setup,
                  max_norm: Optional[Callable[[], float]] = None,
-                 clip_norm: Optional[Callable[[], torch.Tensor]] = None) -> None:
+                 clip_square: Optional[Callable[[], torch.Tensor]] = None) -> None:
         """``max_norm()``: the norm the caller clips to after the measurement (0: no clipping); the
         post-clip statistics follow ``torch.nn.utils.clip_grad_norm_``. Without it, the caller sets the
-        measurement's applied scale itself. ``clip_norm()``: the global norm the caller clips by, where it
-        is not the statistics' own total norm (DeepSpeed's rule under pipeline or tensor parallelism)."""
+        measurement's applied scale itself. ``clip_square()``: this rank's share of the square of the
+        global norm the caller clips by, where that is not the statistics' own total norm (DeepSpeed's rule
+        under pipeline or tensor parallelism)."""
         self.measured = [param for param in params if setup.bucket_of(param) is not None]
         self.bucket_of = setup.bucket_of
         self.max_norm = max_norm
-        self.clip_norm = clip_norm
+        self.clip_square = clip_square
         self.norm: Optional[float] = None
         super().__init__(setup, 1, params[0].device)
 
@@ -48,11 +47,8 @@ class ParamGradAdapter(LayerGradNormsAdapter):
         buckets = torch.tensor([self.bucket_of(param) for param in with_grad], dtype=torch.int64, device=self.device)
         measurement.observe(0, [param.grad.detach().reshape(-1) for param in with_grad], buckets)
         max_norm = self.max_norm() if self.max_norm is not None else 0.0
-        if max_norm > 0 and self.clip_norm is None:
-            measurement.set_clip_norm(max_norm)
-        elif max_norm > 0:
-            measurement.set_applied_scale_of_norm(self.clip_norm(),
-                                                  functools.partial(torch_clip_divisor, max_norm=max_norm))
+        if max_norm > 0:
+            measurement.set_clip_norm(max_norm, None if self.clip_square is None else self.clip_square())
 
     def read_at_end(self, measurement: Measurement, overflow: bool) -> None:
         if self.recorder is not None:

@@ -196,6 +196,29 @@ def pipeline_without_zero_errors() -> Dict[str, str]:
     }
 
 
+def without_optimizer() -> Dict[str, Any]:
+    """Engines built without an optimizer (ZeRO stage 0 and 3), the block enabled: the warnings and what
+    ``get_layer_grad_norms()`` returns after a forward pass."""
+    import deepspeed
+
+    handler, deepspeed_logger = _Records(), logging.getLogger("DeepSpeed")
+    level = deepspeed_logger.level
+    deepspeed_logger.addHandler(handler)
+    deepspeed_logger.setLevel(logging.WARNING)
+    results = {}
+    for stage in (0, 3):
+        engine, *_ = deepspeed.initialize(model=TinyGPT(TinyGPTConfig()),
+                                          config=base_config(zero_optimization={"stage": stage},
+                                                             layer_grad_norms={"enabled": True}))
+        with torch.no_grad():
+            engine(synthetic_batch(TinyGPTConfig(), 2, seed=0))
+        results[stage] = {"result": engine.get_layer_grad_norms(), "optimizer": type(engine.optimizer).__name__}
+        engine.destroy()
+    deepspeed_logger.removeHandler(handler)
+    deepspeed_logger.setLevel(level)
+    return {"warnings": handler.messages, "stages": results}
+
+
 def run_setup_checks(multi_rank: bool) -> Dict[str, Any]:
     deepspeed_patch.install()
     force_fp16_on_cpu()
@@ -215,4 +238,5 @@ def run_setup_checks(multi_rank: bool) -> Dict[str, Any]:
     results["no_match"] = no_match_warning()
     results["moe"] = moe_error()
     results["pipeline_without_zero"] = pipeline_without_zero_errors()
+    results["without_optimizer"] = without_optimizer()
     return results

@@ -67,6 +67,16 @@ def test_moe_without_zero_is_refused_at_initialize_naming_it():
                                     "stage 1 or 2 only; this engine uses SGD (zero_optimization.stage=0)")
 
 
+def test_an_engine_without_optimizer_warns_and_measures_nothing():
+    """Built for inference or evaluation: nothing to measure, so not refused; one warning per engine."""
+    without = single_rank()["without_optimizer"]
+    assert {stage: record["optimizer"] for stage, record in without["stages"].items()} == {
+        0: "NoneType", 3: "DeepSpeedZeRoOffload"}
+    assert [record["result"] for record in without["stages"].values()] == [None, None]
+    warnings = [message for message in without["warnings"] if "has no optimizer" in message]
+    assert len(warnings) == 2 and "per-layer statistics are off" in warnings[0]
+
+
 def test_disabled_block_is_accepted():
     assert single_rank()["disabled_block_ok"] == ""
 

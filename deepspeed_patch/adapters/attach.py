@@ -15,6 +15,7 @@ import deepspeed
 import torch
 from deepspeed import comm as dist
 from deepspeed.runtime.utils import is_model_parallel_parameter
+from deepspeed.utils import logger
 from deepspeed.utils.bwc import bwc_tensor_model_parallel_rank
 
 from .. import capabilities
@@ -42,6 +43,10 @@ def attach(engine) -> Optional[LayerGradNormsAdapter]:
     config: LayerGradNormsConfig = engine._config.layer_grad_norms_config
     if not (config.enabled or config.trigger is not None or config.control_file is not None):
         return None  # a trigger or a control file can switch measuring on later: they need the adapter
+    if not _steps_an_optimizer(engine):
+        logger.warning(f"{CONFIG_KEY}: this engine has no optimizer ({type(engine.optimizer).__name__}), so no "
+                       "gradient step to measure; per-layer statistics are off")
+        return None
     optimizer = engine.optimizer
     family = next((family for family in OPTIMIZER_FAMILIES if family.handles(optimizer)), None)
     _check_moe(engine, family)
@@ -60,6 +65,14 @@ def attach(engine) -> Optional[LayerGradNormsAdapter]:
                                     f"has no attribute {err.name!r}, which {family.__name__} reads") from err
     optimizer.layer_grad_norms = adapter
     return adapter
+
+
+def _steps_an_optimizer(engine) -> bool:
+    """False for an engine built without an optimizer (for inference or evaluation): under ZeRO-3 it holds
+    only the parameter partitioner, ``DeepSpeedZeRoOffload``."""
+    from deepspeed.runtime.zero.parameter_offload import DeepSpeedZeRoOffload
+
+    return engine.optimizer is not None and not isinstance(engine.optimizer, DeepSpeedZeRoOffload)
 
 
 def _param_grad_adapter(engine, config: LayerGradNormsConfig) -> ParamGradAdapter:

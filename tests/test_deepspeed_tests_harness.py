@@ -290,6 +290,17 @@ def test_a_patch_that_does_not_apply_stops_before_any_run(tmp_path):
     assert not os.path.exists(os.path.join(work, "runs"))
 
 
+def test_a_selection_matching_no_file_stops_before_pytest(tmp_path, capsys):
+    """A node id without the checkout's tests/ prefix selects nothing: an error, not a run of every test."""
+    checkout = fake_checkout(str(tmp_path))
+    work = os.path.join(str(tmp_path), "work")
+    argv = ["--deepspeed-checkout", checkout, "--patch", fake_patch(str(tmp_path)), "--work-dir", work,
+            "--tests", "unit/test_fake.py::test_passes", "--runs", "unpatched"]
+    assert deepspeed_tests.main(argv) == 2
+    assert "none of the 1 selection entries exists" in capsys.readouterr().err
+    assert not os.path.exists(os.path.join(work, "runs", "unpatched", "outcomes.jsonl"))
+
+
 def test_generates_the_patch_against_the_checkout(tmp_path):
     """Without --patch, the generator writes the patch against the checkout: for a copy of the
     installed DeepSpeed, the committed patch."""

@@ -202,6 +202,9 @@ def run_tests(run: Run, work_dir: str, selection: List[str], patch_sha256: Optio
     os.makedirs(site_log)
     outcomes = os.path.join(folder, "outcomes.jsonl")
     tests = present_in(tree, selection)
+    if not tests:  # pytest without paths would collect the whole tree
+        raise HarnessError(f"none of the {len(selection)} selection entries exists in {tree} (paths are relative "
+                           f"to the checkout, e.g. tests/unit/...): {selection[:3]}")
     command = pytest_command(options.python, tree, tests, outcomes, options)
     shm_before = set(glob.glob(SHM_LEFTOVERS))
     started = time.time()

@@ -123,12 +123,12 @@ class _Collector:
     def bucket(self, phase: str, statistic: str, bucket: Hashable, points: Points) -> None:
         """A bucket's series, in the order written: ``bucket`` is a layer, a label such as ``layer03``, or a
         finer key."""
-        points = latest_per_step(points)
         layer = bucket if is_layer(bucket) else layer_of_label(bucket)
-        if layer is not None:
-            self.layers.values.setdefault((phase, statistic), {})[layer] = points
+        if layer is not None:  # a run resumed into a run directory of its own (the HF Trainer's) continues it
+            series = self.layers.values.setdefault((phase, statistic), {})
+            series[layer] = latest_per_step(series.get(layer, []) + points)
         else:
-            self.part(phase, statistic, layer_and_family(bucket)[0], points)
+            self.part(phase, statistic, layer_and_family(bucket)[0], latest_per_step(points))
 
     def part(self, phase: str, statistic: str, layer: Optional[LayerId], points: Points) -> None:
         if layer is not None:
@@ -157,9 +157,17 @@ def read_layer_series(source: str) -> LayerSeries:
     if is_dump(source):
         _collect_jsonl(source, collector)
     else:
+        writers = set()
         for run, tag, points in scalar_series(source):
             found.append(tag)
-            _collect_tag(run, _WRITER_PREFIX.sub("", tag), points, collector)
+            prefix = _WRITER_PREFIX.match(tag)
+            if prefix or tag.startswith(f"{TAG_ROOT}/"):
+                writers.add(prefix.group(0) if prefix else "")
+            _collect_tag(run, tag[prefix.end():] if prefix else tag, points, collector)
+        if len(writers) > 1:
+            raise LogSourceError(f"{source}: holds the statistics of more than one writer (tags under "
+                                 f"{' and '.join(repr(writer or TAG_ROOT) for writer in sorted(writers))}): give the "
+                                 "directory of one")
     result = collector.result()
     if not result.layers():
         listing = ", ".join(sorted(set(found))[:10]) or "no scalars at all"

@@ -95,7 +95,7 @@ def _of_stack(stack: Optional[str]) -> str:
 
 def format_report(summary: Dict) -> str:
     lines = [f"per-layer pre-clip gradient norm, median over steps {summary['window'][0]}-{summary['window'][1]} "
-             f"({summary['window_steps']} logged steps; a layer logged on fewer says over which):"]
+             f"({summary['window_steps']} logged steps):"]
     for layer, norm in summary["median_norm"].items():
         stack, index = layer_position(layer)
         lines.append(f"  {'' if stack is None else stack + ' '}layer {index:>3}: {norm:.4e}"

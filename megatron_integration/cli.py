@@ -2,7 +2,9 @@
 
 Its stdout carries results only (``report --json`` is piped into other tools): DeepSpeed logs to
 stdout, from its import on (the accelerator it picked), so the modules that import it are imported
-with stdout sent to stderr, where DeepSpeed's logger, which keeps the stream it was made with, stays.
+with stdout sent to stderr, where DeepSpeed's logger, which keeps the stream it was made with, stays. DeepSpeed's
+notice that it found no GPU and fell back to the CPU, logged at its import, is dropped (``cpu_launch``): these
+commands use no accelerator, and the demo's ranks are CPU ranks by design.
 """
 
 import argparse
@@ -12,6 +14,9 @@ import os
 import sys
 from typing import List, Optional
 
+from .cpu_launch import quiet_cpu_fallback_notice
+
+quiet_cpu_fallback_notice()
 with contextlib.redirect_stdout(sys.stderr):
     from deepspeed_patch.config import LayerGradNormsConfigError, parse_layer_spec
     from deepspeed_patch.layer_map import resolve_layers

@@ -19,6 +19,10 @@ from .spike import Fire, localise, read_fires, spiked_layers
 from .tensorboard_reader import LayerSeries, layer_title, read_layer_series
 
 LINE_STYLES = ("-", "--", ":", "-.")
+SPIKED = "tab:red"
+"""The layer that rose most at a fire, as in ``plot --history``; the other lines take the other colours."""
+OTHER_COLOURS = [f"tab:{name}" for name in ("blue", "orange", "green", "purple", "brown", "pink", "gray", "olive",
+                                            "cyan")]
 
 
 def line_layers(layers: List[LayerId], series: LayerSeries, spiked: Iterable[LayerId] = ()) -> List[LayerId]:
@@ -51,12 +55,13 @@ def plot_layer_norms(series: LayerSeries, out: str, spiked: Iterable[LayerId] = 
     figure, (pre_axis, post_axis, depth_axis) = plt.subplots(1, 3, figsize=(16, 4.8))
     for axis, phase in ((pre_axis, "pre-clip"), (post_axis, "post-clip")):
         for position, stack in enumerate(stacks):
+            axis.set_prop_cycle(color=OTHER_COLOURS)
             for layer in line_layers(series.stack_layers(stack), series, spiked):
                 points = series.series(phase, "norm", layer)
                 axis.plot([step for step, _ in points], [value for _, value in points],
                           LINE_STYLES[position % len(LINE_STYLES)], label=line_label(series, layer, steps),
                           marker="." if len(points) < steps else None, markersize=3,
-                          linewidth=2.5 if layer in spiked else 1.5)
+                          linewidth=2.5 if layer in spiked else 1.5, **({"color": SPIKED} if layer in spiked else {}))
         axis.set_yscale("log")
         axis.set_xlabel("step")
         axis.set_ylabel("gradient L2 norm")

@@ -99,7 +99,8 @@ def test_the_command_itself_prints_one_line_and_no_traceback(tmp_path):
     result = subprocess.run([sys.executable, "-m", "megatron_integration.cli", "report", str(tmp_path / "missing")],
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 2
-    assert result.stderr.splitlines() == [f"layer-grad-norms report: {tmp_path / 'missing'}: no such file or directory"], result.stderr
+    expected = f"layer-grad-norms report: {tmp_path / 'missing'}: no such file or directory"
+    assert result.stderr.splitlines() == [expected], result.stderr
 
 
 @pytest.mark.parametrize("block, message", [

@@ -12,7 +12,7 @@ import difflib
 import re
 from typing import Any, List, Optional, Tuple, Union
 
-from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic import Field, StrictBool, ValidationError, field_validator, model_validator
 
 from .capabilities import DeepSpeedConfigModel
 
@@ -85,7 +85,7 @@ class TriggerConfig(DeepSpeedConfigModel):
     window: int = Field(50, ge=1)
     """Steps in the running median."""
     capture_steps: int = Field(20, ge=1)
-    on_overflow: bool = True
+    on_overflow: StrictBool = True
     """Fire also when the fp16 loss scaler skips a step."""
     history: int = Field(0, ge=0)
     """Record every step's local statistics in a ring of this many steps, reduced when the trigger fires
@@ -106,7 +106,7 @@ class DumpConfig(DeepSpeedConfigModel):
 class LayerGradNormsConfig(DeepSpeedConfigModel):
     """Per-layer gradient statistics inside the ZeRO-1/2 optimizer."""
 
-    enabled: bool = False
+    enabled: StrictBool = False
     """Measure per-layer statistics. Without the block, or with ``false``, nothing changes."""
 
     layers: Optional[Tuple[LayerToken, ...]] = None
@@ -141,7 +141,7 @@ class LayerGradNormsConfig(DeepSpeedConfigModel):
 
     dump: Optional[DumpConfig] = None
 
-    monitor: bool = True
+    monitor: StrictBool = True
     """Also write the selected buckets' statistics to DeepSpeed's monitors (TensorBoard, W&B, CSV),
     when the ds_config enables any."""
 
@@ -230,13 +230,24 @@ def _describe(err: ValidationError, block: dict) -> str:
         key = ".".join(str(part) for part in problem["loc"])
         value = _lookup(block, problem["loc"], problem.get("input"))
         reason = problem["msg"].removeprefix("Value error, ")
-        if problem["type"] == "extra_forbidden" and len(problem["loc"]) == 1:
-            reason = f"unknown key; known keys are {sorted(LayerGradNormsConfig.model_fields)}"
+        if problem["type"] == "extra_forbidden":
+            reason = f"unknown key; known keys are {sorted(_model_at(problem['loc'][:-1]).model_fields)}"
+        elif problem["type"] == "bool_type":
+            reason = "expected true or false"
         elif problem["type"] == "missing":
             reason, value = "required", "missing"
         lines.append(f"{CONFIG_KEY}.{key}={value!r}: {reason}" if value !=
                      "missing" else f"{CONFIG_KEY}.{key}: {reason}")
     return "invalid ds_config block: " + "; ".join(lines)
+
+
+def _model_at(location: tuple) -> type:
+    """The model of the nested block at ``location`` (``("trigger",)``: ``TriggerConfig``)."""
+    model = LayerGradNormsConfig
+    for part in location:
+        annotation = model.model_fields[part].annotation
+        model = next(arg for arg in getattr(annotation, "__args__", (annotation, )) if isinstance(arg, type))
+    return model
 
 
 def _lookup(block: dict, location: tuple, default: Any) -> Any:

@@ -322,8 +322,9 @@ class Schedule:
         norm = None if global_norm is None else float(global_norm)
         fired = self.trigger.update(self.step, norm, bool(overflow), loss)
         if fired is not None:
-            logger.warning("layer_grad_norms: trigger fired at step %d (%s); capturing every layer until step %d",
-                           self.step, fired["reason"], fired["capture_until"])
+            if rank_of_process() == 0:  # the same fire on every rank: one line
+                logger.warning("layer_grad_norms: trigger fired at step %d (%s); capturing every layer until step %d",
+                               self.step, fired["reason"], fired["capture_until"])
             self.capture = fired
         return fired
 

@@ -13,6 +13,7 @@ loaded, so a cache shared by machines of different kinds stays safe (no ``-march
 """
 
 import functools
+import logging
 import os
 import re
 import time
@@ -20,6 +21,7 @@ from typing import Callable, Optional
 
 import torch
 from deepspeed.utils import logger
+from deepspeed.utils.logging import log_dist
 
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc", "partition_stats.cpp")
 CFLAGS = ["-O3", "-fopenmp"]
@@ -53,6 +55,7 @@ def host_kernel() -> Optional[Callable[[torch.Tensor, torch.Tensor, torch.Tensor
             "layer_grad_norms: the fused statistics kernel's build directory is locked (%s; a build that "
             "was interrupted leaves it behind: remove it); using stock PyTorch operators instead", lock)
         return None
+    _announce_build(os.path.dirname(lock))
     try:
         cpp_extension.load(name=extension_name(),
                            sources=[SOURCE],
@@ -68,6 +71,18 @@ def host_kernel() -> Optional[Callable[[torch.Tensor, torch.Tensor, torch.Tensor
             type(error).__name__,
             str(error).strip().splitlines()[-1] if str(error).strip() else "")
         return None
+
+
+def _announce_build(build_dir: str) -> None:
+    """One line, from rank 0, before a build that is not cached yet: the silence would last half a minute."""
+    library = os.path.join(build_dir, f"{extension_name()}.so")
+    if os.path.exists(library) and os.path.getmtime(library) >= os.path.getmtime(SOURCE):
+        return
+    log_dist(
+        "layer_grad_norms: building the fused statistics kernel for the host (C++/OpenMP, "
+        f"csrc/partition_stats.cpp) into {build_dir}, once per torch version: about 20 to 30 s",
+        ranks=[0],
+        level=logging.INFO)
 
 
 def _unlocked(lock: str, seconds: float) -> bool:

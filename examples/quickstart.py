@@ -25,7 +25,7 @@ for _ in range(3):
     engine.backward(loss)
     engine.step()
 
-stats = engine.get_layer_grad_norms()  # the same on every rank: a dict, or None (see the README's Usage)
+stats = engine.get_layer_grad_norms()  # the same on every rank: a dict, or None (docs/reference.md)
 if engine.global_rank == 0 and stats is None:
     print("no per-layer statistics: the layer_grad_norms block is missing or disabled, or no step was measured")
 elif engine.global_rank == 0:

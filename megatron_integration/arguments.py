@@ -12,11 +12,14 @@ import logging
 from typing import Any, Dict, Optional, Union
 
 import deepspeed_patch
-from deepspeed_patch.config import CONFIG_KEY, LAYER_SPEC_FORMS, parse_layer_spec
+from deepspeed_patch.config import CONFIG_KEY, parse_layer_spec
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_LAYERS = "0,1,mid,-2,-1"  # the five layers of the NormFormer paper's figure
+LAYER_FLAG_FORMS = ('"all" or a comma-separated list such as 0,1,mid,-2,-1 (negative indices count from the last '
+                    'layer, mid is L // 2)')
+"""What a command-line flag takes for a layer selection: the string form of the ds_config's ``layers``."""
 
 
 def add_layer_grad_norms_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -26,7 +29,7 @@ def add_layer_grad_norms_args(parser: argparse.ArgumentParser) -> argparse.Argum
                        help="Log per-layer gradient norm, min and max (pre- and post-clip) to TensorBoard "
                        "and the training log.")
     group.add_argument("--layer-grad-norms-layers", type=str, default=DEFAULT_LAYERS,
-                       help=f"Layers to log: {LAYER_SPEC_FORMS} (default: {DEFAULT_LAYERS}).")
+                       help=f"Layers to log: {LAYER_FLAG_FORMS} (default: {DEFAULT_LAYERS}).")
     group.add_argument("--layer-grad-norms-interval", type=int, default=None,
                        help="Measure every N iterations (default: --tensorboard-log-interval).")
     group.add_argument("--layer-grad-norms-trigger", type=float, default=None, metavar="FACTOR",

@@ -5,14 +5,49 @@ Used by the demo and the tests: no launcher, no hostfile, a free loopback port p
 
 import contextlib
 import glob
+import logging
 import os
 import pickle
 import socket
 import subprocess
+import sys
 import traceback
 from typing import Any, Callable, List, Optional
 
 import torch.multiprocessing as mp
+
+SHM_COMM_OP = "deepspeed_shm_comm"
+"""DeepSpeed's CPU communication op (``ShareMemCommBuilder``), built on first use by ``init_distributed``."""
+
+
+class _NoCpuFallbackNotice(logging.Filter):
+    """Drops DeepSpeed's "Setting accelerator to CPU. If you have GPU or other accelerator, we were unable to
+    detect it.", logged at its import wherever no GPU is found: the ranks launched here are CPU ranks by design,
+    and ``plot``, ``report`` and ``patch`` use no accelerator; every other DeepSpeed message passes."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("Setting accelerator to CPU.")
+
+
+def quiet_cpu_fallback_notice() -> None:
+    """Install the filter on DeepSpeed's logger (made by name, so this works before DeepSpeed is imported)."""
+    logger = logging.getLogger("DeepSpeed")
+    if not any(isinstance(f, _NoCpuFallbackNotice) for f in logger.filters):
+        logger.addFilter(_NoCpuFallbackNotice())
+
+
+def announce_shm_comm_build() -> None:
+    """One line on stderr before ranks on the CPU accelerator build DeepSpeed's communication op the first time
+    (a minute or two of silence otherwise); nothing once it is in the torch extensions cache."""
+    from deepspeed.accelerator import get_accelerator
+    from torch.utils import cpp_extension
+
+    if get_accelerator().device_name() != "cpu":
+        return
+    build_dir = cpp_extension._get_build_directory(SHM_COMM_OP, verbose=False)
+    if not os.path.exists(os.path.join(build_dir, f"{SHM_COMM_OP}.so")):
+        print(f"building DeepSpeed's CPU communication op ({SHM_COMM_OP}, C++) into {build_dir}, once: about a "
+              "minute on 2 cores", file=sys.stderr, flush=True)
 
 
 def free_port() -> int:
@@ -25,6 +60,7 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, qu
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_SIZE=str(world_size))
     try:
+        quiet_cpu_fallback_notice()
         import deepspeed
 
         from .cpu_compat import apply_cpu_compat
@@ -39,6 +75,7 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, qu
 
 def launch(fn: Callable, world_size: int, *args: Any, timeout: float = 600) -> List[Any]:
     """``fn(*args)`` on every rank; returns the results by rank. A hang past ``timeout`` fails."""
+    announce_shm_comm_build()
     context = mp.get_context("spawn")
     queue = context.Queue()
     port = free_port()

@@ -25,7 +25,7 @@ from .arguments import DEFAULT_LAYERS, layer_grad_norms_ds_config
 from .cpu_launch import launch
 from .plot import plot_layer_norms, plot_spike_history
 from .report import format_report, summarize
-from .spike import localise, read_fires
+from .spike import localise, read_fires, spiked_layers
 from .tensorboard_reader import read_layer_series
 from .tiny_gpt import TinyGPT, TinyGPTConfig, synthetic_batch
 from .training_log import log_layer_grad_norms
@@ -131,11 +131,11 @@ def run_demo(options: DemoOptions) -> str:
     if os.path.isdir(tensorboard_dir):
         shutil.rmtree(tensorboard_dir)
     launch(train_rank, options.world_size, options)
-    series = read_layer_series(tensorboard_dir)
-    figure = os.path.join(options.out, "layer_grad_norms.png")
-    plot_layer_norms(series, figure)
-    summary, fires = summarize(series), read_fires(tensorboard_dir)
+    series, fires = read_layer_series(tensorboard_dir), read_fires(tensorboard_dir)
+    summary = summarize(series)
     summary["spikes"] = [localise(fire) for fire in fires]
+    figure = os.path.join(options.out, "layer_grad_norms.png")
+    plot_layer_norms(series, figure, spiked_layers(summary["spikes"]))
     figures = f"figure: {figure}\n"
     if fires:
         history_figure = os.path.join(options.out, "spike_history.png")

@@ -1,7 +1,9 @@
 """``layer-grad-norms plot``: the NormFormer-style figure of a run's per-layer gradient norms.
 
 Left and middle: gradient norm over steps, pre- and post-clip, for layers 0, 1, mid, -2, -1 of those
-logged, on a log scale. Right: the depth profile, log10 of the pre-clip norm for every logged layer
+logged, on a log scale, and every layer logged on only some of the steps (captured around a fire of the trigger,
+recorded by its flight recorder), with the layer that rose most at each fire. Right: the depth profile,
+log10 of the pre-clip norm for every logged layer
 against step, as a heatmap. In a model of several layer stacks (an encoder's and a decoder's) each
 stack gets its five lines, in a line style of its own, and its band of the depth profile.
 
@@ -9,38 +11,57 @@ stack gets its five lines, in a line style of its own, and its band of the depth
 """
 
 import math
-from typing import Dict, List
+from typing import Dict, Iterable, List
 
 from deepspeed_patch.tags import LayerId, layer_position
 
-from .spike import Fire
-from .tensorboard_reader import LayerSeries, layer_title
+from .spike import Fire, localise, read_fires, spiked_layers
+from .tensorboard_reader import LayerSeries, layer_title, read_layer_series
 
 LINE_STYLES = ("-", "--", ":", "-.")
+SPIKED = "tab:red"
+"""The layer that rose most at a fire, as in ``plot --history``; the other lines take the other colours."""
+OTHER_COLOURS = [f"tab:{name}" for name in ("blue", "orange", "green", "purple", "brown", "pink", "gray", "olive",
+                                            "cyan")]
 
 
-def line_layers(layers: List[LayerId]) -> List[LayerId]:
-    """The NormFormer paper's five layers (0, 1, mid, -2, -1) among those logged of one stack."""
+def line_layers(layers: List[LayerId], series: LayerSeries, spiked: Iterable[LayerId] = ()) -> List[LayerId]:
+    """The layers of one stack drawn as lines: the NormFormer paper's five (0, 1, mid, -2, -1) among those
+    logged, those logged on fewer steps than the most (around a fire), and the ``spiked`` ones."""
     picks = [layers[0], layers[min(1, len(layers) - 1)], layers[len(layers) // 2], layers[max(len(layers) - 2, 0)],
              layers[-1]]
-    return list(dict.fromkeys(layer for layer in layers if layer in picks))
+    counts = {layer: len(series.series("pre-clip", "norm", layer)) for layer in layers}
+    fewer = {layer for layer, count in counts.items() if count < max(counts.values())}
+    wanted = set(picks) | fewer | set(spiked)
+    return [layer for layer in layers if layer in wanted]
 
 
-def plot_layer_norms(series: LayerSeries, out: str):
-    """Draw the figure into ``out`` (PNG or SVG, from its extension); returns the matplotlib Figure."""
+def line_label(series: LayerSeries, layer: LayerId, steps: int) -> str:
+    """A line's legend entry: ``layer 3``, with ``(28 of 200 steps)`` for a layer logged on fewer steps."""
+    count = len(series.series("pre-clip", "norm", layer))
+    return layer_title(layer) + (f" ({count} of {steps} steps)" if count < steps else "")
+
+
+def plot_layer_norms(series: LayerSeries, out: str, spiked: Iterable[LayerId] = ()):
+    """Draw the figure into ``out`` (PNG or SVG, from its extension), with the ``spiked`` layers (those that
+    rose most at a fire, ``spike.localise``) among the lines; returns the matplotlib Figure."""
     import matplotlib
 
     matplotlib.use("Agg")
     from matplotlib import pyplot as plt
 
-    stacks = series.stacks()
+    stacks, spiked = series.stacks(), list(spiked)
+    steps = len({step for layer in series.layers() for step, _ in series.series("pre-clip", "norm", layer)})
     figure, (pre_axis, post_axis, depth_axis) = plt.subplots(1, 3, figsize=(16, 4.8))
     for axis, phase in ((pre_axis, "pre-clip"), (post_axis, "post-clip")):
         for position, stack in enumerate(stacks):
-            for layer in line_layers(series.stack_layers(stack)):
+            axis.set_prop_cycle(color=OTHER_COLOURS)
+            for layer in line_layers(series.stack_layers(stack), series, spiked):
                 points = series.series(phase, "norm", layer)
                 axis.plot([step for step, _ in points], [value for _, value in points],
-                          LINE_STYLES[position % len(LINE_STYLES)], label=layer_title(layer))
+                          LINE_STYLES[position % len(LINE_STYLES)], label=line_label(series, layer, steps),
+                          marker="." if len(points) < steps else None, markersize=3,
+                          linewidth=2.5 if layer in spiked else 1.5, **({"color": SPIKED} if layer in spiked else {}))
         axis.set_yscale("log")
         axis.set_xlabel("step")
         axis.set_ylabel("gradient L2 norm")
@@ -50,6 +71,13 @@ def plot_layer_norms(series: LayerSeries, out: str):
     figure.tight_layout()
     figure.savefig(out)
     return figure
+
+
+def plot_run(source: str, out: str):
+    """``plot``'s figure of any log ``source`` (``log_sources``), the layer that rose most at each of its fires
+    among the lines; returns the matplotlib Figure."""
+    spikes = [localise(fire) for fire in read_fires(source)]
+    return plot_layer_norms(read_layer_series(source), out, spiked_layers(spikes))
 
 
 def _depth_profile(axis, series: LayerSeries, figure) -> None:

@@ -12,7 +12,7 @@ from typing import Dict, List, Optional, Sequence
 from deepspeed_patch.tags import LayerId, layer_position
 
 from .spike import format_spikes, spike_summaries
-from .tensorboard_reader import LayerSeries, layer_title, read_layer_series
+from .tensorboard_reader import LayerSeries, NoLayerDataError, layer_title, read_layer_series
 
 
 def _indices(layers: Sequence[LayerId]) -> str:
@@ -33,29 +33,33 @@ def _verdict(comparison: Dict) -> str:
 
 
 def summarize(series: LayerSeries, window: float = 0.5) -> Dict:
-    """Median pre-clip norm per layer over the last ``window`` of the steps, the early/late ratio
+    """Median pre-clip norm per layer over the last ``window`` of the steps (``median_steps``: the first and
+    last step of a layer's finite norms there, and how many: fewer for a layer logged only around a fire), the
+    early/late ratio
     (mean of the first two layers over the last two) of each layer stack, clipped steps and overflowed
     layers. A model of one stack has its comparison at the top level, one of several under ``stacks``."""
     stacks = series.stacks()
     for stack in stacks:
         if len(series.stack_layers(stack)) < 2:
-            raise ValueError(f"the early/late ratio needs at least 2 logged layers{_of_stack(stack)}; found "
-                             f"{series.stack_layers(stack)}")
+            raise NoLayerDataError(f"the early/late ratio needs at least 2 logged layers{_of_stack(stack)}; found "
+                                   f"{series.stack_layers(stack)}")
     layers = series.layers()
     steps = sorted({step for layer in layers for step, _ in series.series("pre-clip", "norm", layer)})
     first = steps[min(int(len(steps) * (1 - window)), len(steps) - 1)]
-    medians = {}
+    medians, median_steps = {}, {}
     for layer in layers:
-        recent = [value for step, value in series.series("pre-clip", "norm", layer)
+        recent = [(step, value) for step, value in series.series("pre-clip", "norm", layer)
                   if step >= first and math.isfinite(value)]
-        medians[layer] = statistics.median(recent) if recent else math.nan
+        medians[layer] = statistics.median(value for _, value in recent) if recent else math.nan
+        median_steps[layer] = [recent[0][0], recent[-1][0], len(recent)] if recent else []
     comparisons = {stack: _early_late(series.stack_layers(stack), medians) for stack in stacks}
     pre = dict(series.series("pre-clip", "norm", layers[0]))
     clipped = [step for step, post in series.series("post-clip", "norm", layers[0])
                if step in pre and math.isfinite(pre[step]) and post < pre[step] * (1 - 1e-6)]
     overflowed = {layer: [step for step, value in series.series("pre-clip", "norm", layer) if not math.isfinite(value)]
                   for layer in layers}
-    summary = {"steps": [steps[0], steps[-1]], "window": [first, steps[-1]], "median_norm": medians}
+    summary = {"steps": [steps[0], steps[-1]], "window": [first, steps[-1]], "median_norm": medians,
+               "median_steps": median_steps, "window_steps": sum(step >= first for step in steps)}
     if stacks == [None]:
         summary.update(comparisons[None])
         answer = _verdict(comparisons[None])
@@ -77,15 +81,25 @@ def summarize_source(source: str) -> Dict:
     return summary
 
 
+def _own_steps(steps: List[int], window_steps: int) -> str:
+    """`` (median over 28 steps, 143-170)`` for a layer whose median is over fewer steps than the window's."""
+    if not steps:
+        return " (no finite norm in the window)"
+    first, last, count = steps
+    return "" if count == window_steps else f" (median over {count} steps, {first}-{last})"
+
+
 def _of_stack(stack: Optional[str]) -> str:
     return "" if stack is None else f" of the stack {stack!r}"
 
 
 def format_report(summary: Dict) -> str:
-    lines = [f"per-layer pre-clip gradient norm, median over steps {summary['window'][0]}-{summary['window'][1]}:"]
+    lines = [f"per-layer pre-clip gradient norm, median over steps {summary['window'][0]}-{summary['window'][1]} "
+             f"({summary['window_steps']} logged steps):"]
     for layer, norm in summary["median_norm"].items():
         stack, index = layer_position(layer)
-        lines.append(f"  {'' if stack is None else stack + ' '}layer {index:>3}: {norm:.4e}")
+        lines.append(f"  {'' if stack is None else stack + ' '}layer {index:>3}: {norm:.4e}"
+                     f"{_own_steps(summary['median_steps'][layer], summary['window_steps'])}")
     clipped = summary["clipped_steps"]
     lines.append(f"clipping active on {len(clipped)} logged steps" + (f" (first: {clipped[:5]})" if clipped else ""))
     overflowed = summary["overflowed"]

@@ -9,16 +9,15 @@ before the fire, and its rise at a step is the norm over that baseline. The laye
 largest rise in the window) and first (the earliest step above ``factor`` x the baseline) localise the spike.
 """
 
-import json
 import math
-import os
 import statistics
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
 from deepspeed_patch.tags import HISTORY_ROOT, HISTORY_RUN, is_layer, layer_of_label, layer_position, scalar_tag
 
-from .tensorboard_reader import Points, json_bucket, latest_per_step, layer_title, tensorboard_scalars
+from .log_sources import dump_records, is_dump, scalar_series
+from .tensorboard_reader import Points, json_bucket, latest_per_step, layer_title
 
 RISE_FACTOR = 2.0
 """A layer has risen at a step once its norm there is above this many times its own baseline."""
@@ -37,7 +36,7 @@ class Fire:
 def read_fires(source: str) -> List[Fire]:
     """Every fire recorded in ``source`` (a TensorBoard directory or a JSONL dump), in step order; a fire
     written twice (a run rolled back past it) is read once, its steps the last written."""
-    fires = _jsonl_fires(source) if os.path.isfile(source) else _tensorboard_fires(source)
+    fires = _jsonl_fires(source) if is_dump(source) else _tensorboard_fires(source)
     for fire in fires.values():
         fire.norms = {layer: latest_per_step(fire.norms[layer]) for layer in sorted(fire.norms, key=_depth)}
     return [fires[step] for step in sorted(fires)]
@@ -50,30 +49,25 @@ def _depth(layer) -> tuple:
 
 def _jsonl_fires(path: str) -> Dict[int, Fire]:
     fires: Dict[int, Fire] = {}
-    with open(path) as dump:
-        for line in dump:
-            try:
-                record = json.loads(line)
-            except ValueError:
-                continue  # a last line cut short by a killed job
-            if not record.get("history"):
-                continue
-            trigger = record["trigger"]
-            fire = fires.setdefault(trigger["fired_at"], Fire(trigger["fired_at"]))
-            fire.reason = trigger.get("reason")
-            buckets = record["pre_clip"] or {}
-            stacked = not any(key.isdigit() for key in buckets)
-            for key, values in buckets.items():
-                layer = json_bucket(key, stacked)
-                if is_layer(layer):
-                    fire.norms.setdefault(layer, []).append((record["step"], values["norm"]))
+    for record in dump_records(path):
+        if not record.get("history"):
+            continue
+        trigger = record["trigger"]
+        fire = fires.setdefault(trigger["fired_at"], Fire(trigger["fired_at"]))
+        fire.reason = trigger.get("reason")
+        buckets = record["pre_clip"] or {}
+        stacked = not any(key.isdigit() for key in buckets)
+        for key, values in buckets.items():
+            layer = json_bucket(key, stacked)
+            if is_layer(layer):
+                fire.norms.setdefault(layer, []).append((record["step"], values["norm"]))
     return fires
 
 
 def _tensorboard_fires(logdir: str) -> Dict[int, Fire]:
     fires: Dict[int, Fire] = {}
     norm_tag = scalar_tag("pre_clip", "norm", root=HISTORY_ROOT)
-    for run, tag, points in tensorboard_scalars(logdir):
+    for run, tag, points in scalar_series(logdir):
         match = HISTORY_RUN.search(run)
         layer = layer_of_label(match.group(2)) if match else None
         if layer is not None and tag == norm_tag:
@@ -127,6 +121,11 @@ def _answer(fire: Fire, judged: Dict, most, first: List, first_step: Optional[in
 def spike_summaries(source: str) -> List[Dict]:
     """``localise`` of every fire recorded in ``source``; empty without a recorder's fire."""
     return [localise(fire) for fire in read_fires(source)]
+
+
+def spiked_layers(spikes: List[Dict]) -> List:
+    """The layer that rose most at each fire (``localise``), each once."""
+    return list(dict.fromkeys(spike["rose_most"] for spike in spikes if spike["rose_most"] is not None))
 
 
 def format_spikes(spikes: List[Dict], shown: int = 5) -> str:

@@ -1,6 +1,8 @@
-"""Per-layer statistics read back from a TensorBoard directory or from the JSONL post-mortem dump.
+"""Per-layer statistics read back from any log a run leaves (``log_sources``: TensorBoard, DeepSpeed's CSV
+monitor, the Hugging Face Trainer's ``trainer_state.json``, the JSONL post-mortem dump).
 
-A TensorBoard directory may hold any layout written so far (names in ``deepspeed_patch.tags``):
+The scalars may follow any layout written so far (names in ``deepspeed_patch.tags``), under any prefix a
+writer adds (``train/``, ``Train/Samples/``):
 
 - one run per bucket, as ``log_layer_grad_norms`` writes now: runs ``layer-grad-norms/layer00``
   (``layer-grad-norms/encoder.layer00`` for a layer of the encoder in a model of several layer stacks), tags
@@ -18,24 +20,26 @@ run twice into the same ``--out``) is read once: the value written last wins, an
 it replaced are dropped (``latest_per_step``), as in TensorBoard's data server; TensorBoard's Python
 ``EventMultiplexer``, read here, keeps every point of files written by PyTorch.
 
-The flight recorder's runs (``layer-grad-norms-history/fire-000123/layer00``) are not read here: those steps
-were logged live already; ``spike`` reads them, fire by fire. The dump's recorded steps (lines marked
-``"history": true``) are read here as any other line: they repeat steps written before, and the rule above
-keeps the last written (all buckets, where the live lines held the selected ones).
+The flight recorder's runs (``layer-grad-norms-history/fire-000123/layer00``) add to a layer's series the
+steps it lacks: the selected layers' steps were logged live already, the others' were not (the main figure and
+the report then show every layer around a fire, as the dump gives them); ``spike`` reads those runs fire by
+fire. The dump's recorded steps (lines marked ``"history": true``) are read here as any other line: they repeat
+steps written before, and the rule above keeps the last written (all buckets, where the live lines held the
+selected ones).
 
 Layers are identified as in the results (``deepspeed_patch.tags``): by ``int`` index in a model of one
 stack, by ``LayerKey`` (``"encoder.3"``) in a model of several; stacks come in the order they were
 written.
 """
 
-import json
 import math
-import os
 import re
 from dataclasses import dataclass, field
-from typing import Dict, Hashable, Iterable, Iterator, List, Optional, Tuple
+from typing import Dict, Hashable, Iterable, List, Optional, Tuple
 
 from deepspeed_patch.tags import (
+    HISTORY_ROOT,
+    HISTORY_RUN,
     LOGGED_PHASES,
     LOGGED_STATISTICS,
     TAG_ROOT,
@@ -48,6 +52,7 @@ from deepspeed_patch.tags import (
     phase_label,
 )
 
+from .log_sources import LogSourceError, dump_records, is_dump, scalar_series
 from .tensorboard_layout import layer_and_family
 
 Points = List[Tuple[int, float]]
@@ -58,6 +63,8 @@ _TAG = re.compile(rf"^{TAG_ROOT}/(?:{_PHASE}|{VALUES}/([^/]+)/{_PHASE})(?:/([^/]
 _BUCKET_RUN = re.compile(rf"(?:^|/){TAG_ROOT}/([^/]+)$")
 _STACK_LAYER_KEY = re.compile(r"^(.+)\.(\d+)$")
 _AXIS_COPY = re.compile(r" vs (?:samples|tokens)$")
+_WRITER_PREFIX = re.compile(rf"^(?:[^/]+/)+?(?={TAG_ROOT}/)")
+"""What a writer puts before the tags: DeepSpeed's monitor ``Train/Samples/``, the HF Trainer's ``train/``."""
 
 
 def latest_per_step(points: Iterable[Tuple[int, float]]) -> Points:
@@ -72,8 +79,8 @@ def latest_per_step(points: Iterable[Tuple[int, float]]) -> Points:
     return kept
 
 
-class NoLayerDataError(ValueError):
-    """The directory holds no per-layer gradient statistics."""
+class NoLayerDataError(LogSourceError):
+    """The log holds no per-layer gradient statistics."""
 
 
 def layer_title(layer: LayerId) -> str:
@@ -111,36 +118,56 @@ class _Collector:
     def __init__(self) -> None:
         self.layers = LayerSeries()
         self.finer: Dict[Tuple[str, str, LayerId], List[Points]] = {}
+        self.recorded: Dict[Tuple[str, str, LayerId], Points] = {}
 
     def bucket(self, phase: str, statistic: str, bucket: Hashable, points: Points) -> None:
         """A bucket's series, in the order written: ``bucket`` is a layer, a label such as ``layer03``, or a
         finer key."""
-        points = latest_per_step(points)
         layer = bucket if is_layer(bucket) else layer_of_label(bucket)
-        if layer is not None:
-            self.layers.values.setdefault((phase, statistic), {})[layer] = points
+        if layer is not None:  # a run resumed into a run directory of its own (the HF Trainer's) continues it
+            series = self.layers.values.setdefault((phase, statistic), {})
+            series[layer] = latest_per_step(series.get(layer, []) + points)
         else:
-            self.part(phase, statistic, layer_and_family(bucket)[0], points)
+            self.part(phase, statistic, layer_and_family(bucket)[0], latest_per_step(points))
 
     def part(self, phase: str, statistic: str, layer: Optional[LayerId], points: Points) -> None:
         if layer is not None:
             self.finer.setdefault((phase, statistic, layer), []).append(latest_per_step(points))
 
+    def record(self, phase: str, statistic: str, layer: LayerId, points: Points) -> None:
+        """A layer's steps recorded by the flight recorder at one fire (TensorBoard's history runs)."""
+        self.recorded.setdefault((phase, statistic, layer), []).extend(points)
+
     def result(self) -> LayerSeries:
-        return self.layers if self.layers.layers() else _combine_into_layers(self.finer)
+        if not self.layers.layers() and not self.recorded:
+            return _combine_into_layers(self.finer)
+        for (phase, statistic, layer), points in self.recorded.items():
+            live = self.layers.values.setdefault((phase, statistic), {}).get(layer, [])
+            logged = {step for step, _ in live}
+            recorded = dict(point for point in points if point[0] not in logged)  # a later fire's copy wins
+            self.layers.values[(phase, statistic)][layer] = sorted(live + list(recorded.items()))
+        return self.layers
 
 
 def read_layer_series(source: str) -> LayerSeries:
-    """Every per-layer series of ``source``: a TensorBoard directory, or a JSONL file written by the
-    ``dump`` option. Raises ``NoLayerDataError`` if it holds none."""
+    """Every per-layer series of ``source``, any log ``log_sources`` reads. Raises ``LogSourceError`` for a
+    path that is no such log, ``NoLayerDataError`` if it holds no per-layer statistics."""
     collector = _Collector()
     found = []
-    if os.path.isfile(source):
+    if is_dump(source):
         _collect_jsonl(source, collector)
     else:
-        for run, tag, points in tensorboard_scalars(source):
+        writers = set()
+        for run, tag, points in scalar_series(source):
             found.append(tag)
-            _collect_tag(run, tag, points, collector)
+            prefix = _WRITER_PREFIX.match(tag)
+            if prefix or tag.startswith(f"{TAG_ROOT}/"):
+                writers.add(prefix.group(0) if prefix else "")
+            _collect_tag(run, tag[prefix.end():] if prefix else tag, points, collector)
+        if len(writers) > 1:
+            raise LogSourceError(f"{source}: holds the statistics of more than one writer (tags under "
+                                 f"{' and '.join(repr(writer or TAG_ROOT) for writer in sorted(writers))}): give the "
+                                 "directory of one")
     result = collector.result()
     if not result.layers():
         listing = ", ".join(sorted(set(found))[:10]) or "no scalars at all"
@@ -150,7 +177,12 @@ def read_layer_series(source: str) -> LayerSeries:
 
 
 def _collect_tag(run: str, tag: str, points: Points, collector: _Collector) -> None:
+    """One series; ``tag`` without the prefix its writer put before ``layer-grad-norms/``."""
     if _AXIS_COPY.search(tag):
+        return
+    fire = HISTORY_RUN.search(run)
+    if fire is not None:
+        _collect_recorded(fire.group(2), tag, points, collector)
         return
     release = _RELEASE_TAG.match(tag)
     if release:
@@ -172,26 +204,14 @@ def _collect_tag(run: str, tag: str, points: Points, collector: _Collector) -> N
         collector.part(phase, statistic, layer_of_label(bucket_run.group(1)), points)
 
 
-def tensorboard_scalars(logdir: str) -> Iterator[Tuple[str, str, Points]]:
-    """``(run, tag, points)`` of every scalar series under ``logdir``, read as TensorBoard reads them: the
-    points in the order written (by wall time: a run's later event files come from a later process), the
-    series in the order they were first written (the writer's order of the layer stacks)."""
-    from tensorboard.backend.event_processing.plugin_event_multiplexer import EventMultiplexer
-    from tensorboard.plugins.scalar import metadata
-    from tensorboard.util import tensor_util
-
-    multiplexer = EventMultiplexer(tensor_size_guidance={metadata.PLUGIN_NAME: 0})
-    multiplexer.AddRunsFromDirectory(logdir)
-    multiplexer.Reload()
-    found = []
-    for run, tags in multiplexer.PluginRunToTagToContent(metadata.PLUGIN_NAME).items():
-        for tag in tags:
-            events = sorted(multiplexer.Tensors(run, tag), key=lambda event: event.wall_time)
-            first = events[0].wall_time if events else math.inf
-            found.append((first, run, tag, [(event.step, tensor_util.make_ndarray(event.tensor_proto).item())
-                                            for event in events]))
-    for _, run, tag, points in sorted(found, key=lambda series: series[:3]):
-        yield run, tag, points
+def _collect_recorded(label: str, tag: str, points: Points, collector: _Collector) -> None:
+    """A layer's series in a fire's run (``layer-grad-norms-history/fire-000150/layer03``)."""
+    layer = layer_of_label(label)
+    match = _TAG.match(TAG_ROOT + tag[len(HISTORY_ROOT):]) if tag.startswith(f"{HISTORY_ROOT}/") else None
+    if layer is None or match is None or match.group(4) is not None:
+        return
+    norm_phase, statistic, values_phase, _ = match.groups()
+    collector.record(norm_phase or values_phase, statistic or "norm", layer, latest_per_step(points))
 
 
 def json_bucket(key: str, stacked: bool) -> Hashable:
@@ -204,22 +224,17 @@ def json_bucket(key: str, stacked: bool) -> Hashable:
 
 
 def _collect_jsonl(path: str, collector: _Collector) -> None:
-    """The dump's results, in the order written; a last line cut short by a killed job is skipped."""
+    """The dump's results (its rotated files first), in the order written."""
     series: Dict[Tuple[str, str, Hashable], Points] = {}
-    with open(path) as dump:
-        for line in dump:
-            try:
-                record = json.loads(line)
-            except ValueError:
-                continue
-            for phase in LOGGED_PHASES:
-                buckets = record.get(phase) or {}
-                stacked = not any(key.isdigit() for key in buckets)
-                for key, values in buckets.items():
-                    bucket = json_bucket(key, stacked)  # JSON keys are strings
-                    for statistic in LOGGED_STATISTICS:
-                        series.setdefault((phase_label(phase), statistic, bucket), []).append(
-                            (record["step"], values[statistic]))
+    for record in dump_records(path):
+        for phase in LOGGED_PHASES:
+            buckets = record.get(phase) or {}
+            stacked = not any(key.isdigit() for key in buckets)
+            for key, values in buckets.items():
+                bucket = json_bucket(key, stacked)  # JSON keys are strings
+                for statistic in LOGGED_STATISTICS:
+                    series.setdefault((phase_label(phase), statistic, bucket), []).append(
+                        (record["step"], values[statistic]))
     for (phase, statistic, bucket), points in series.items():
         collector.bucket(phase, statistic, bucket, points)
 

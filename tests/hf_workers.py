@@ -149,3 +149,28 @@ def run_deepspeed_cases(cases: Dict[str, dict]) -> Dict[str, Any]:
         name: run(ds_config(case["stage"], case["block"]), case.get("options", {}), case.get("gas", 1))
         for name, case in cases.items()
     }
+
+
+def run_with_every_log(output_dir: str, monitors: str) -> Dict[str, Any]:
+    """A ZeRO-2 Trainer run leaving every log ``plot`` and ``report`` read: the Trainer's TensorBoard
+    (``report_to``) and ``trainer_state.json``, DeepSpeed's TensorBoard and CSV monitors (in ``monitors``), and
+    the JSONL dump, rotated at every line. Returns the Trainer's ``log_history``."""
+    from deepspeed_patch.hf import LayerGradNormsCallback
+
+    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+    config = ds_config(2, {"enabled": True, "dump": {"path": os.path.join(output_dir, "dump.jsonl"),
+                                                     "max_bytes": 1024, "backups": 10}})
+    config.update(tensorboard={"enabled": True, "output_path": monitors, "job_name": "tb"},
+                  csv_monitor={"enabled": True, "output_path": monitors, "job_name": "csv"})
+    args = TrainingArguments(output_dir=output_dir, per_device_train_batch_size=2, max_steps=EVERY_LOG_STEPS,
+                             logging_steps=1, learning_rate=1e-3, use_cpu=True, deepspeed=config,
+                             report_to=["tensorboard"], save_strategy="no", disable_tqdm=True, seed=0)
+    callback = LayerGradNormsCallback()
+    trainer = Trainer(model=tiny_gpt2(), args=args, train_dataset=SyntheticText(), callbacks=[callback])
+    trainer.train()
+    trainer.save_state()
+    trainer.model_wrapped.destroy()
+    return {"log_history": trainer.state.log_history}
+
+
+EVERY_LOG_STEPS = 6

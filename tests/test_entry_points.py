@@ -11,14 +11,16 @@ import pytest
 
 from megatron_integration.cli import main
 from megatron_integration.cpu_launch import run_script
+from megatron_integration.plot import plot_run
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_demo_end_to_end(tmp_path, capsys):
     """Into an ``--out`` that holds a longer demo's log: the demo starts its TensorBoard directory afresh. With a
-    spike injected into layer 2 at step 6 (the first the trigger judges): the recorder catches it and the report's
-    one-line answer names the layer and the step."""
+    spike injected into layer 2 at step 6 (the first the trigger judges), a layer the default selection (0, 1, mid,
+    -2, -1 of 6: 0, 1, 3, 4, 5) leaves out: the recorder catches it, the report's one-line answer names the layer and
+    the step, its median says over which steps it was taken, and the main figure draws it."""
     from torch.utils.tensorboard import SummaryWriter
 
     from megatron_integration.training_log import write_tensorboard
@@ -27,8 +29,7 @@ def test_demo_end_to_end(tmp_path, capsys):
     with SummaryWriter(str(tmp_path / "tensorboard")) as writer:
         for step in range(1, 201):
             write_tensorboard(writer, dict(stale, step=step, post_clip=stale["pre_clip"]))
-    main(["demo", "--steps", "6", "--num-layers", "5", "--hidden", "16", "--layers", "0,1,mid,-2,-1",
-          "--out", str(tmp_path), "--spike", "6:2"])
+    main(["demo", "--steps", "8", "--num-layers", "6", "--hidden", "16", "--out", str(tmp_path), "--spike", "6:2"])
     output = capsys.readouterr().out
     assert "early/late ratio: " in output
     assert f"figure: {tmp_path / 'layer_grad_norms.png'}" in output
@@ -36,13 +37,18 @@ def test_demo_end_to_end(tmp_path, capsys):
     assert "in this run early layers' gradients (layers 0, 1)" in (tmp_path / "report.txt").read_text()
     main(["report", str(tmp_path / "tensorboard"), "--json"])
     summary = json.loads(capsys.readouterr().out)
-    assert summary["steps"] == [1, 6]  # not 1 to 200
-    assert list(summary["median_norm"]) == ["0", "1", "2", "3", "4"]  # 0, 1, mid = 2, -2 = 3, -1 = 4
+    assert summary["steps"] == [1, 8]  # not 1 to 200
+    assert list(summary["median_norm"]) == ["0", "1", "2", "3", "4", "5"]  # 2: recorded and captured at the fire
+    assert summary["median_steps"]["2"] == [5, 8, 4] and summary["median_steps"]["3"] == [5, 8, 4]
     (spike,) = summary["spikes"]
     assert (spike["fired_at"], spike["steps"], spike["rose_most"]) == (6, [1, 6], 2)
     assert spike["answer"].startswith("spike at step 6: layer 2 rose most, ")
     assert spike["answer"] in output.splitlines()
     assert (tmp_path / "spike_history.png").read_bytes()[:4] == b"\x89PNG"
+    figure = plot_run(str(tmp_path / "tensorboard"), str(tmp_path / "again.png"))
+    for axis in figure.axes[:2]:  # pre- and post-clip: the default five and the spiked layer
+        labels = [line.get_label() for line in axis.get_lines()]
+        assert labels == ["layer 0", "layer 1", "layer 2", "layer 3", "layer 4", "layer 5"], labels
 
 
 def test_demo_rejects_a_spike_the_trigger_cannot_judge(capsys):

@@ -1,0 +1,118 @@
+"""Every bad input to the command line is one line on stderr and exit code 2, never a traceback; bad ds_config
+values name the key and the value."""
+
+import subprocess
+import sys
+
+import pytest
+
+from deepspeed_patch.config import LayerGradNormsConfigError, load_config
+from megatron_integration.cli import main
+
+
+def one_line_error(argv, capsys) -> str:
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2, err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+    return err
+
+
+@pytest.fixture
+def logs(tmp_path):
+    """A binary file, an events file, a text file that is no log, and a JSONL dump of three layers."""
+    import json
+
+    from torch.utils.tensorboard import SummaryWriter
+
+    (tmp_path / "binary.bin").write_bytes(bytes(range(256)) * 4)
+    (tmp_path / "notes.txt").write_text("not a log\n")
+    with SummaryWriter(str(tmp_path / "tb")) as writer:
+        for step in range(1, 5):
+            for layer in range(3):
+                writer.add_scalar(f"layer-grad-norms/pre-clip/layer{layer:02d}", 1.0 + layer, step)
+    with open(tmp_path / "dump.jsonl", "w") as dump:
+        for step in range(1, 5):
+            buckets = {str(layer): {"norm": 1.0, "min": 0.0, "max": 1.0} for layer in range(3)}
+            dump.write(json.dumps({"step": step, "pre_clip": buckets, "post_clip": buckets}) + "\n")
+    return tmp_path
+
+
+@pytest.mark.parametrize("command", ["report", "plot"])
+def test_a_path_that_does_not_exist_says_so(command, tmp_path, capsys):
+    assert "no such file or directory" in one_line_error([command, str(tmp_path / "missing")], capsys)
+
+
+@pytest.mark.parametrize("command", ["report", "plot"])
+def test_a_binary_or_foreign_file_is_named_as_such(command, logs, capsys):
+    assert "a binary file, not a log read here" in one_line_error([command, str(logs / "binary.bin")], capsys)
+    assert "not a log read here" in one_line_error([command, str(logs / "notes.txt")], capsys)
+
+
+def test_an_events_file_given_directly_is_read(logs, capsys):
+    (events,) = (logs / "tb").glob("events.out.tfevents.*")
+    main(["report", str(events)])
+    assert "early/late ratio: 0.60" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("output, message", [("x.jpgx", "unknown figure format 'jpgx'"),
+                                             ("missing_dir/f.png", "does not exist")])
+def test_plot_refuses_an_output_it_cannot_write_before_reading(output, message, logs, capsys):
+    assert message in one_line_error(["plot", str(logs / "dump.jsonl"), "-o", str(logs / output)], capsys)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--layers", "0,99"], "--layers 0,99: layer 99 is out of range for a model with 12 transformer layers"),
+    (["--layers", "3"], "select at least 2 layers"),
+    (["--layers", '[0, 1, "mid"]'], "expected \"all\" or a comma-separated list such as 0,1,mid,-2,-1"),
+    (["--num-layers", "4", "--spike", "8:4"], "--spike 8:4: the layer must be below --num-layers 4"),
+    (["--hidden", "30"], "--hidden 30: must be a multiple of 4"),
+    (["--steps", "0"], "'0' is not a positive integer"),
+])
+def test_bad_demo_options_are_refused_before_any_rank_launches(argv, message, capsys, monkeypatch):
+    import megatron_integration.cli as cli
+
+    monkeypatch.setattr(cli, "run_demo", lambda options: pytest.fail("launched"))
+    assert message in one_line_error(["demo", *argv], capsys)
+
+
+def test_layers_takes_what_its_help_says(capsys, monkeypatch):
+    import megatron_integration.cli as cli
+
+    launched = []
+    monkeypatch.setattr(cli, "run_demo", lambda options: launched.append(options.layers) or "")
+    for spec in ("all", "0,1,mid,-2,-1"):
+        main(["demo", "--layers", spec])
+    assert launched == ["all", "0,1,mid,-2,-1"]
+    with pytest.raises(SystemExit):
+        main(["demo", "--help"])
+    assert "comma-separated list such as 0,1,mid,-2,-1" in " ".join(capsys.readouterr().out.split())
+
+
+def test_megatron_e2e_refuses_a_missing_fork(tmp_path, capsys):
+    assert "--fork" in one_line_error(["megatron-e2e", "--fork", str(tmp_path / "missing")], capsys)
+
+
+def test_the_command_itself_prints_one_line_and_no_traceback(tmp_path):
+    """In a fresh process, as a user runs it: not even DeepSpeed's notice that it fell back to the CPU."""
+    result = subprocess.run([sys.executable, "-m", "megatron_integration.cli", "report", str(tmp_path / "missing")],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2
+    expected = f"layer-grad-norms report: {tmp_path / 'missing'}: no such file or directory"
+    assert result.stderr.splitlines() == [expected], result.stderr
+
+
+@pytest.mark.parametrize("block, message", [
+    ({"trigger": {"grad_norm_factr": 2.0}},
+     "layer_grad_norms.trigger.grad_norm_factr=2.0: unknown key; known keys are ['capture_steps', 'grad_norm_factor'"),
+    ({"dump": {"path": "x", "max_byte": 10}}, "layer_grad_norms.dump.max_byte=10: unknown key; known keys are"),
+    ({"enabled": "yes"}, "layer_grad_norms.enabled='yes': expected true or false"),
+    ({"enabled": 1}, "layer_grad_norms.enabled=1: expected true or false"),
+    ({"monitor": "false"}, "layer_grad_norms.monitor='false': expected true or false"),
+    ({"trigger": {"on_overflow": "no"}}, "layer_grad_norms.trigger.on_overflow='no': expected true or false"),
+])
+def test_nested_keys_are_listed_and_booleans_are_strict(block, message):
+    with pytest.raises(LayerGradNormsConfigError) as error:
+        load_config({"layer_grad_norms": block})
+    assert message in str(error.value)

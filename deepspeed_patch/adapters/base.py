@@ -109,6 +109,10 @@ class LayerGradNormsAdapter:
         trigger, and when it fires reduce the recorded steps. What leads to a collective here (``reporting``,
         the fire) is the same on every rank, whatever failed on one."""
         measurement, self.measurement = self.measurement, None
+        with self.latch.failing_locally("ending the step", self.plan.step):  # the last resort: never into training
+            self._end(measurement)
+
+    def _end(self, measurement: Optional[Measurement]) -> None:
         overflow = self.overflow()
         if measurement is not None:
             self._close(measurement, overflow)

@@ -181,16 +181,9 @@ def run_recorder(workdir: str) -> Dict[str, Any]:
                                           trigger={**TRIGGER, "overflow_steps": 1}),
         "z2_loss_trigger": recorder_case(stage=2, report_loss=True,
                                          trigger={**TRIGGER, "grad_norm_factor": 1e9, "loss_factor": 3.0}),
-        "z2_overlapping_fires": recorder_case(stage=2, steps=10, spikes=(7, 9), trigger={**TRIGGER, "cooldown": 2},
-                                              dump=os.path.join(workdir, f"overlap-{world}.jsonl")),
-        "z2_fire_before_the_ring_is_full": recorder_case(stage=2, trigger={**TRIGGER, "history": 8}),
-        "z2_shifted_ring": recorder_case(stage=2, fault="skip_push"),
-        "fault_dump_on_a_full_disk": recorder_case(stage=2, measure=True,
-                                                   dump=os.path.join(workdir, FULL_DISK, f"dump-{world}.jsonl")),
-        "fault_monitor_on_rank_0": recorder_case(stage=2, measure=True, fault="monitor", top={"csv_monitor": {
-            "enabled": True, "output_path": os.path.join(workdir, "monitors"), "job_name": f"csv-{world}"}}),
-        "fault_record_only_step_on_rank_1": recorder_case(stage=2, fault="record_only"),
     }
+    if world == 2:  # the policy and the faults: one world is enough
+        cases.update(policy_and_fault_cases(workdir))
     results: Dict[str, Optional[Dict[str, Any]]] = {}
     for name, case in cases.items():
         try:
@@ -202,3 +195,18 @@ def run_recorder(workdir: str) -> Dict[str, Any]:
         except Exception:
             results[name] = {"case": case, "error": traceback.format_exc()}
     return results
+
+
+def policy_and_fault_cases(workdir: str) -> Dict[str, Dict[str, Any]]:
+    """Overlapping fires, a fire before the ring is full, a shifted ring, and a fault on one rank each."""
+    return {
+        "z2_overlapping_fires": recorder_case(stage=2, steps=10, spikes=(7, 9), trigger={**TRIGGER, "cooldown": 2},
+                                              dump=os.path.join(workdir, "overlap.jsonl")),
+        "z2_fire_before_the_ring_is_full": recorder_case(stage=2, trigger={**TRIGGER, "history": 8}),
+        "z2_shifted_ring": recorder_case(stage=2, fault="skip_push"),
+        "fault_dump_on_a_full_disk": recorder_case(stage=2, measure=True,
+                                                   dump=os.path.join(workdir, FULL_DISK, "dump.jsonl")),
+        "fault_monitor_on_rank_0": recorder_case(stage=2, measure=True, fault="monitor", top={"csv_monitor": {
+            "enabled": True, "output_path": os.path.join(workdir, "monitors"), "job_name": "csv"}}),
+        "fault_record_only_step_on_rank_1": recorder_case(stage=2, fault="record_only"),
+    }

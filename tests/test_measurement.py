@@ -57,7 +57,8 @@ def test_a_failure_after_the_reduction_leaves_no_stale_result_and_switches_off_a
             raise ValueError("injected")
         return original(*args)
 
-    results = _measure_four_steps(norms, model, lambda: monkeypatch.setattr(measurement, "step_result", failing_result))
+    results = _measure_four_steps(norms, model,
+                                  lambda: monkeypatch.setattr(measurement, "step_result", failing_result))
     assert results[0]["step"] == 1
     assert results[1] is None and norms.adapter.result() is None  # not step 1's result
     assert results[2] is None and norms.adapter.latch.broken  # announced through step 3's reduction

@@ -306,3 +306,18 @@ def test_a_failure_on_a_record_only_step_switches_off_every_rank_at_the_fire_log
         messages = [message for message, _ in rank["on"]["logs"]]
         assert sum("could not measure step 7" in message for message in messages) == 1
         assert sum("a rank could not measure: [5, 6, 7]" in message for message in messages) == 1
+
+
+def test_fires_are_kept_by_step_each_recorded_step_once_and_the_oldest_dropped_past_the_bound():
+    from deepspeed_patch.trigger import KEPT_FIRES, TriggerState
+
+    state = TriggerState(None)
+    fires = list(range(10, 10 + 3 * (KEPT_FIRES + 2), 3))  # every 3 steps, a ring of 5: each overlaps the last
+    for fire in fires:
+        entries = state.keep({"fired_at": fire}, [{"step": step} for step in range(fire - 4, fire + 1)])
+        assert steps_of(entries) == (list(range(6, 11)) if fire == 10 else [fire - 2, fire - 1, fire])
+        assert all(entry["trigger"]["fired_at"] == fire for entry in entries)
+    kept = state.history("all")
+    assert list(kept) == fires[-KEPT_FIRES:]
+    assert state.history() == kept[fires[-1]] and state.history(fires[-2]) == kept[fires[-2]]
+    assert state.history(fires[0]) is None and state.history(11) is None

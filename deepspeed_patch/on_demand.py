@@ -43,7 +43,8 @@ class SpikeTrigger:
     (one or two skipped steps in a row, with DeepSpeed's default hysteresis of 2), and at the start of a run
     the search for a scale from a large initial one. So an overflow fires only once ``overflow_steps`` steps
     in a row were skipped, and a run of skipped steps that begins at step 1 (the search) never fires. A run
-    resumed from a checkpoint restores its loss scale: its skipped steps count from the first.
+    resumed from a checkpoint restores its loss scale: its skipped steps count from the first. A non-finite
+    gradient norm on a step the scaler did not skip is no routine: it fires at once.
 
     The refractory period keeps a sustained spike, which the lagging median sees on every step, from firing
     on every step: after a fire at step F the next can come at step ``F + cooldown`` at the earliest. The
@@ -79,11 +80,12 @@ class SpikeTrigger:
                loss: Optional[float] = None) -> Optional[Dict[str, Any]]:
         """Feed one optimizer step; returns what fired, or ``None``.
 
-        ``global_norm`` is ``None`` when the optimizer computed none (``compute_grad_norm: false``);
-        a non-finite one counts as an overflow. ``loss``: the loss reported since the last step, or
-        ``None``; it is watched only with a ``loss_factor``.
+        ``global_norm`` is ``None`` when the optimizer computed none (``compute_grad_norm: false``); a
+        non-finite one on a step the loss scaler did not skip (bf16, fp32: no scaler handles it) fires at
+        once, even in the warm-up. ``loss``: the loss reported since the last step, or ``None``; it is
+        watched only with a ``loss_factor``.
         """
-        if overflow or (global_norm is not None and not math.isfinite(global_norm)):
+        if overflow:
             reason = "overflow" if self._overflow_fires(step) else None
         else:
             self.skipped_since = None

@@ -3,6 +3,7 @@ monitors; NaN through a real 2-rank reduction."""
 
 import glob
 import json
+import math
 import os
 import signal
 import subprocess
@@ -190,3 +191,11 @@ def test_config_defaults_of_the_trigger_policy():
 def test_bad_trigger_policy_keys_are_named(key, value):
     with pytest.raises(LayerGradNormsConfigError, match=f"layer_grad_norms.trigger.{key}={value!r}"):
         load_config({"layer_grad_norms": {"trigger": {key: value}}})
+
+
+def test_a_non_finite_norm_no_loss_scaler_skipped_fires_at_once():
+    """bf16 or fp32: no scaler skips the step, so a NaN or inf norm is no routine overflow."""
+    trigger = SpikeTrigger(3.0, 5, 2, on_overflow=True, overflow_steps=3)
+    assert trigger.update(1, 1.0, False) is None
+    assert trigger.update(2, math.nan, False)["reason"] == "grad norm nan"
+    assert SpikeTrigger(3.0, 5, 2, True, overflow_steps=3).update(4, math.inf, False)["reason"] == "grad norm inf"

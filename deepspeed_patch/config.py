@@ -86,13 +86,24 @@ class TriggerConfig(DeepSpeedConfigModel):
     """Steps in the running median."""
     capture_steps: int = Field(20, ge=1)
     on_overflow: StrictBool = True
-    """Fire also when the fp16 loss scaler skips a step."""
+    """Fire also when the fp16 loss scaler skips ``overflow_steps`` steps in a row."""
+    overflow_steps: int = Field(3, ge=1)
+    """Skipped steps in a row that fire (with ``on_overflow``): routine dynamic loss scaling skips one or two
+    in a row (a grown scale that overflows, with DeepSpeed's default ``hysteresis`` of 2); keep it above the
+    fp16 block's ``hysteresis``. Skipped steps from step 1 on (the scaler's search for a scale) never fire."""
+    cooldown: Optional[int] = Field(None, ge=1)
+    """Steps from a fire to the next at the least; ``None``: ``capture_steps + 1`` or ``history``, whichever
+    is longer, so that no fire comes while capturing and no two fires' recorded steps overlap."""
     history: int = Field(0, ge=0)
     """Record every step's local statistics in a ring of this many steps, reduced when the trigger fires
     (``engine.get_layer_grad_norms_history()``); 0: no recorder."""
     loss_factor: Optional[float] = Field(None, gt=1.0)
     """Fire also when the loss the training loop reports (``report_loss``) exceeds this many times its
     running median; ``None``: the loss is not watched."""
+
+    def refractory_steps(self) -> int:
+        """``cooldown``, or its default."""
+        return self.cooldown if self.cooldown is not None else max(self.capture_steps + 1, self.history)
 
 
 class DumpConfig(DeepSpeedConfigModel):

@@ -2,18 +2,17 @@
 # SPDX-License-Identifier: Apache-2.0
 
 # DeepSpeed Team
-"""When to measure (``Schedule``), and one measured optimizer step (``Measurement``).
+"""One measured optimizer step (``Measurement``), and its result.
 
-A ``Schedule`` lives as long as the optimizer: it numbers the steps, decides which are measured (the
-interval, a runtime switch, a trigger's capture window, the control file), holds the last result and
-writes the dump. For each measured step it hands out a fresh ``Measurement``, which the optimizer's
-read points fill (this rank's partial statistics, the loss scale the gradients carry, the factor the
-optimizer divides them by) and which ``finish`` reduces across the ranks (``reduction.reduce_stats``).
+For each measured or recorded step the adapter opens a fresh ``Measurement`` (``steps.StepPlan`` says which),
+which the optimizer's read points fill (this rank's partial statistics, the loss scale the gradients carry,
+the factor the optimizer divides them by) and which ``finish`` reduces across the ranks
+(``reduction.reduce_stats``).
 
 An error while measuring (a bug, an unforeseen layout) must not stop the training run: it is logged,
-the step's table carries a failure flag through the same collective, and every rank then switches the
-statistics off together, so no rank is left waiting in a collective the others skip and no rank keeps
-a result the others do not have.
+the step's table carries a failure flag through the next collective, and every rank then switches the
+statistics off together (``steps.FailureLatch``), so no rank is left waiting in a collective the others
+skip and no rank keeps a result the others do not have.
 """
 
 import contextlib
@@ -25,11 +24,10 @@ from typing import Callable, Hashable, List, Optional, Sequence, Tuple
 import torch
 
 from .clipping import torch_clip_divisor
-from .config import LayerGradNormsConfig
-from .layer_map import LayerMap
-from .on_demand import ControlFile, JsonlDump, SpikeTrigger, rank_of_process
 from .reduction import reduce_stats
 from .statistics import (
+    MAX,
+    NEG_MIN,
     NUMEL,
     SUMSQ,
     RunTable,
@@ -70,13 +68,16 @@ class Measurement:
 
     @contextlib.contextmanager
     def guarded(self, what: str):
-        """Run measuring work; an error is logged and flags the step instead of reaching training."""
+        """Run measuring work; an error flags the step instead of reaching training, logged unless the step
+        was flagged already (a rank logs a failure once: the steps it opens after one are flagged)."""
         try:
             yield
         except Exception:
-            logger.exception(
-                "layer_grad_norms: %s failed at step %d; per-layer statistics are switched off "
-                "on all ranks after this step, training goes on", what, self.step)
+            if not self.failed:
+                logger.exception(
+                    "layer_grad_norms: %s failed at step %d; per-layer statistics are switched off on all "
+                    "ranks at the next reduction (this step's if it is measured, else the next measured step's "
+                    "or fire's), training goes on", what, self.step)
             self.failed = True
 
     def observe_partition(self, group_index: int, flat_grad: torch.Tensor, table: RunTable) -> None:
@@ -123,11 +124,13 @@ class Measurement:
 
     def local_table(self) -> torch.Tensor:
         """This rank's table and, as its last row, a status row whose element count flags a step this rank
-        failed to measure or left incomplete (it survives any reduction, as a count does), and whose squared
-        norm carries this rank's share of the norm the caller clips by (``set_clip_norm``), if any."""
+        failed to measure or left incomplete (it survives any reduction, as a count does), whose squared
+        norm carries this rank's share of the norm the caller clips by (``set_clip_norm``), if any, and whose
+        max and -min carry the step (reduced, the highest and the lowest step of the ranks)."""
         complete = not self.failed and len(self.observed) == self.num_groups
         status = torch.zeros((1, self.stats.shape[1]), dtype=self.stats.dtype, device=self.stats.device)
         status[0, NUMEL] = 0.0 if complete else 1.0
+        status[0, MAX], status[0, NEG_MIN] = self.step, -self.step
         if self.clip_square is not None:
             status[0, SUMSQ] = self.clip_square.to(status)
         return torch.cat([self.stats, status])
@@ -211,132 +214,3 @@ def step_result(stats: torch.Tensor, scales: StepScales, keys: Sequence[Hashable
         "pre_clip": pre_clip,
         "post_clip": post_clip
     }
-
-
-class Schedule:
-    """Which optimizer steps are measured and which buckets reported; the last result.
-
-    Every decision is the same on every rank: the step number comes from the engine, the trigger reads
-    the global gradient norm, the control file is read by rank 0 and broadcast.
-    """
-
-    def __init__(self, config: LayerGradNormsConfig, layer_map: LayerMap, completed_steps: Callable[[], int]) -> None:
-        """``completed_steps()``: the optimizer steps so far (the engine's, restored from a checkpoint), so
-        that ``step`` and the interval follow the training iteration."""
-        self.enabled = config.enabled
-        self.interval = config.interval
-        self.layer_map = layer_map
-        self.selected = layer_map.select(config.layers)
-        self.completed_steps = completed_steps
-        self.trigger = None
-        if config.trigger is not None:
-            self.trigger = SpikeTrigger(config.trigger.grad_norm_factor, config.trigger.window,
-                                        config.trigger.capture_steps, config.trigger.on_overflow,
-                                        config.trigger.loss_factor)
-        self.capture: Optional[dict] = None
-        self.control = ControlFile(config.control_file, config.control_interval) if config.control_file else None
-        self.dump = None
-        if config.dump and rank_of_process() == 0:
-            self.dump = JsonlDump(config.dump.path, config.dump.max_bytes, config.dump.backups)
-        self.step = 0
-        self.broken = False
-        self.failed_locally = False
-        self.result: Optional[dict] = None
-        self.history: Optional[List[dict]] = None
-        self.loss: Optional[float] = None
-
-    def next_step(self) -> bool:
-        """Number the optimizer step about to run; whether it is measured."""
-        self.step = self.completed_steps() + 1
-        settings = self.control.poll(self.step) if self.control else None
-        if settings:
-            self._apply_control(settings)
-        on_interval = self.enabled and self.step % self.interval == 0
-        return not self.broken and (on_interval or self.capturing())
-
-    def capturing(self) -> bool:
-        """Inside the window a trigger opened: every step, every bucket."""
-        return self.capture is not None and self.step <= self.capture["capture_until"]
-
-    def reported_keys(self) -> List[Hashable]:
-        return list(self.layer_map.keys if self.capturing() else self.selected)
-
-    def set_options(self,
-                    enabled: Optional[bool] = None,
-                    interval: Optional[int] = None,
-                    layers: Optional[object] = None) -> None:
-        """Change what is measured on a live run; every rank must call it at the same step."""
-        checked = LayerGradNormsConfig(strict=True,
-                                       enabled=self.enabled if enabled is None else enabled,
-                                       interval=self.interval if interval is None else interval,
-                                       layers=layers)
-        self.enabled, self.interval = checked.enabled, checked.interval
-        if layers is not None:
-            self.selected = self.layer_map.select(checked.layers)
-
-    def _apply_control(self, settings: dict) -> None:
-        try:
-            self.set_options(**settings)
-            logger.info("layer_grad_norms: control file applied at step %d: %s", self.step, settings)
-        except (TypeError, ValueError) as err:  # the same on every rank: all ignore it
-            logger.error("layer_grad_norms: control file settings %s ignored: %s", settings, err)
-
-    def publish(self, result: Optional[dict]) -> None:
-        """The reduced result of the step just measured; ``None``: a rank failed, all switch off."""
-        self.result = None  # until the new one is complete: never a stale one
-        if result is None:
-            logger.error(
-                "layer_grad_norms: a rank could not measure step %d (see its log); per-layer statistics "
-                "are switched off", self.step)
-            self.broken = True
-            return
-        if self.capturing():
-            result["trigger"] = dict(self.capture)
-        if self.dump is not None:
-            self.dump.write(result)
-        self.result = result
-
-    @contextlib.contextmanager
-    def failing_locally(self, what: str):
-        """Work after the step's collective: an error here is logged, leaves no result on this rank, and
-        is announced to the other ranks through the next measured step's collective."""
-        try:
-            yield
-        except Exception:
-            logger.exception(
-                "layer_grad_norms: %s failed at step %d; per-layer statistics are switched off on all ranks at "
-                "the next measured step, training goes on", what, self.step)
-            self.result = None
-            self.failed_locally = True
-
-    def report_loss(self, loss: float) -> None:
-        """The training loop's loss, the same on every rank; judged at the end of the next optimizer step."""
-        self.loss = float(loss)
-
-    def after_step(self, global_norm, overflow: bool) -> Optional[dict]:
-        """Feed the trigger the step's global gradient norm (the same on every rank) and the loss reported
-        since the last step; what fired, or ``None``."""
-        loss, self.loss = self.loss, None
-        if self.trigger is None or self.broken:
-            return None
-        norm = None if global_norm is None else float(global_norm)
-        fired = self.trigger.update(self.step, norm, bool(overflow), loss)
-        if fired is not None:
-            if rank_of_process() == 0:  # the same fire on every rank: one line
-                logger.warning("layer_grad_norms: trigger fired at step %d (%s); capturing every layer until step %d",
-                               self.step, fired["reason"], fired["capture_until"])
-            self.capture = fired
-        return fired
-
-    def publish_history(self, history: List[dict], fired: dict) -> None:
-        """The recorded steps reduced when the trigger fired, oldest first; they replace the last fire's.
-        Each carries the trigger's record; the dump gets one line per step, marked ``"history": true``."""
-        for entry in history:
-            entry["trigger"] = dict(fired)
-            if self.dump is not None:
-                self.dump.write({**entry, "history": True})
-        self.history = history
-
-    def get(self) -> Optional[dict]:
-        """The last measurement, or ``None`` before the first measured step."""
-        return self.result

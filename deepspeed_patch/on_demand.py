@@ -36,7 +36,19 @@ one or two steps would fire on ordinary noise."""
 class SpikeTrigger:
     """Fires when the global gradient norm jumps above ``factor`` times its running median over the
     last ``window`` steps, when the loss the training loop reports jumps above ``loss_factor`` times its
-    own running median, or (``on_overflow``) when the loss scaler skips a step.
+    own running median, or (``on_overflow``) when the loss scaler has skipped ``overflow_steps`` steps in
+    a row; and not again within ``cooldown`` steps of a fire.
+
+    Routine dynamic loss scaling skips a step now and then: a scale that grows until the gradient overflows
+    (one or two skipped steps in a row, with DeepSpeed's default hysteresis of 2), and at the start of a run
+    the search for a scale from a large initial one. So an overflow fires only once ``overflow_steps`` steps
+    in a row were skipped, and a run of skipped steps that begins at step 1 (the search) never fires. A run
+    resumed from a checkpoint restores its loss scale: its skipped steps count from the first. A non-finite
+    gradient norm on a step the scaler did not skip is no routine: it fires at once.
+
+    The refractory period keeps a sustained spike, which the lagging median sees on every step, from firing
+    on every step: after a fire at step F the next can come at step ``F + cooldown`` at the earliest. The
+    windows go on filling meanwhile.
 
     The windows live in memory: they start empty at every start, a resume from a checkpoint included, and
     a median is judged once its window holds ``min(window, WARM_UP)`` values. Until then (the warm-up) only
@@ -49,11 +61,17 @@ class SpikeTrigger:
                  window: int,
                  capture_steps: int,
                  on_overflow: bool,
-                 loss_factor: Optional[float] = None) -> None:
+                 loss_factor: Optional[float] = None,
+                 cooldown: int = 1,
+                 overflow_steps: int = 1) -> None:
         self.factor, self.capture_steps, self.on_overflow = factor, capture_steps, on_overflow
         self.loss_factor = loss_factor
+        self.cooldown, self.overflow_steps = cooldown, overflow_steps
         self.recent: deque = deque(maxlen=window)
         self.recent_losses: deque = deque(maxlen=window)
+        self.last_fire: Optional[int] = None
+        self.skipped_since: Optional[int] = None
+        """The first step of the current run of skipped steps, or ``None``."""
 
     def update(self,
                step: int,
@@ -62,19 +80,29 @@ class SpikeTrigger:
                loss: Optional[float] = None) -> Optional[Dict[str, Any]]:
         """Feed one optimizer step; returns what fired, or ``None``.
 
-        ``global_norm`` is ``None`` when the optimizer computed none (``compute_grad_norm: false``);
-        a non-finite one counts as an overflow. ``loss``: the loss reported since the last step, or
-        ``None``; it is watched only with a ``loss_factor``.
+        ``global_norm`` is ``None`` when the optimizer computed none (``compute_grad_norm: false``); a
+        non-finite one on a step the loss scaler did not skip (bf16, fp32: no scaler handles it) fires at
+        once, even in the warm-up. ``loss``: the loss reported since the last step, or ``None``; it is
+        watched only with a ``loss_factor``.
         """
-        if overflow or (global_norm is not None and not math.isfinite(global_norm)):
-            return self._fired(step, "overflow") if self.on_overflow else None
-        reason = _spike("grad norm", global_norm, self.factor, self.recent)
-        if self.loss_factor is not None:
-            reason = _spike("loss", loss, self.loss_factor, self.recent_losses) or reason
-        return None if reason is None else self._fired(step, reason)
-
-    def _fired(self, step: int, reason: str) -> Dict[str, Any]:
+        if overflow:
+            reason = "overflow" if self._overflow_fires(step) else None
+        else:
+            self.skipped_since = None
+            reason = _spike("grad norm", global_norm, self.factor, self.recent)
+            if self.loss_factor is not None:
+                reason = _spike("loss", loss, self.loss_factor, self.recent_losses) or reason
+        if reason is None or (self.last_fire is not None and step - self.last_fire < self.cooldown):
+            return None
+        self.last_fire = step
         return {"fired_at": step, "reason": reason, "capture_until": step + self.capture_steps}
+
+    def _overflow_fires(self, step: int) -> bool:
+        """Count one more skipped step; whether the run of them fires."""
+        if self.skipped_since is None:
+            self.skipped_since = step
+        searching = self.skipped_since == 1
+        return self.on_overflow and not searching and step - self.skipped_since + 1 >= self.overflow_steps
 
 
 def _spike(name: str, value: Optional[float], factor: float, recent: deque) -> Optional[str]:

@@ -12,15 +12,28 @@ rank reduces the whole ring in one reduction (that of one measured step), and ea
 result shaped like ``get_layer_grad_norms()``, every bucket.
 """
 
-from collections import deque
-from dataclasses import replace
-from typing import Collection, Deque, Hashable, List, Sequence
+import math
+from dataclasses import dataclass, field, replace
+from typing import Collection, Hashable, List, Optional, Sequence, Tuple
 
 import torch
 
 from .measurement import StepScales, host_copy, step_result
 from .reduction import reduce_stats
-from .statistics import NUM_COLUMNS, empty_stats
+from .statistics import MAX, NEG_MIN, NUM_COLUMNS, NUMEL, empty_stats
+
+
+@dataclass
+class Replay:
+    """The recorded steps as every rank reduced them at a fire (the same on every rank)."""
+
+    results: List[dict] = field(default_factory=list)
+    """Each step's result, oldest first, all buckets."""
+    failed: List[int] = field(default_factory=list)
+    """Steps a rank could not measure (the status row's failure flag): no result."""
+    disagreeing: List[Tuple[float, float]] = field(default_factory=list)
+    """Slots of the ring in which the ranks recorded different steps, as (lowest, highest) step (``inf`` and
+    ``-inf`` where a rank recorded nothing): a rank that missed a push. No result."""
 
 
 class FlightRecorder:
@@ -29,7 +42,7 @@ class FlightRecorder:
     def __init__(self, capacity: int, num_rows: int, device) -> None:
         """``num_rows``: the buckets of the layer map (the status row is added here)."""
         self.tables = empty_stats(capacity * (num_rows + 1), device).view(capacity, num_rows + 1, NUM_COLUMNS)
-        self.scales: Deque[StepScales] = deque(maxlen=capacity)
+        self.scales: List[Optional[StepScales]] = [None] * capacity
         self.next_slot = 0
 
     @property
@@ -38,22 +51,37 @@ class FlightRecorder:
         return self.tables.numel() * self.tables.element_size()
 
     def push(self, table: torch.Tensor, scales: StepScales) -> None:
-        """Record one step: its local table with its status row (``Measurement.local_table``), and its
-        scales; the oldest step drops out of a full ring. Device copies, no host synchronisation."""
+        """Record one step: its local table with its status row (``Measurement.local_table``, which carries
+        the step number), and its scales; the oldest step drops out of a full ring. Device copies, no host
+        synchronisation."""
         self.tables[self.next_slot].copy_(table)
         if scales.scale_of_norm is not None:  # the optimizer's norm tensor is its own: keep a copy
             norm, formula = scales.scale_of_norm
             scales = replace(scales, scale_of_norm=(norm.detach().clone(), formula))
-        self.scales.append(scales)
+        self.scales[self.next_slot] = scales
         self.next_slot = (self.next_slot + 1) % self.tables.shape[0]
 
-    def history(self, group, keys: Sequence[Hashable], extra: Collection[str]) -> List[dict]:
-        """Every recorded step's result, oldest first, all buckets: the whole ring reduced across ``group``
-        in one reduction (every rank must call it). A step any rank failed to measure gives no entry."""
-        capacity = self.tables.shape[0]
-        reduced, scales = host_copy(reduce_stats(self.tables.view(-1, NUM_COLUMNS), group), list(self.scales))
+    def history(self, group, keys: Sequence[Hashable], extra: Collection[str], after: int = 0) -> Replay:
+        """The recorded steps after step ``after``, all buckets: the whole ring reduced across ``group`` in one
+        reduction (every rank must call it). Each slot's status row carries the step in a maximum column and
+        its negation in another, so the reduction gives every rank the highest and the lowest step the ranks
+        recorded there: a slot where they differ, or that a rank flagged as failed, gives no result."""
+        filled = [slot for slot, scales in enumerate(self.scales) if scales is not None]
+        reduced, resolved = host_copy(reduce_stats(self.tables.view(-1, NUM_COLUMNS), group),
+                                      [self.scales[slot] for slot in filled])
         reduced = reduced.view(self.tables.shape)
-        oldest = (self.next_slot - len(scales)) % capacity
-        results = (step_result(reduced[(oldest + age) % capacity], step_scales, keys, keys, extra)
-                   for age, step_scales in enumerate(scales))
-        return [result for result in results if result is not None]
+        scales_of = dict(zip(filled, resolved))
+        replay = Replay()
+        for slot, (highest, neg_lowest, flag) in enumerate(reduced[:, -1, [MAX, NEG_MIN, NUMEL]].tolist()):
+            if highest == -math.inf:
+                continue  # no rank recorded anything there yet
+            if highest != -neg_lowest:
+                replay.disagreeing.append((-neg_lowest, highest))
+            elif highest > after and flag > 0:
+                replay.failed.append(int(highest))
+            elif highest > after:
+                replay.results.append(step_result(reduced[slot], scales_of[slot], keys, keys, extra))
+        replay.results.sort(key=lambda result: result["step"])
+        replay.failed.sort()
+        replay.disagreeing.sort()
+        return replay

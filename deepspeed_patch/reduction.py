@@ -19,7 +19,17 @@ Every rank gets the same bits: an all-reduce leaves one result on all ranks (NCC
 gloo's, compute each element's sum once and copy it), so no rank can see a different order of float64
 additions. The counts (element count, non-finite, zeros, and the status row's failure flag a caller
 appends as an extra row) are whole numbers, exact in float64 up to 2**53.
+
+NaN in the maxima (max, -min, -abs_min) follows one rule, whatever the number of ranks and whichever rank
+holds it: a NaN anywhere in a bucket's gradient makes its min, max, abs_min and abs_max NaN, as they are on
+one rank, where ``torch.amax`` propagates NaN; else +inf wins over every finite value. The backends do not
+agree with that or with each other (gloo's MAX keeps or drops a NaN depending on the rank that holds it,
+NCCL's drops it), so ``reduce_stats`` codes NaN and +inf as finite float64 values above any gradient
+statistic's range before the MAX all-reduce (NaN above +inf above every finite value) and decodes them
+after: the order, and with it the result, no longer depends on the backend or on the rank.
 """
+
+import math
 
 import torch
 from deepspeed import comm as dist
@@ -32,6 +42,11 @@ from .statistics import NUM_SUMMED
 REPLICATED = "replicated"
 COLLECTIVES_PER_STEP = 2
 """What ``reduce_stats`` issues when there is something to combine: one SUM and one MAX all-reduce."""
+INF_CODE = 1e300
+"""+inf in the maxima during the MAX all-reduce: above any finite statistic of a gradient (float32's and
+bf16's largest is 3.4e38; float64 gradients beyond 1e300 are not supported)."""
+NAN_CODE = 1e306
+"""NaN in the maxima during the MAX all-reduce: above ``INF_CODE``, so that NaN wins over +inf."""
 
 
 def reduce_stats(stats: torch.Tensor, group=None) -> torch.Tensor:
@@ -42,7 +57,13 @@ def reduce_stats(stats: torch.Tensor, group=None) -> torch.Tensor:
     # Offloaded partitions live in host memory; the communication backend wants accelerator tensors.
     stats = stats.to(get_accelerator().current_device_name())
     summed = stats[:, :NUM_SUMMED].contiguous()
-    maxima = stats[:, NUM_SUMMED:].contiguous()
+    maxima = stats[:, NUM_SUMMED:].nan_to_num(nan=NAN_CODE, posinf=INF_CODE, neginf=-math.inf)
     dist.all_reduce(summed, op=dist.ReduceOp.SUM, group=group)
     dist.all_reduce(maxima, op=dist.ReduceOp.MAX, group=group)
-    return torch.cat([summed, maxima], dim=1)
+    return torch.cat([summed, decode_maxima(maxima)], dim=1)
+
+
+def decode_maxima(maxima: torch.Tensor) -> torch.Tensor:
+    """The reduced maxima with NaN and +inf restored from their codes (in place)."""
+    maxima.masked_fill_(maxima >= NAN_CODE, math.nan)
+    return maxima.masked_fill_(maxima >= INF_CODE, math.inf)

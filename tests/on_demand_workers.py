@@ -1,8 +1,11 @@
 """What each rank runs in the on-demand tests: spike trigger, runtime switch, control file, dump, monitors."""
 
 import json
+import math
 import os
 from typing import Any, Dict, List
+
+import torch
 
 import deepspeed_patch
 from megatron_integration.tiny_gpt import TinyGPTConfig, synthetic_batch
@@ -10,6 +13,20 @@ from setup_workers import base_config, initialize
 from zero_workers import force_fp16_on_cpu
 
 FP16 = {"enabled": True, "initial_scale_power": 8}
+# A loss scale that doubles every 2 steps from 2**14: it outgrows the TinyGPT gradient at step 14, where the
+# scaler skips 2 steps in a row (DeepSpeed's default hysteresis of 2), and later skips single steps.
+GROWING_FP16 = {"enabled": True, "initial_scale_power": 14, "loss_scale_window": 2}
+NAN, INF = math.nan, math.inf
+NAN_CASES = {  # each rank's piece of one bucket's gradient
+    "nan_on_rank_0": ([NAN, 1.0, -2.0], [0.5, 3.0]),
+    "nan_on_rank_1": ([0.5, 3.0], [NAN, 1.0, -2.0]),
+    "nan_on_both": ([NAN, 1.0], [-2.0, NAN]),
+    "inf_on_rank_0_nan_on_rank_1": ([INF, 1.0], [NAN, -1.0]),
+    "nan_on_rank_0_inf_on_rank_1": ([NAN, -1.0], [INF, 1.0]),
+    "inf_on_rank_1": ([1.0, -2.0], [-INF, 0.5]),
+    "rank_0_empty_nan_on_rank_1": ([], [NAN, 0.25]),
+    "finite": ([1.0, -2.0], [0.5, 3.0]),
+}
 
 
 def train(engine, steps: int, loss_factor: Dict[int, float] = None, before_step=None) -> List[Any]:
@@ -25,6 +42,40 @@ def train(engine, steps: int, loss_factor: Dict[int, float] = None, before_step=
     return measured
 
 
+def nan_reductions() -> Dict[str, Dict[str, Any]]:
+    """Each ``NAN_CASES`` bucket reduced over the real 2-rank gloo group (``reduce_stats``), and the backend's
+    own MAX all-reduce of ``[NaN, 1]`` against ``[1, NaN]`` (what the coding works around)."""
+    from deepspeed import comm as dist
+
+    from deepspeed_patch.reduction import reduce_stats
+    from deepspeed_patch.statistics import accumulate_runs, empty_stats
+
+    rank, results = dist.get_rank(), {}
+    for name, pieces in NAN_CASES.items():
+        table = empty_stats(2, "cpu")  # the bucket, and a status row left at the identity
+        if pieces[rank]:
+            accumulate_runs(table, [torch.tensor(pieces[rank], dtype=torch.float32)], torch.tensor([0]))
+        results[name] = reduce_stats(table, None)
+    raw = torch.tensor([NAN, 1.0] if rank == 0 else [1.0, NAN], dtype=torch.float64)
+    dist.all_reduce(raw, op=dist.ReduceOp.MAX)
+    return {"reduced": results, "raw_max": raw.tolist()}
+
+
+def scale_growth() -> Dict[str, Any]:
+    """fp16 training whose dynamic loss scale grows into routine overflows, with the default overflow policy."""
+    trigger = {"grad_norm_factor": 1e9, "window": 5, "capture_steps": 2, "history": 4}
+    engine = initialize(base_config(fp16=GROWING_FP16, layer_grad_norms={"enabled": False, "trigger": trigger}))
+    record = {"overflow": [], "history": [], "measured": []}
+    for step in range(1, 21):
+        engine.backward(engine(synthetic_batch(TinyGPTConfig(), 2, seed=step)))
+        engine.step()
+        record["overflow"].append(bool(engine.optimizer.overflow))
+        record["history"].append(engine.get_layer_grad_norms_history())
+        record["measured"].append(engine.get_layer_grad_norms())
+    engine.destroy()
+    return record
+
+
 def run_on_demand(workdir: str) -> Dict[str, Any]:
     from deepspeed import comm as dist
 
@@ -32,7 +83,7 @@ def run_on_demand(workdir: str) -> Dict[str, Any]:
     force_fp16_on_cpu()
     results = {}
 
-    trigger = {"grad_norm_factor": 3.0, "window": 5, "capture_steps": 2, "on_overflow": True}
+    trigger = {"grad_norm_factor": 3.0, "window": 5, "capture_steps": 2, "on_overflow": True, "overflow_steps": 1}
     dump = {"path": os.path.join(workdir, "layer_grad_norms.jsonl")}
     engine = initialize(base_config(fp16=FP16, layer_grad_norms={"enabled": False, "trigger": trigger, "dump": dump,
                                                                   "layers": "0"}))
@@ -74,4 +125,6 @@ def run_on_demand(workdir: str) -> Dict[str, Any]:
     results["monitor"] = train(engine, 2)
     results["global_samples"] = engine.global_samples
     engine.destroy()
+    results["nan"] = nan_reductions()
+    results["scale_growth"] = scale_growth()
     return results

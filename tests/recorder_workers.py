@@ -3,7 +3,7 @@ and record the history, the plain-PyTorch reference of every step (rank 0), and 
 
 import logging
 import os
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
@@ -25,15 +25,70 @@ from zero_workers import (
 SPIKE = 64.0  # a power of two: the spiked step's gradient is the ordinary one scaled exactly, in every dtype
 HISTORY = 4
 TRIGGER = {"grad_norm_factor": 3.0, "window": 5, "capture_steps": 1, "history": HISTORY}
+FULL_DISK = "full"
+"""The folder of the work directory where the tests mount a small tmpfs (as root), a full disk for the dump."""
 
 
 def recorder_case(**overrides: Any) -> Dict[str, Any]:
-    """A zero_workers case measuring nothing on its own: only the recorder and the trigger's capture."""
+    """A zero_workers case measuring nothing on its own (unless ``measure``): only the recorder and the
+    trigger's capture. ``fault``: what ``inject_fault`` breaks."""
     case = {**DEFAULT_CASE, "steps": 8, "spikes": (7, ), "overflow_step": None, "report_loss": False,
-            "trigger": TRIGGER, "dump": None, **overrides}
-    case["block"] = {"enabled": False, "trigger": case["trigger"], **({"dump": {"path": case["dump"]}}
-                                                                       if case["dump"] else {})}
+            "trigger": TRIGGER, "dump": None, "measure": False, "fault": None, **overrides}
+    case["block"] = {"enabled": case["measure"], "trigger": case["trigger"],
+                     **({"dump": {"path": case["dump"]}} if case["dump"] else {})}
     return case
+
+
+FAULTY_STEP = 5
+"""The step at which a ``record_only`` or ``skip_push`` fault strikes rank 1."""
+
+
+def inject_fault(engine, fault: Optional[str]) -> List[Tuple[Any, str, Any]]:
+    """Break one rank: ``monitor``, DeepSpeed's monitors raise on rank 0 (our events only); ``record_only``,
+    rank 1's measurement raises on a step that is only recorded; ``skip_push``, rank 1 misses recording a
+    step (its ring slots shift). A full disk under the dump needs no injection (``dump`` on a small tmpfs).
+    Returns what to restore: ``(owner, name, original)``."""
+    from deepspeed import comm as dist
+
+    from deepspeed_patch import measurement, monitor
+
+    adapter, rank = engine.layer_grad_norms, dist.get_rank()
+    if fault == "monitor" and rank == 0:
+
+        def raising(self, result):
+            raise RuntimeError("injected monitor failure")
+
+        return [_replace(monitor.MonitorEvents, "__call__", raising)]
+    if fault == "record_only" and rank == 1:
+        original = measurement.accumulate_partition
+
+        def failing(*args, **kwargs):
+            if adapter.plan.step == FAULTY_STEP:
+                raise RuntimeError("injected measurement failure")
+            return original(*args, **kwargs)
+
+        return [_replace(measurement, "accumulate_partition", failing)]
+    if fault == "skip_push" and rank == 1:
+        push = adapter.recorder.push
+        adapter.recorder.push = lambda table, scales: None if scales.step == FAULTY_STEP else push(table, scales)
+    return []
+
+
+def _replace(owner: Any, name: str, value: Any) -> Tuple[Any, str, Any]:
+    original = getattr(owner, name)
+    setattr(owner, name, value)
+    return owner, name, original
+
+
+class LogRecords(logging.Handler):
+    """The package's warnings and errors: message, and whether a traceback came with it."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.records: List[Tuple[str, bool]] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append((record.getMessage(), record.exc_info is not None))
 
 
 def _step_loss(engine, case: Dict[str, Any], step: int, batch: torch.Tensor) -> torch.Tensor:
@@ -55,7 +110,8 @@ def _reported_loss(loss: torch.Tensor) -> float:
 
 
 def train(case: Dict[str, Any], enabled: bool, count: bool = False) -> Dict[str, Any]:
-    """Train ``case``; with ``enabled``, its block (the recorder); else no block at all."""
+    """Train ``case``; with ``enabled``, its block (the recorder); else no block at all. ``count``: without the
+    reference (a case that checks collectives or faults only)."""
     import deepspeed
     from deepspeed import comm as dist
 
@@ -64,7 +120,11 @@ def train(case: Dict[str, Any], enabled: bool, count: bool = False) -> Dict[str,
     model = TinyGPT(model_config(case))
     engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=1.0),
                                       config=ds_config(case, enabled))
-    record: Dict[str, List[Any]] = {"losses": [], "history": [], "reference": [], "applied": [], "collectives": []}
+    injected = inject_fault(engine, case["fault"]) if enabled else []
+    logs = LogRecords()
+    logging.getLogger("deepspeed_patch").addHandler(logs)
+    record: Dict[str, List[Any]] = {"losses": [], "history": [], "reference": [], "applied": [], "collectives": [],
+                                    "measured": []}
     for step in range(1, case["steps"] + 1):
         before = {name: p.detach().float().clone() for name, p in engine.module.named_parameters()}
         scale = loss_scale(engine.optimizer)
@@ -80,6 +140,7 @@ def train(case: Dict[str, Any], enabled: bool, count: bool = False) -> Dict[str,
         after = {name: p.detach().float() for name, p in engine.module.named_parameters()}
         record["applied"].append(bucket_stats({name: before[name] - after[name] for name in after}))
         record["history"].append(engine.get_layer_grad_norms_history() if enabled else None)
+        record["measured"].append(engine.get_layer_grad_norms() if enabled else None)
         if rank == 0 and enabled and not count:
             factor = SPIKE if step in case["spikes"] else 1.0
             reference_scale = 2.0**FP16_INITIAL_SCALE_POWER if case["dtype"] == "fp16" else 1.0
@@ -91,6 +152,11 @@ def train(case: Dict[str, Any], enabled: bool, count: bool = False) -> Dict[str,
     record["optimizer"] = type(engine.optimizer).__name__
     recorder = engine.layer_grad_norms.recorder if enabled else None
     record["ring_bytes"] = None if recorder is None else recorder.nbytes
+    record["fires"] = engine.get_layer_grad_norms_history("all") if enabled else None
+    logging.getLogger("deepspeed_patch").removeHandler(logs)
+    for owner, name, original in injected:
+        setattr(owner, name, original)
+    record["logs"] = logs.records
     engine.destroy()
     return record
 
@@ -111,14 +177,17 @@ def run_recorder(workdir: str) -> Dict[str, Any]:
                                                 dump=os.path.join(workdir, f"dump-{world}.jsonl")),
         "z0_fp32_clip": recorder_case(stage=0, clip=0.5),
         "bf16_optimizer": recorder_case(stage=1, dtype="bf16", grad_accum_dtype="fp32"),
-        "z2_fp16_overflow": recorder_case(stage=2, dtype="fp16", spikes=(), overflow_step=7),
+        "z2_fp16_overflow": recorder_case(stage=2, dtype="fp16", spikes=(), overflow_step=7,
+                                          trigger={**TRIGGER, "overflow_steps": 1}),
         "z2_loss_trigger": recorder_case(stage=2, report_loss=True,
                                          trigger={**TRIGGER, "grad_norm_factor": 1e9, "loss_factor": 3.0}),
     }
+    if world == 2:  # the policy and the faults: one world is enough
+        cases.update(policy_and_fault_cases(workdir))
     results: Dict[str, Optional[Dict[str, Any]]] = {}
     for name, case in cases.items():
         try:
-            results[name] = {"case": case, "on": train(case, enabled=True)}
+            results[name] = {"case": case, "on": train(case, enabled=True, count=name.startswith("fault_"))}
             if name == "z2_fp32_clip_two_fires":
                 results[name]["off"] = train(case, enabled=False)
                 without_ring = recorder_case(**{**case, "trigger": {**TRIGGER, "history": 0}, "dump": None})
@@ -126,3 +195,18 @@ def run_recorder(workdir: str) -> Dict[str, Any]:
         except Exception:
             results[name] = {"case": case, "error": traceback.format_exc()}
     return results
+
+
+def policy_and_fault_cases(workdir: str) -> Dict[str, Dict[str, Any]]:
+    """Overlapping fires, a fire before the ring is full, a shifted ring, and a fault on one rank each."""
+    return {
+        "z2_overlapping_fires": recorder_case(stage=2, steps=10, spikes=(7, 9), trigger={**TRIGGER, "cooldown": 2},
+                                              dump=os.path.join(workdir, "overlap.jsonl")),
+        "z2_fire_before_the_ring_is_full": recorder_case(stage=2, trigger={**TRIGGER, "history": 8}),
+        "z2_shifted_ring": recorder_case(stage=2, fault="skip_push"),
+        "fault_dump_on_a_full_disk": recorder_case(stage=2, measure=True,
+                                                   dump=os.path.join(workdir, FULL_DISK, "dump.jsonl")),
+        "fault_monitor_on_rank_0": recorder_case(stage=2, measure=True, fault="monitor", top={"csv_monitor": {
+            "enabled": True, "output_path": os.path.join(workdir, "monitors"), "job_name": "csv"}}),
+        "fault_record_only_step_on_rank_1": recorder_case(stage=2, fault="record_only"),
+    }

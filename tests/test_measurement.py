@@ -1,4 +1,4 @@
-"""The per-step measurement and the schedule: their states, failures, and what they allocate."""
+"""The per-step measurement and the step plan: their states, failures, and what they allocate."""
 
 import subprocess
 import sys
@@ -31,26 +31,59 @@ def test_a_step_missing_a_group_reports_nothing():
     assert measurement.finish(REPLICATED, overflow=False, keys=[0], selected=[0]) is None
 
 
-def test_a_failure_after_the_reduction_leaves_no_stale_result_and_switches_off_at_the_next_measured_step(tmp_path):
-    torch.manual_seed(0)
-    model = TinyGPT(TinyGPTConfig())
-    norms = LayerGradNorms(model, dump={"path": str(tmp_path / "dump.jsonl")})
-    dump = norms.adapter.schedule.dump
-
-    def failing_write(record):
-        raise OSError("disk full")
-
+def _measure_four_steps(norms: LayerGradNorms, model: TinyGPT, at_step_2=None) -> list:
     results = []
     for step in range(4):
         model.zero_grad()
         model(synthetic_batch(model.config, 2, seed=step)).backward()
-        if step == 1:
-            dump.write = failing_write
+        if step == 1 and at_step_2 is not None:
+            at_step_2()
         results.append(norms.measure())
+    return results
+
+
+def test_a_failure_after_the_reduction_leaves_no_stale_result_and_switches_off_at_the_next_measured_step(
+        monkeypatch, caplog):
+    torch.manual_seed(0)
+    model = TinyGPT(TinyGPTConfig())
+    norms = LayerGradNorms(model)
+    from deepspeed_patch import measurement
+
+    original, calls = measurement.step_result, []
+
+    def failing_result(*args):  # once: a failure after step 2's reduction, on this rank
+        calls.append(args)
+        if len(calls) == 1:
+            raise ValueError("injected")
+        return original(*args)
+
+    results = _measure_four_steps(norms, model,
+                                  lambda: monkeypatch.setattr(measurement, "step_result", failing_result))
     assert results[0]["step"] == 1
     assert results[1] is None and norms.adapter.result() is None  # not step 1's result
-    assert results[2] is None and norms.adapter.schedule.broken  # announced through step 3's reduction
+    assert results[2] is None and norms.adapter.latch.broken  # announced through step 3's reduction
     assert results[3] is None
+    tracebacks = [record for record in caplog.records if record.exc_info]
+    assert len(tracebacks) == 1 and "finishing the step failed at step 2" in tracebacks[0].getMessage()
+    assert sum("could not measure step 3" in record.getMessage() for record in caplog.records) == 1
+
+
+def test_a_failing_dump_stops_itself_alone_logged_once(tmp_path, caplog):
+    torch.manual_seed(0)
+    model = TinyGPT(TinyGPTConfig())
+    norms = LayerGradNorms(model, dump={"path": str(tmp_path / "dump.jsonl")})
+    dump = norms.adapter.publisher.dump
+
+    def failing_write(record):
+        raise OSError("disk full")
+
+    results = _measure_four_steps(norms, model, lambda: setattr(dump, "write", failing_write))
+    assert [result["step"] for result in results] == [1, 2, 3, 4]  # the statistics go on
+    assert not norms.adapter.latch.broken and dump.failed
+    tracebacks = [record for record in caplog.records if record.exc_info]
+    assert len(tracebacks) == 1 and "the JSONL dump failed at step 2" in tracebacks[0].getMessage()
+    with open(tmp_path / "dump.jsonl") as lines:
+        assert len(lines.readlines()) == 1  # step 1's
 
 
 def test_chunked_views_are_the_runs_of_the_concatenated_chunks():
@@ -70,17 +103,17 @@ def test_chunked_views_are_the_runs_of_the_concatenated_chunks():
     assert all(view.untyped_storage().data_ptr() in {c.untyped_storage().data_ptr() for c in chunks} for view in views)
 
 
-def test_schedule_numbers_steps_from_the_engine_count():
+def test_step_plan_numbers_steps_from_the_engine_count():
     model = TinyGPT(TinyGPTConfig())
     named = list(model.named_parameters())
     layer_map = build_layer_map(named, [name for name, _ in named])
     completed = [41]
-    from deepspeed_patch.measurement import Schedule
+    from deepspeed_patch.steps import StepPlan
 
-    schedule = Schedule(LayerGradNormsConfig(enabled=True, interval=2), layer_map, lambda: completed[0])
-    assert schedule.next_step() is True and schedule.step == 42
+    plan = StepPlan(LayerGradNormsConfig(enabled=True, interval=2), layer_map, lambda: completed[0])
+    assert plan.next_step() is True and plan.step == 42
     completed[0] = 42
-    assert schedule.next_step() is False and schedule.step == 43
+    assert plan.next_step() is False and plan.step == 43
 
 
 PEAK_MEMORY_SCRIPT = textwrap.dedent("""

@@ -1,18 +1,23 @@
-"""On demand: the spike trigger, switching on and off on a live run, the JSONL dump, DeepSpeed's monitors."""
+"""On demand: the spike trigger and its policy, switching on and off on a live run, the JSONL dump, DeepSpeed's
+monitors; NaN through a real 2-rank reduction."""
 
 import glob
 import json
+import math
 import os
 import signal
 import subprocess
 import sys
 import time
+from typing import Dict, List
 
 import pytest
+import torch
 
+from deepspeed_patch.config import LayerGradNormsConfigError, load_config
 from deepspeed_patch.on_demand import JsonlDump, SpikeTrigger
 from megatron_integration.cpu_launch import launch
-from on_demand_workers import run_on_demand
+from on_demand_workers import NAN_CASES, run_on_demand
 
 
 @pytest.fixture(scope="module")
@@ -116,3 +121,81 @@ def test_dump_survives_a_killed_process_up_to_its_last_full_line(tmp_path):
     complete = [json.loads(line) for line in lines[:-1]]
     assert len(complete) >= 100
     assert [record["step"] for record in complete] == list(range(len(complete)))
+
+
+def one_rank_extrema(gradient: torch.Tensor) -> Dict[str, float]:
+    """min, max, abs_min and abs_max of a whole gradient in plain PyTorch (NaN propagates, as in amax)."""
+    return {"min": gradient.amin().item(), "max": gradient.amax().item(), "abs_min": gradient.abs().amin().item(),
+            "abs_max": gradient.abs().amax().item()}
+
+
+def test_nan_and_inf_reduce_over_gloo_as_on_one_rank_whichever_rank_holds_them(runs):
+    from deepspeed_patch.statistics import bucket_results
+
+    _, ranks = runs
+    assert repr(ranks[0]["nan"]["reduced"]) == repr(ranks[1]["nan"]["reduced"])
+    checked = 0
+    for name, pieces in NAN_CASES.items():
+        reduced = bucket_results(ranks[0]["nan"]["reduced"][name][:-1], [0], [0], 1.0)[0]
+        expected = one_rank_extrema(torch.tensor(pieces[0] + pieces[1], dtype=torch.float32))
+        for stat, value in expected.items():
+            assert repr(reduced[stat]) == repr(value), (name, stat, reduced[stat], value)
+            checked += 1
+    assert checked == 4 * len(NAN_CASES)
+    at_rank_0, at_rank_1 = (ranks[0]["nan"]["reduced"][f"nan_on_rank_{rank}"] for rank in (0, 1))
+    assert repr(at_rank_0) == repr(at_rank_1)
+
+
+def test_routine_loss_scale_growth_overflows_do_not_fire(runs):
+    _, (first, second) = runs
+    growth = first["scale_growth"]
+    assert repr(growth) == repr(second["scale_growth"])
+    overflows = [step for step, overflow in enumerate(growth["overflow"], 1) if overflow]
+    # skipped steps, two of them in a row (the grown scale, then hysteresis): the old policy fired at the first
+    assert len(overflows) >= 2 and any(later - earlier == 1 for earlier, later in zip(overflows, overflows[1:]))
+    assert growth["history"] == [None] * 20 and growth["measured"] == [None] * 20
+
+
+def fires_of(trigger: SpikeTrigger, norms, overflows=()) -> List[int]:
+    """The steps at which ``trigger`` fires over ``norms`` (step 1 first; ``overflows``: skipped steps)."""
+    fired = [trigger.update(step, norm, step in overflows) for step, norm in enumerate(norms, 1)]
+    return [record["fired_at"] for record in fired if record is not None]
+
+
+def test_a_sustained_spike_fires_once_per_cooldown():
+    norms = [1.0] * 10 + [50.0] * 10
+    assert fires_of(SpikeTrigger(3.0, 50, 2, True), norms) == list(range(11, 21))  # no cooldown: every step
+    assert fires_of(SpikeTrigger(3.0, 50, 2, True, cooldown=4), norms) == [11, 15, 19]
+
+
+def test_overflow_fires_after_its_run_of_skipped_steps_and_never_during_the_start_up_search():
+    norms = [1.0] * 30
+    trigger = SpikeTrigger(3.0, 5, 2, True, cooldown=3, overflow_steps=3)
+    # steps 1-4: the start-up search; 10, 11: a grown scale (two in a row); 20-25: a divergence
+    assert fires_of(trigger, norms, {1, 2, 3, 4, 10, 11, 20, 21, 22, 23, 24, 25}) == [22, 25]
+    assert fires_of(SpikeTrigger(3.0, 5, 2, False, overflow_steps=1), norms, {5, 6, 7}) == []  # on_overflow off
+    resumed = SpikeTrigger(3.0, 5, 2, True, overflow_steps=2)  # a resumed run's skipped steps count at once
+    assert [resumed.update(step, None, True) is not None for step in (101, 102)] == [False, True]
+
+
+def test_config_defaults_of_the_trigger_policy():
+    trigger = load_config({"layer_grad_norms": {"trigger": {"capture_steps": 5}}}).trigger
+    assert (trigger.overflow_steps, trigger.refractory_steps()) == (3, 6)
+    trigger = load_config({"layer_grad_norms": {"trigger": {"capture_steps": 5, "history": 32}}}).trigger
+    assert trigger.refractory_steps() == 32
+    assert load_config({"layer_grad_norms": {"trigger": {"cooldown": 1}}}).trigger.refractory_steps() == 1
+
+
+@pytest.mark.parametrize("key,value", [("cooldown", 0), ("cooldown", "long"), ("overflow_steps", 0),
+                                       ("overflow_steps", 1.5)])
+def test_bad_trigger_policy_keys_are_named(key, value):
+    with pytest.raises(LayerGradNormsConfigError, match=f"layer_grad_norms.trigger.{key}={value!r}"):
+        load_config({"layer_grad_norms": {"trigger": {key: value}}})
+
+
+def test_a_non_finite_norm_no_loss_scaler_skipped_fires_at_once():
+    """bf16 or fp32: no scaler skips the step, so a NaN or inf norm is no routine overflow."""
+    trigger = SpikeTrigger(3.0, 5, 2, on_overflow=True, overflow_steps=3)
+    assert trigger.update(1, 1.0, False) is None
+    assert trigger.update(2, math.nan, False)["reason"] == "grad norm nan"
+    assert SpikeTrigger(3.0, 5, 2, True, overflow_steps=3).update(4, math.inf, False)["reason"] == "grad norm inf"

@@ -6,6 +6,8 @@ One launch per world size runs all of that world's cases (recorder_workers.py).
 
 import json
 import math
+import os
+import subprocess
 from functools import lru_cache
 
 import pytest
@@ -15,7 +17,7 @@ from deepspeed_patch.config import LayerGradNormsConfigError, load_config
 from deepspeed_patch.on_demand import SpikeTrigger
 from deepspeed_patch.reduction import COLLECTIVES_PER_STEP
 from megatron_integration.cpu_launch import launch
-from recorder_workers import HISTORY, run_recorder
+from recorder_workers import FAULTY_STEP, FULL_DISK, HISTORY, run_recorder
 from reference import TOLERANCE, assert_close_stats
 
 WORLDS = (2, pytest.param(3, marks=pytest.mark.extended))  # world 3 in CI's extended pass (tests/README.md)
@@ -31,7 +33,15 @@ def results_of(world_size: int, workdir: str):
 
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory):
-    return str(tmp_path_factory.mktemp("recorder"))
+    """The launches' folder, with a full disk for the dump in ``FULL_DISK``: a tmpfs of 16 KiB, as root."""
+    path = tmp_path_factory.mktemp("recorder")
+    full = path / FULL_DISK
+    full.mkdir()
+    if os.geteuid() == 0:
+        subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16k", "tmpfs", str(full)], check=False)
+    yield str(path)
+    if os.path.ismount(full):
+        subprocess.run(["umount", str(full)], check=True)
 
 
 def case_result(workdir: str, world_size: int, name: str):
@@ -87,15 +97,22 @@ def test_history_identical_on_every_rank(workdir, world_size, name):
         assert repr(other["on"]["history"]) == repr(by_rank[0]["on"]["history"])  # repr: NaNs compare equal
 
 
-def test_history_is_none_before_a_fire_and_replaced_by_the_next(workdir):
+def steps_of(entries):
+    return [entry["step"] for entry in entries]
+
+
+def test_history_is_none_before_a_fire_then_the_last_fires_and_every_fire_stays_readable(workdir):
     record, _ = case_result(workdir, 2, "z2_fp32_clip_two_fires")
     history = record["on"]["history"]
     assert history[:6] == [None] * 6
-    assert [entry["step"] for entry in history[6]] == [4, 5, 6, 7]
+    assert steps_of(history[6]) == [4, 5, 6, 7]
     assert all(later == history[6] for later in history[7:10])
-    assert [entry["step"] for entry in history[10]] == [8, 9, 10, 11]
+    assert steps_of(history[10]) == [8, 9, 10, 11]
     assert history[10][0]["trigger"]["fired_at"] == 11
     assert history[6][0]["trigger"]["reason"].startswith("grad norm")
+    assert {fire: steps_of(entries) for fire, entries in record["on"]["fires"].items()} == {7: [4, 5, 6, 7],
+                                                                                          11: [8, 9, 10, 11]}
+    assert record["on"]["fires"][7] == history[6]
 
 
 def test_the_dump_has_one_line_per_recorded_step(workdir):
@@ -194,3 +211,113 @@ def test_megatron_hook_reports_the_loss():
     assert log_layer_grad_norms(Engine(), 3, None, args, loss=2.5) == ""
     assert log_layer_grad_norms(Engine(), 4, None, args) == ""
     assert Adapter.reported == [2.5]
+
+
+def assert_ranks_agree(by_rank, steps: int):
+    """Every rank trained every step, and has the same results, histories and fires."""
+    assert len(by_rank) >= 2
+    for rank in by_rank:
+        assert len(rank["on"]["losses"]) == steps
+    for other in by_rank[1:]:
+        for what in ("measured", "history", "fires"):
+            assert repr(other["on"][what]) == repr(by_rank[0]["on"][what]), what
+
+
+def tracebacks(rank_record):
+    return [message for message, traceback in rank_record["on"]["logs"] if traceback]
+
+
+def test_overlapping_fires_publish_each_recorded_step_once(workdir):
+    record, by_rank = case_result(workdir, 2, "z2_overlapping_fires")
+    assert_ranks_agree(by_rank, 10)
+    on = record["on"]
+    assert {fire: steps_of(entries) for fire, entries in on["fires"].items()} == {7: [4, 5, 6, 7], 9: [8, 9]}
+    assert steps_of(on["history"][6]) == [4, 5, 6, 7] and steps_of(on["history"][8]) == [8, 9]
+    checked = 0
+    for fire, entries in on["fires"].items():
+        for entry in entries:
+            assert entry["trigger"]["fired_at"] == fire
+            assert_close_stats(entry["pre_clip"], on["reference"][entry["step"] - 1], TOLERANCE["fp32"])
+            checked += 1
+    assert checked == 6
+    with open(record["case"]["dump"]) as dump:
+        lines = [json.loads(line) for line in dump]
+    assert [line["step"] for line in lines if line.get("history")] == [4, 5, 6, 7, 8, 9]
+
+
+def test_a_fire_before_the_ring_is_full_holds_the_steps_so_far(workdir):
+    record, by_rank = case_result(workdir, 2, "z2_fire_before_the_ring_is_full")
+    assert_ranks_agree(by_rank, 8)
+    history = record["on"]["history"][6]
+    assert steps_of(history) == [1, 2, 3, 4, 5, 6, 7]
+    for entry in history:
+        assert_close_stats(entry["pre_clip"], record["on"]["reference"][entry["step"] - 1], TOLERANCE["fp32"])
+
+
+def test_a_fire_drops_and_names_the_recorded_steps_the_ranks_disagree_on(workdir):
+    """Rank 1 misses recording step 5: its ring slots shift, and only step 4 stays aligned."""
+    record, by_rank = case_result(workdir, 2, "z2_shifted_ring")
+    assert_ranks_agree(by_rank, 8)
+    assert steps_of(record["on"]["history"][6]) == [4]
+    assert_close_stats(record["on"]["history"][6][0]["pre_clip"], record["on"]["reference"][3], TOLERANCE["fp32"])
+    for rank in by_rank:
+        named = [message for message, _ in rank["on"]["logs"] if "ranks disagree" in message]
+        assert len(named) == 1 and named[0].endswith(": 3 to 7, 5 to 6, 6 to 7"), named
+
+
+def test_a_full_disk_under_rank_0s_dump_stops_the_dump_alone_logged_once(workdir):
+    if not os.path.ismount(os.path.join(workdir, FULL_DISK)):
+        pytest.skip("needs root, to mount a small tmpfs")
+    record, by_rank = case_result(workdir, 2, "fault_dump_on_a_full_disk")
+    assert_ranks_agree(by_rank, 8)
+    on = record["on"]
+    assert steps_of(on["measured"]) == list(range(1, 9))  # the statistics go on
+    assert steps_of(on["fires"][7]) == [4, 5, 6, 7]  # and the trigger and the recorder
+    failures = tracebacks(record)
+    assert len(failures) == 1 and "the JSONL dump failed" in failures[0] and "on rank 0" in failures[0]
+    assert all(tracebacks(rank) == [] for rank in by_rank[1:])
+    with open(record["case"]["dump"]) as dump:
+        written = len(dump.readlines())
+    assert 0 < written < 8
+
+
+def test_a_monitor_raising_on_rank_0_stops_itself_alone_logged_once(workdir):
+    record, by_rank = case_result(workdir, 2, "fault_monitor_on_rank_0")
+    assert_ranks_agree(by_rank, 8)
+    assert steps_of(record["on"]["measured"]) == list(range(1, 9))
+    assert steps_of(record["on"]["fires"][7]) == [4, 5, 6, 7]
+    failures = tracebacks(record)
+    assert len(failures) == 1 and "DeepSpeed's monitors failed at step 1" in failures[0]
+    assert all(tracebacks(rank) == [] for rank in by_rank[1:])
+
+
+def test_a_failure_on_a_record_only_step_switches_off_every_rank_at_the_fire_logged_once(workdir):
+    """Rank 1 fails to read step 5, only recorded: the fire at 7 publishes step 4 (every rank measured it),
+    leaves out 5 to 7, and every rank switches off there; no capture follows."""
+    record, by_rank = case_result(workdir, 2, "fault_record_only_step_on_rank_1")
+    assert_ranks_agree(by_rank, 8)
+    on = record["on"]
+    assert {fire: steps_of(entries) for fire, entries in on["fires"].items()} == {7: [4]}
+    assert on["measured"] == [None] * 8
+    failures = tracebacks(by_rank[1])
+    assert len(failures) == 1 and f"failed at step {FAULTY_STEP}" in failures[0]
+    assert tracebacks(by_rank[0]) == []
+    for rank in by_rank:
+        messages = [message for message, _ in rank["on"]["logs"]]
+        assert sum("could not measure step 7" in message for message in messages) == 1
+        assert sum("a rank could not measure: [5, 6, 7]" in message for message in messages) == 1
+
+
+def test_fires_are_kept_by_step_each_recorded_step_once_and_the_oldest_dropped_past_the_bound():
+    from deepspeed_patch.trigger import KEPT_FIRES, TriggerState
+
+    state = TriggerState(None)
+    fires = list(range(10, 10 + 3 * (KEPT_FIRES + 2), 3))  # every 3 steps, a ring of 5: each overlaps the last
+    for fire in fires:
+        entries = state.keep({"fired_at": fire}, [{"step": step} for step in range(fire - 4, fire + 1)])
+        assert steps_of(entries) == (list(range(6, 11)) if fire == 10 else [fire - 2, fire - 1, fire])
+        assert all(entry["trigger"]["fired_at"] == fire for entry in entries)
+    kept = state.history("all")
+    assert list(kept) == fires[-KEPT_FIRES:]
+    assert state.history() == kept[fires[-1]] and state.history(fires[-2]) == kept[fires[-2]]
+    assert state.history(fires[0]) is None and state.history(11) is None

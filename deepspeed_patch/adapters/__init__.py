@@ -9,9 +9,10 @@ gradient partitions, the points where the gradient is read, and the factor the o
 by. ``base`` holds the step protocol they share; ``attach`` picks the adapter for an engine.
 """
 
-from typing import List, Optional
+from typing import Optional
 
 from ..config import CONFIG_KEY, UnsupportedSetupError
+from ..trigger import Fire, History
 from .attach import attach
 from .base import LayerGradNormsAdapter
 
@@ -31,15 +32,18 @@ def get_layer_grad_norms(owner) -> Optional[dict]:
     return None if adapter is None else adapter.result()
 
 
-def get_layer_grad_norms_history(owner) -> Optional[List[dict]]:
-    """The flight recorder's steps at the trigger's last fire (``trigger.history``), oldest first, or ``None``
-    before any fire (or without a recorder).
+def get_layer_grad_norms_history(owner, fire: Fire = None) -> History:
+    """The flight recorder's steps at the trigger's fires (``trigger.history``), oldest first; ``None`` before
+    any fire (or without a recorder).
 
-    Each entry is shaped like ``get_layer_grad_norms()``, with every bucket and the trigger's record under
-    ``"trigger"``; the same list on every rank, replaced at the next fire.
+    ``fire=None``: the last fire's; ``fire=N``: the fire's at step N (``None`` if none fired there); ``"all"``:
+    ``{fired_at: steps}`` of the last ``trigger.KEPT_FIRES`` fires, oldest first. Each entry is shaped like
+    ``get_layer_grad_norms()``, with every bucket and the trigger's record under ``"trigger"``; the same on
+    every rank. Each recorded step belongs to one fire only: a fire within ``history`` steps of the one before
+    holds only the steps after that one's.
     """
     adapter = owner.layer_grad_norms
-    return None if adapter is None else adapter.history()
+    return None if adapter is None else adapter.history(fire)
 
 
 def set_layer_grad_norms(engine,

@@ -7,21 +7,28 @@
 The engine holds the adapter in ``engine.layer_grad_norms``, and so does the optimizer whose gradients
 it reads (``optimizer.layer_grad_norms``). One optimizer step:
 
-1. ``begin_step()`` at the top of the engine's ``_take_model_step``: the schedule decides whether the
-   step is measured; if so a ``Measurement`` is opened (and families whose gradients are complete
-   already, such as BF16_Optimizer's, read them now: ``read_at_begin``).
+1. ``begin_step()`` at the top of the engine's ``_take_model_step``: the step plan (``steps.StepPlan``)
+   decides whether the step is measured; if so a ``Measurement`` is opened (and families whose gradients
+   are complete already, such as BF16_Optimizer's, read them now: ``read_at_begin``).
 2. The optimizer's read points, methods of the family's adapter named after the DeepSpeed method they
    sit in, fold each parameter group's gradient into the measurement, before it is unscaled and
    clipped, and record the factor the optimizer divides it by.
 3. ``end_step()`` at the end of ``_take_model_step``: the measurement is reduced across the ranks
-   (``reduction.reduce_stats``) and published; the trigger sees the global norm; DeepSpeed's monitors get the result.
+   (``reduction.reduce_stats``) and published (``publish.Publisher``: the result, the dump, DeepSpeed's
+   monitors); the trigger (``trigger.TriggerState``) sees the global norm.
 
 With a flight recorder (``trigger.history``) every step opens a measurement; one that is only recorded
 is pushed into the recorder's ring instead of being reduced, and the whole ring is reduced when the
 trigger fires. Without it, unmeasured steps cost one modulo and a few attribute reads.
+
+Every collective (a measured step's reduction, the ring's at a fire) follows from state that is the same on
+every rank; each reader of the results is guarded on its own (``publish.Consumer``), so a reader failing on
+one rank changes nothing the ranks do. A failure of the measurement itself goes through the failure latch
+(``steps.FailureLatch``).
 """
 
 import functools
+import logging
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence
 
@@ -31,9 +38,14 @@ from ..capabilities import Capabilities
 from ..clipping import zero_unscale_divisor
 from ..config import LayerGradNormsConfig
 from ..layer_map import LayerMap
-from ..measurement import Measurement, Schedule
-from ..recorder import FlightRecorder
+from ..measurement import Measurement
+from ..publish import Publisher
+from ..recorder import FlightRecorder, Replay
 from ..statistics import RunTable
+from ..steps import FailureLatch, StepPlan
+from ..trigger import Fire, History, TriggerState
+
+logger = logging.getLogger(__name__)
 
 BucketOf = Callable[[torch.nn.Parameter], Optional[int]]
 
@@ -57,15 +69,18 @@ class Setup:
 
 
 class LayerGradNormsAdapter:
-    """Per-layer gradient statistics of one optimizer: its schedule, the open measurement, the result."""
+    """Per-layer gradient statistics of one optimizer: its step plan, the open measurement, the trigger and the
+    recorder, the published results."""
 
     def __init__(self, setup: Setup, num_groups: int, device) -> None:
         """``num_groups``: the parameter groups a measured step observes; ``device``: where the
         statistics are computed (that of the gradient partitions)."""
-        self.schedule = Schedule(setup.config, setup.layer_map, setup.completed_steps)
+        self.plan = StepPlan(setup.config, setup.layer_map, setup.completed_steps)
+        self.latch = FailureLatch()
+        self.trigger = TriggerState(setup.config.trigger)
+        self.publisher = Publisher(setup.config.dump, setup.monitor)
         self.layer_map = setup.layer_map
         self.group = setup.group
-        self.monitor = setup.monitor
         self.extra = setup.config.statistics
         self.num_groups = num_groups
         self.device = device
@@ -77,38 +92,72 @@ class LayerGradNormsAdapter:
 
     def begin_step(self) -> None:
         """Top of the engine's optimizer step: open a measurement if this step is measured or recorded."""
-        self.reporting = self.schedule.next_step()
-        if not (self.reporting or (self.recorder is not None and not self.schedule.broken)):
+        self.reporting = self.plan.next_step() and not self.latch.broken
+        if not (self.reporting or (self.recorder is not None and not self.latch.broken)):
             return
-        self.measurement = Measurement(self.schedule.step,
+        self.measurement = Measurement(self.plan.step,
                                        self.layer_map.num_rows,
                                        self.num_groups,
                                        self.device,
                                        self.extra,
-                                       failed=self.schedule.failed_locally)
+                                       failed=self.latch.failed_locally)
         with self.measurement.guarded("reading the gradients"):
             self.read_at_begin(self.measurement)
 
     def end_step(self) -> None:
         """End of the engine's optimizer step: record it, reduce and publish a measured step, feed the
-        trigger, and when it fires reduce the recorded steps."""
+        trigger, and when it fires reduce the recorded steps. What leads to a collective here (``reporting``,
+        the fire) is the same on every rank, whatever failed on one."""
         measurement, self.measurement = self.measurement, None
-        with self.schedule.failing_locally("finishing the step"):
-            overflow = self.overflow()
-            if measurement is not None:
-                with measurement.guarded("reading the applied scale"):
-                    self.read_at_end(measurement, overflow)
-                if self.recorder is not None:
-                    self.recorder.push(measurement.local_table(), measurement.scales(overflow))
-            if measurement is not None and self.reporting:
-                self.schedule.publish(
-                    measurement.finish(self.group, overflow, self.layer_map.keys, self.schedule.reported_keys()))
-                if self.monitor is not None and self.schedule.result is not None:
-                    self.monitor(self.schedule.result)
-            fired = self.schedule.after_step(self.global_norm(), overflow)
-            if fired is not None and self.recorder is not None:
-                self.schedule.publish_history(self.recorder.history(self.group, self.layer_map.keys, self.extra),
-                                              fired)
+        with self.latch.failing_locally("ending the step", self.plan.step):  # the last resort: never into training
+            self._end(measurement)
+
+    def _end(self, measurement: Optional[Measurement]) -> None:
+        overflow = self.overflow()
+        if measurement is not None:
+            self._close(measurement, overflow)
+        if self.latch.broken:
+            return
+        fired = self.trigger.after_step(self.plan.step, self.global_norm(), overflow)
+        if fired is not None:
+            self.plan.open_capture(fired)
+            if self.recorder is not None:
+                self._replay(fired)
+
+    def _close(self, measurement: Measurement, overflow: bool) -> None:
+        """Record the step, and reduce and publish it if it is measured."""
+        step = measurement.step
+        with measurement.guarded("reading the applied scale"):
+            self.read_at_end(measurement, overflow)
+        if self.recorder is not None:
+            with self.latch.failing_locally("recording the step", step):
+                self.recorder.push(measurement.local_table(), measurement.scales(overflow))
+        if self.reporting:
+            self.publisher.clear()
+            result = finished = None
+            with self.latch.failing_locally("finishing the step", step):
+                result = measurement.finish(self.group, overflow, self.layer_map.keys, self.plan.reported_keys())
+                finished = True
+            if finished and result is None:
+                self.latch.switch_off(step)
+            elif result is not None:
+                self.publisher.publish(result, self.plan.capture if self.plan.capturing() else None)
+        if measurement.failed:
+            self.latch.failed_locally = True
+
+    def _replay(self, fired: dict) -> None:
+        """At a fire: the recorded steps no earlier fire published, reduced, kept and published. A rank's
+        failure flag on the fire's own step switches the statistics off (the failure latch)."""
+        step = self.plan.step
+        with self.latch.failing_locally("reducing the recorded steps", step):
+            replay = self.recorder.history(self.group,
+                                           self.layer_map.keys,
+                                           self.extra,
+                                           after=self.trigger.published_until)
+            _log_left_out(replay, step)
+            self.publisher.publish_history(self.trigger.keep(fired, replay.results))
+            if step in replay.failed:
+                self.latch.switch_off(step)
 
     def read_at_begin(self, measurement: Measurement) -> None:
         """Families whose gradients are complete when the step begins read them here."""
@@ -132,26 +181,26 @@ class LayerGradNormsAdapter:
 
     def result(self) -> Optional[dict]:
         """The statistics of the last measured step (``engine.get_layer_grad_norms()``), or ``None``."""
-        return self.schedule.get()
+        return self.publisher.result
 
-    def history(self) -> Optional[List[dict]]:
-        """The recorded steps of the trigger's last fire (``engine.get_layer_grad_norms_history()``), oldest
-        first, or ``None`` before any fire."""
-        return self.schedule.history
+    def history(self, fire: Fire = None) -> History:
+        """The recorded steps of the trigger's fires (``engine.get_layer_grad_norms_history()``), oldest first:
+        the last fire's, a given fire's, or every kept fire's (``TriggerState.history``)."""
+        return self.trigger.history(fire)
 
     def report_loss(self, loss: float) -> None:
         """The training step's loss, for ``trigger.loss_factor``: call it on every rank with the same value
         (a loss already averaged across the ranks, as Megatron's reduced loss is), before ``engine.step()``
         of that step or after it; it is judged at the end of the next optimizer step. A rank that reports
         another value, or none, could fire alone and hang the others in the recorder's collective."""
-        self.schedule.report_loss(loss)
+        self.trigger.report_loss(loss)
 
     def set_options(self,
                     enabled: Optional[bool] = None,
                     interval: Optional[int] = None,
                     layers: Optional[object] = None) -> None:
         """``engine.set_layer_grad_norms()``: change what is measured; every rank at the same step."""
-        self.schedule.set_options(enabled=enabled, interval=interval, layers=layers)
+        self.plan.set_options(enabled=enabled, interval=interval, layers=layers)
 
 
 class OptimizerAdapter(LayerGradNormsAdapter):
@@ -224,3 +273,19 @@ def group_of(partitions: Sequence[torch.Tensor], flat_grad: torch.Tensor) -> int
         if partition.grad is flat_grad:
             return index
     raise RuntimeError("layer_grad_norms: the optimizer unscaled a gradient of no known parameter group")
+
+
+def _log_left_out(replay: Replay, step: int) -> None:
+    """Name the recorded steps a fire leaves out because the ranks disagree on them or a rank failed."""
+    if replay.disagreeing:
+        slots = ", ".join(f"{_step_name(low)} to {_step_name(high)}" for low, high in replay.disagreeing)
+        logger.warning(
+            "layer_grad_norms: the fire at step %d leaves out recorded steps on which the ranks disagree (a rank "
+            "missed recording a step): %s", step, slots)
+    if replay.failed:
+        logger.warning("layer_grad_norms: the fire at step %d leaves out recorded steps a rank could not measure: %s",
+                       step, replay.failed)
+
+
+def _step_name(step: float) -> str:
+    return str(int(step)) if abs(step) != float("inf") else "none"

@@ -1,0 +1,86 @@
+# Copyright (c) Microsoft Corporation.
+# SPDX-License-Identifier: Apache-2.0
+
+# DeepSpeed Team
+"""The trigger's state across steps: the spike trigger, the loss reported since the last step, and its fires
+with the steps the flight recorder held at each.
+
+It changes only with what is the same on every rank (the global gradient norm, the loss scaler's overflow,
+the loss the training loop reports on every rank), so every rank fires at the same step, whatever a reader
+of the results does on one of them.
+"""
+
+import logging
+from typing import Dict, List, Optional, Union
+
+from .config import TriggerConfig
+from .on_demand import SpikeTrigger, rank_of_process
+
+logger = logging.getLogger(__name__)
+
+History = Union[None, List[dict], Dict[int, List[dict]]]
+"""What ``TriggerState.history`` returns: one fire's recorded steps, or every kept fire's by its step."""
+Fire = Union[None, int, str]
+"""Which fire ``TriggerState.history`` reads: ``None`` (the last), a step, or ``"all"``."""
+
+KEPT_FIRES = 16
+"""Fires whose recorded steps stay readable (``history(fire)``); older ones are in the dump and TensorBoard."""
+
+
+class TriggerState:
+    """Whether a step fires the trigger; the fires so far and their recorded steps, each step kept once."""
+
+    def __init__(self, config: Optional[TriggerConfig]) -> None:
+        self.trigger = None
+        if config is not None:
+            self.trigger = SpikeTrigger(config.grad_norm_factor,
+                                        config.window,
+                                        config.capture_steps,
+                                        config.on_overflow,
+                                        config.loss_factor,
+                                        cooldown=config.refractory_steps(),
+                                        overflow_steps=config.overflow_steps)
+        self.loss: Optional[float] = None
+        self.fires: Dict[int, List[dict]] = {}
+        """Each kept fire's newly recorded steps, by the step it fired at, oldest fire first."""
+        self.published_until = 0
+        """The newest step a fire's recorded steps included: a later fire's start after it."""
+
+    def report_loss(self, loss: float) -> None:
+        """The training loop's loss, the same on every rank; judged at the end of the next optimizer step."""
+        self.loss = float(loss)
+
+    def after_step(self, step: int, global_norm, overflow: bool) -> Optional[dict]:
+        """Feed the trigger the step's global gradient norm (the same on every rank) and the loss reported
+        since the last step; what fired, or ``None``."""
+        loss, self.loss = self.loss, None
+        if self.trigger is None:
+            return None
+        norm = None if global_norm is None else float(global_norm)
+        fired = self.trigger.update(step, norm, bool(overflow), loss)
+        if fired is not None and rank_of_process() == 0:  # the same fire on every rank: one line
+            logger.warning("layer_grad_norms: trigger fired at step %d (%s); capturing every layer until step %d",
+                           step, fired["reason"], fired["capture_until"])
+        return fired
+
+    def keep(self, fired: dict, recorded: List[dict]) -> List[dict]:
+        """A fire's recorded steps (oldest first), those after ``published_until`` only, each carrying the
+        fire's record: kept as the fire's, and returned to be published."""
+        entries = [entry for entry in recorded if entry["step"] > self.published_until]
+        for entry in entries:
+            entry["trigger"] = dict(fired)
+        self.fires[fired["fired_at"]] = entries
+        while len(self.fires) > KEPT_FIRES:
+            del self.fires[next(iter(self.fires))]
+        self.published_until = max(self.published_until, fired["fired_at"])
+        return entries
+
+    def history(self, fire: Fire = None) -> History:
+        """``None``: the last fire's recorded steps, or ``None`` before any fire; a step: the recorded steps
+        of the fire at that step (``None`` if none fired there, or it is no longer kept); ``"all"``: every
+        kept fire's, by the step it fired at."""
+        if fire == "all":
+            return dict(self.fires)
+        if fire is None:
+            return self.fires[next(reversed(self.fires))] if self.fires else None
+        return self.fires.get(fire)

@@ -37,6 +37,7 @@ from .statistics import (
     accumulate_runs,
     bucket_results,
     empty_stats,
+    reset_stats,
     total_norm,
 )
 
@@ -52,11 +53,15 @@ class Measurement:
                  num_groups: int,
                  device,
                  extra: Sequence[str],
-                 failed: bool = False) -> None:
+                 failed: bool = False,
+                 table: Optional[torch.Tensor] = None) -> None:
         """``num_groups``: the parameter groups to observe before the step is complete; ``failed``: a
-        failure already known on this rank, to be announced through ``finish``."""
+        failure already known on this rank, to be announced through ``finish``; ``table``: a
+        ``(num_buckets + 1, 9)`` buffer to fill (the owner's, reset here in place, so that a step allocates
+        no table), else a new one. Its last row is the status row ``local_table`` writes."""
         self.step = step
-        self.stats = empty_stats(num_buckets, device)
+        self.table = empty_stats(num_buckets + 1, device) if table is None else reset_stats(table)
+        self.stats = self.table[:-1]
         self.num_groups = num_groups
         self.extra = extra
         self.observed = set()
@@ -124,13 +129,14 @@ class Measurement:
     def local_table(self) -> torch.Tensor:
         """This rank's table and, as its last row, a status row whose element count flags a step this rank
         failed to measure or left incomplete (it survives any reduction, as a count does), and whose squared
-        norm carries this rank's share of the norm the caller clips by (``set_clip_norm``), if any."""
+        norm carries this rank's share of the norm the caller clips by (``set_clip_norm``), if any. Written in
+        place: the buffer itself, valid until the owner's next step."""
         complete = not self.failed and len(self.observed) == self.num_groups
-        status = torch.zeros((1, self.stats.shape[1]), dtype=self.stats.dtype, device=self.stats.device)
-        status[0, NUMEL] = 0.0 if complete else 1.0
+        status = self.table[-1].zero_()
+        status[NUMEL] = 0.0 if complete else 1.0
         if self.clip_square is not None:
-            status[0, SUMSQ] = self.clip_square.to(status)
-        return torch.cat([self.stats, status])
+            status[SUMSQ] = self.clip_square
+        return self.table
 
     def scales(self, overflow: bool) -> "StepScales":
         """What the step's result needs beside its reduced table."""

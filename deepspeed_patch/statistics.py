@@ -36,8 +36,13 @@ DEVICE_PIECE = 1 << 22
 
 def empty_stats(num_buckets: int, device) -> torch.Tensor:
     """The identity of the reduction: zero sums, ``-inf`` maxima."""
-    stats = torch.full((num_buckets, NUM_COLUMNS), -math.inf, dtype=torch.float64, device=device)
-    stats[:, :NUM_SUMMED] = 0.0
+    return reset_stats(torch.empty((num_buckets, NUM_COLUMNS), dtype=torch.float64, device=device))
+
+
+def reset_stats(stats: torch.Tensor) -> torch.Tensor:
+    """``stats`` set to the identity of the reduction in place, and returned."""
+    stats[:, :NUM_SUMMED].zero_()
+    stats[:, NUM_SUMMED:].fill_(-math.inf)
     return stats
 
 

@@ -23,7 +23,7 @@ trigger fires. Without it, unmeasured steps cost one modulo and a few attribute 
 
 import functools
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence, Union
 
 import torch
 
@@ -33,7 +33,7 @@ from ..config import LayerGradNormsConfig
 from ..layer_map import LayerMap
 from ..measurement import Measurement, Schedule
 from ..recorder import FlightRecorder
-from ..statistics import RunTable
+from ..statistics import RunTable, empty_stats
 
 BucketOf = Callable[[torch.nn.Parameter], Optional[int]]
 
@@ -70,9 +70,14 @@ class LayerGradNormsAdapter:
         self.num_groups = num_groups
         self.device = device
         self.measurement: Optional[Measurement] = None
+        self.table = empty_stats(self.layer_map.num_rows + 1, device)
+        """Every measured or recorded step's table and status row, filled in place (``Measurement``)."""
         self.reporting = False
         """Whether the step under way is measured (reduced and published), not only recorded."""
-        history = setup.config.trigger.history if setup.config.trigger is not None else 0
+        trigger = setup.config.trigger
+        self.wants_loss = trigger is not None and trigger.loss_factor is not None
+        """Whether ``report_loss`` is needed: a trigger watches the loss (``trigger.loss_factor``)."""
+        history = trigger.history if trigger is not None else 0
         self.recorder = FlightRecorder(history, self.layer_map.num_rows, device) if history else None
 
     def begin_step(self) -> None:
@@ -85,7 +90,8 @@ class LayerGradNormsAdapter:
                                        self.num_groups,
                                        self.device,
                                        self.extra,
-                                       failed=self.schedule.failed_locally)
+                                       failed=self.schedule.failed_locally,
+                                       table=self.table)
         with self.measurement.guarded("reading the gradients"):
             self.read_at_begin(self.measurement)
 
@@ -139,12 +145,14 @@ class LayerGradNormsAdapter:
         first, or ``None`` before any fire."""
         return self.schedule.history
 
-    def report_loss(self, loss: float) -> None:
+    def report_loss(self, loss: Union[float, torch.Tensor]) -> None:
         """The training step's loss, for ``trigger.loss_factor``: call it on every rank with the same value
         (a loss already averaged across the ranks, as Megatron's reduced loss is), before ``engine.step()``
         of that step or after it; it is judged at the end of the next optimizer step. A rank that reports
-        another value, or none, could fire alone and hang the others in the recorder's collective."""
-        self.schedule.report_loss(loss)
+        another value, or none, could fire alone and hang the others in the recorder's collective. Without
+        a ``loss_factor`` (``wants_loss`` false) the loss is ignored, not read: a device tensor stays there."""
+        if self.wants_loss:
+            self.schedule.report_loss(loss)
 
     def set_options(self,
                     enabled: Optional[bool] = None,

@@ -30,7 +30,7 @@ import statistics
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Set
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -42,15 +42,55 @@ HOST_READS = ("item", "tolist", "numpy", "__float__", "__int__", "__bool__", "__
 TRANSFERS = ("cpu", "to")
 
 FAMILIES: Dict[str, Dict[str, Any]] = {
-    "ZeRO-1": {"zero_optimization": {"stage": 1}},
-    "ZeRO-2": {"zero_optimization": {"stage": 2}},
-    "ZeRO-3": {"zero_optimization": {"stage": 3}},
-    "BF16_Optimizer": {"zero_optimization": {"stage": 1}, "bf16": {"enabled": True},
-                       "data_types": {"grad_accum_dtype": "fp32"}},
-    "ZeRO-2 offload": {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}},
-                       "zero_force_ds_cpu_optimizer": False},
-    "stage 0 fp32": {"zero_optimization": {"stage": 0}},
-    "stage 0 fp16": {"zero_optimization": {"stage": 0}, "fp16": {"enabled": True, "initial_scale_power": 8}},
+    "ZeRO-1": {
+        "zero_optimization": {
+            "stage": 1
+        }
+    },
+    "ZeRO-2": {
+        "zero_optimization": {
+            "stage": 2
+        }
+    },
+    "ZeRO-3": {
+        "zero_optimization": {
+            "stage": 3
+        }
+    },
+    "BF16_Optimizer": {
+        "zero_optimization": {
+            "stage": 1
+        },
+        "bf16": {
+            "enabled": True
+        },
+        "data_types": {
+            "grad_accum_dtype": "fp32"
+        }
+    },
+    "ZeRO-2 offload": {
+        "zero_optimization": {
+            "stage": 2,
+            "offload_optimizer": {
+                "device": "cpu"
+            }
+        },
+        "zero_force_ds_cpu_optimizer": False
+    },
+    "stage 0 fp32": {
+        "zero_optimization": {
+            "stage": 0
+        }
+    },
+    "stage 0 fp16": {
+        "zero_optimization": {
+            "stage": 0
+        },
+        "fp16": {
+            "enabled": True,
+            "initial_scale_power": 8
+        }
+    },
 }
 """Each family's ds_config keys (besides the batch size and clipping)."""
 
@@ -62,20 +102,57 @@ FIRE_AT = 6
 
 MODES: Dict[str, Optional[dict]] = {
     "off": None,
-    "quiet": {"enabled": True, "interval": NEVER},
-    "trigger": {"enabled": False, "trigger": {"grad_norm_factor": NEVER}},
-    "recorder": {"enabled": False, "trigger": {"grad_norm_factor": NEVER, "history": HISTORY}},
-    "measured": {"enabled": True, "interval": 1},
-    "fire": {"enabled": False, "trigger": {"grad_norm_factor": NEVER, "loss_factor": 10.0, "window": 3,
-                                           "capture_steps": 1, "history": HISTORY}},
+    "quiet": {
+        "enabled": True,
+        "interval": NEVER
+    },
+    "trigger": {
+        "enabled": False,
+        "trigger": {
+            "grad_norm_factor": NEVER
+        }
+    },
+    "recorder": {
+        "enabled": False,
+        "trigger": {
+            "grad_norm_factor": NEVER,
+            "history": HISTORY
+        }
+    },
+    "measured": {
+        "enabled": True,
+        "interval": 1
+    },
+    "fire": {
+        "enabled": False,
+        "trigger": {
+            "grad_norm_factor": NEVER,
+            "loss_factor": 10.0,
+            "window": 3,
+            "capture_steps": 1,
+            "history": HISTORY
+        }
+    },
 }
 """The ``layer_grad_norms`` block of each mode (``None``: none). ``fire`` counts the step whose loss spiked."""
 
 HOOK_MODES: Dict[str, Optional[dict]] = {
     "hook, feature off": None,
-    "hook, quiet iteration": {"enabled": True, "interval": NEVER},
-    "hook, logged iteration": {"enabled": True, "interval": 1},
-    "hook, loss_factor set": {"enabled": False, "trigger": {"grad_norm_factor": NEVER, "loss_factor": 10.0}},
+    "hook, quiet iteration": {
+        "enabled": True,
+        "interval": NEVER
+    },
+    "hook, logged iteration": {
+        "enabled": True,
+        "interval": 1
+    },
+    "hook, loss_factor set": {
+        "enabled": False,
+        "trigger": {
+            "grad_norm_factor": NEVER,
+            "loss_factor": 10.0
+        }
+    },
 }
 """The Megatron hook's modes, on ZeRO-2: its call after each iteration, with the loss on the device."""
 
@@ -278,11 +355,17 @@ def build_engine(family: str, block: Optional[dict], layers: int, hidden: int):
     deepspeed_patch.install()
     torch.manual_seed(0)
     model = TinyGPT(model_config(layers, hidden))
-    config = {"train_micro_batch_size_per_gpu": 2, "gradient_clipping": 1.0, "zero_allow_untested_optimizer": True,
-              "steps_per_print": NEVER, **FAMILIES[family]}
+    config = {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_clipping": 1.0,
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": NEVER,
+        **FAMILIES[family]
+    }
     if block is not None:
         config["layer_grad_norms"] = block
-    engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-4),
+    engine, *_ = deepspeed.initialize(model=model,
+                                      optimizer=torch.optim.AdamW(model.parameters(), lr=1e-4),
                                       config=config)
     return engine
 
@@ -312,10 +395,10 @@ def attach_mode(engine, block: Optional[dict]):
     return engine.layer_grad_norms
 
 
-def mode_costs(counter: CallSiteCounter, engine, family: str, mode: str, steps: int, layers: int, hidden: int,
-               time_it: bool = True) -> Dict[str, Any]:
+def mode_costs(counter: CallSiteCounter, engine, family: str, mode: str, steps: int, layers: int,
+               hidden: int) -> Dict[str, Any]:
     """Counts of one counted step (the fire's step in ``fire``, else the third) and the median seconds inside
-    the call sites over ``steps`` uncounted ones after it (``time_it``)."""
+    the call sites over ``steps`` uncounted ones after it (``fire``: that step's)."""
     from deepspeed_patch.config import UnsupportedSetupError
 
     try:
@@ -342,14 +425,19 @@ def mode_costs(counter: CallSiteCounter, engine, family: str, mode: str, steps: 
         spent = counter.take_seconds()
         if counting:
             counted = costs
-        if time_it and (step > 3 or fire and counting):
+        if steps and (step > 3 or fire and counting):
             seconds.append(spent)
     if fire and not (engine.get_layer_grad_norms_history() or []):
         raise RuntimeError(f"{family}: the trigger did not fire at step {FIRE_AT} of the mode")
     return _row(family, mode, counted, seconds, type(adapter).__name__ if adapter is not None else "-")
 
 
-def hook_costs(counter: CallSiteCounter, engine, mode: str, steps: int, layers: int, hidden: int) -> Dict[str, Any]:
+def hook_costs(counter: CallSiteCounter,
+               engine,
+               mode: str,
+               layers: int,
+               hidden: int,
+               steps: int = 2) -> Dict[str, Any]:
     """The Megatron hook's counts on one iteration it does not log (``logged iteration``: one it logs), with
     Megatron's loss as a device tensor."""
     from megatron_integration.training_log import log_layer_grad_norms
@@ -371,14 +459,28 @@ def hook_costs(counter: CallSiteCounter, engine, mode: str, steps: int, layers: 
 
 def _row(family: str, mode: str, costs: Optional[Costs], seconds: List[float], adapter: str) -> Dict[str, Any]:
     costs = costs or Costs()
-    return {"family": family, "adapter": adapter, "mode": mode, "syncs": costs.syncs, "ops": costs.ops, "allocations": costs.allocations,
-            "allocated_bytes": costs.allocated_bytes, "sync_sites": sorted(costs.sync_sites),
-            "microseconds": statistics.median(seconds) * 1e6 if seconds else None}
+    return {
+        "family": family,
+        "adapter": adapter,
+        "mode": mode,
+        "syncs": costs.syncs,
+        "ops": costs.ops,
+        "allocations": costs.allocations,
+        "allocated_bytes": costs.allocated_bytes,
+        "sync_sites": sorted(costs.sync_sites),
+        "microseconds": statistics.median(seconds) * 1e6 if seconds else None
+    }
 
 
-def count_step_costs(families=tuple(FAMILIES), modes=tuple(MODES), hook_modes=tuple(HOOK_MODES), steps: int = 4,
-                     layers: int = 2, hidden: int = 32, time_it: bool = False) -> List[Dict[str, Any]]:
-    """Every family x mode, then the hook's modes: one row each (run inside a launched rank)."""
+def count_step_costs(plan: Optional[Dict[str, Sequence[str]]] = None,
+                     hook_modes: Sequence[str] = tuple(HOOK_MODES),
+                     steps: int = 0,
+                     layers: int = 2,
+                     hidden: int = 32) -> List[Dict[str, Any]]:
+    """The modes ``plan`` names for each family (default: every family, every mode), and the hook's modes
+    after ZeRO-2's: one row each, timed over ``steps`` steps after the counted one (0: counts only). Runs
+    inside a launched rank."""
+    plan = plan or {family: tuple(MODES) for family in FAMILIES}
     counter = CallSiteCounter()
     if not torch.cuda.is_available():  # DeepSpeed's CPU accelerator refuses fp16, whose kernels run there
         from deepspeed.accelerator import get_accelerator
@@ -386,12 +488,13 @@ def count_step_costs(families=tuple(FAMILIES), modes=tuple(MODES), hook_modes=tu
         get_accelerator().is_fp16_supported = lambda: True
         get_accelerator().supported_dtypes = lambda: [torch.float, torch.bfloat16, torch.float16]
     rows = []
-    for family in families:
+    for family, modes in plan.items():
         engine = build_engine(family, None, layers, hidden)
-        rows += [mode_costs(counter, engine, family, mode, steps, layers, hidden, time_it) for mode in modes]
+        rows += [mode_costs(counter, engine, family, mode, steps, layers, hidden) for mode in modes]
         if family == "ZeRO-2":
-            rows += [hook_costs(counter, engine, mode, steps, layers, hidden) for mode in hook_modes]
+            rows += [hook_costs(counter, engine, mode, layers, hidden) for mode in hook_modes]
         engine.destroy()
+    counter.close()
     return rows
 
 
@@ -426,8 +529,11 @@ def hook_dispatch_seconds(calls: int = 20000) -> Dict[str, float]:
 
 
 def table(rows: List[Dict[str, Any]]) -> List[str]:
-    lines = ["| family (adapter) | mode | host syncs | allocations (bytes) | operators | µs inside the call sites | syncs at |",
-             "| --- | --- | ---: | ---: | ---: | ---: | --- |"]
+    lines = [
+        "| family (adapter) | mode | host syncs | allocations (bytes) | operators | µs inside the call sites "
+        "| syncs at |",
+        "| --- | --- | ---: | ---: | ---: | ---: | --- |"
+    ]
     for row in rows:
         micro = "" if row["microseconds"] is None else f"{row['microseconds']:.0f}"
         lines.append(f"| {row['family']} ({row['adapter']}) | {row['mode']} | {row['syncs']} | {row['allocations']} "
@@ -455,24 +561,30 @@ def main() -> None:
         where = "one CPU rank (gloo), torch threads as set by default"
     dispatch = hook_dispatch_seconds()
     lines = [
-        "# Per-step cost ledger", "", f"Machine: {machine()}; {where}.", "",
-        f"TinyGPT, {layers} layers, hidden {hidden}, micro-batch 2 of 64 tokens, torch's AdamW, clipping 1.0 (`benchmarks/ledger.py`). Per "
-        "family and mode, one step's host syncs, allocations and operators inside the call sites, counted; and "
+        "# Per-step cost ledger",
+        "",
+        f"Machine: {machine()}; {where}.",
+        "",
+        f"TinyGPT, {layers} layers, hidden {hidden}, micro-batch 2 of 64 tokens, torch's AdamW, clipping 1.0 "
+        "(`benchmarks/ledger.py`). Per family and mode, one step's host syncs, allocations and operators inside "
+        "the call sites, counted; and "
         f"the median microseconds inside them over {steps} uncounted steps (fire: the one step). Modes: off (no "
         "`layer_grad_norms` block); quiet (`interval` never reached); trigger (a trigger that never fires); "
         f"recorder (the same with `history: {HISTORY}`); measured (`interval: 1`); fire (the step whose loss "
         "spiked: the ring reduced). The Megatron hook rows count `log_layer_grad_norms` after an iteration, "
-        "with Megatron's loss on the device.", "",
-        *table(rows), "",
-        f"A hooked method's own cost (`hooks._wrapped`, no-op original, {len(dispatch)} variants): "
-        + ", ".join(f"{name} {seconds * 1e9:.0f} ns" for name, seconds in dispatch.items()) + " per call.",
+        "with Megatron's loss on the device.",
+        "",
+        *table(rows),
+        "",
+        f"A hooked method's own cost (`hooks._wrapped`, no-op original, {len(dispatch)} variants): " +
+        ", ".join(f"{name} {seconds * 1e9:.0f} ns" for name, seconds in dispatch.items()) + " per call.",
     ]
     write_results("ledger", lines, {"rows": rows, "dispatch": dispatch}, folder=options.out or RESULTS)
     print("\n".join(lines))
 
 
 def _cpu_rank(steps: int, layers: int, hidden: int) -> List[Dict[str, Any]]:
-    return count_step_costs(steps=steps, layers=layers, hidden=hidden, time_it=True)
+    return count_step_costs(steps=steps, layers=layers, hidden=hidden)
 
 
 def _cuda_rank(steps: int, layers: int, hidden: int) -> List[Dict[str, Any]]:
@@ -480,7 +592,7 @@ def _cuda_rank(steps: int, layers: int, hidden: int) -> List[Dict[str, Any]]:
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29533", RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
     deepspeed.init_distributed(verbose=False)
-    return count_step_costs(steps=steps, layers=layers, hidden=hidden, time_it=True)
+    return count_step_costs(steps=steps, layers=layers, hidden=hidden)
 
 
 if __name__ == "__main__":

@@ -28,18 +28,9 @@ from .clipping import torch_clip_divisor
 from .config import LayerGradNormsConfig
 from .layer_map import LayerMap
 from .on_demand import ControlFile, JsonlDump, SpikeTrigger, rank_of_process
+from .partition_stats import ChunkPlan, accumulate_partition, accumulate_runs
 from .reduction import reduce_stats
-from .statistics import (
-    NUMEL,
-    SUMSQ,
-    RunTable,
-    accumulate_partition,
-    accumulate_runs,
-    bucket_results,
-    empty_stats,
-    reset_stats,
-    total_norm,
-)
+from .statistics import NUMEL, SUMSQ, bucket_results, empty_stats, reset_stats, total_norm
 
 logger = logging.getLogger(__name__)
 
@@ -84,10 +75,10 @@ class Measurement:
                 "on all ranks after this step, training goes on", what, self.step)
             self.failed = True
 
-    def observe_partition(self, group_index: int, flat_grad: torch.Tensor, table: RunTable) -> None:
-        """Fold in one parameter group's flat gradient partition, laid out as ``table`` says (once per group)."""
+    def observe_partition(self, group_index: int, flat_grad: torch.Tensor, plan: ChunkPlan) -> None:
+        """Fold in one parameter group's flat gradient partition, laid out as ``plan`` says (once per group)."""
         if self._wanted(group_index):
-            accumulate_partition(self.stats, flat_grad, table, self.extra)
+            accumulate_partition(self.stats, flat_grad, plan, self.extra)
             self.observed.add(group_index)
 
     def observe(self, group_index: int, runs: Sequence[torch.Tensor], buckets: torch.Tensor) -> None:

@@ -29,7 +29,7 @@ EXPECTED = {
     ("Megatron hook (ZeRO-2)", "hook, logged iteration"): (0, 0),
     ("Megatron hook (ZeRO-2)", "hook, loss_factor set"): (1, 0),  # the loss the trigger watches, read
     ("stage 0 fp32", "quiet"): (0, 0),
-    # the stock operators' one check for non-finite values (statistics.accumulate_runs), then the host copy
+    # the stock operators' one check for non-finite values (partition_stats.accumulate_runs), then the host copy
     ("stage 0 fp32", "measured"): (2, None),
 }
 

@@ -32,8 +32,9 @@ from ..clipping import zero_unscale_divisor
 from ..config import LayerGradNormsConfig
 from ..layer_map import LayerMap
 from ..measurement import Measurement, Schedule
+from ..partition_stats import ChunkPlan
 from ..recorder import FlightRecorder
-from ..statistics import RunTable, empty_stats
+from ..statistics import empty_stats
 
 BucketOf = Callable[[torch.nn.Parameter], Optional[int]]
 
@@ -186,16 +187,16 @@ class OptimizerAdapter(LayerGradNormsAdapter):
 class ZeroPartitionsAdapter(OptimizerAdapter):
     """ZeRO's optimizers (stages 1 to 3): each group's flat fp32 gradient partition, still multiplied by the
     loss scale, is read in ``unscale_and_clip_grads``; on a step the loss scaler skips, in ``_update_scale``,
-    before the gradients are dropped. ``tables`` holds each group's runs."""
+    before the gradients are dropped. ``plans`` holds each group's chunk plan."""
 
-    tables: List[RunTable]
+    plans: List[ChunkPlan]
 
     def observe_group(self, measurement: Measurement, index: int, flat_grad: torch.Tensor, total_norm,
                       zeroes_invalid_norm: bool) -> None:
         """Fold in group ``index``'s flat partition and record what ``unscale_and_clip_grads`` divides it by,
         for the global norm (times the loss scale) ``total_norm``, which stays on the device until ``finish``."""
         optimizer = self.optimizer
-        measurement.observe_partition(index, flat_grad, self.tables[index])
+        measurement.observe_partition(index, flat_grad, self.plans[index])
         measurement.set_applied_scale_of_norm(
             total_norm,
             functools.partial(zero_unscale_divisor,
@@ -212,18 +213,18 @@ class ZeroPartitionsAdapter(OptimizerAdapter):
         with measurement.guarded("reading a skipped step's gradients"):
             measurement.set_gradient_scale(self.optimizer.loss_scale)
             if has_overflow:
-                for index, table in enumerate(self.tables):
-                    self.observe_skipped(measurement, index, table)
+                for index, plan in enumerate(self.plans):
+                    self.observe_skipped(measurement, index, plan)
 
-    def observe_skipped(self, measurement: Measurement, index: int, table: RunTable) -> None:
+    def observe_skipped(self, measurement: Measurement, index: int, plan: ChunkPlan) -> None:
         """Fold in group ``index``'s gradient on a skipped step, wherever the family holds it then."""
         raise NotImplementedError
 
 
-def observe_chunks(measurement: Measurement, group_index: int, table: RunTable,
+def observe_chunks(measurement: Measurement, group_index: int, plan: ChunkPlan,
                    chunks: Sequence[torch.Tensor]) -> None:
     """Fold in a partition still held as per-parameter pieces laid end to end: no copy of it."""
-    measurement.observe(group_index, *table.slices.chunked_views(chunks))
+    measurement.observe(group_index, *plan.slices.chunked_views(chunks))
 
 
 def group_of(partitions: Sequence[torch.Tensor], flat_grad: torch.Tensor) -> int:

@@ -20,7 +20,7 @@ from typing import List
 import torch
 
 from ..partition_slices import back_to_back_ranges, partition_runs, slices_of_runs
-from ..statistics import run_table
+from ..partition_stats import chunk_plan
 from .base import OptimizerAdapter, Setup, group_of, observe_chunks
 
 
@@ -29,12 +29,12 @@ class FusedFP16Adapter(OptimizerAdapter):
 
     def __init__(self, optimizer, setup: Setup) -> None:
         device = optimizer.fp32_groups_flat[0].device
-        self.tables = [
-            run_table(
+        self.plans = [
+            chunk_plan(
                 slices_of_runs(partition_runs(back_to_back_ranges(params, setup.bucket_of), 0, flat.numel()), device),
                 device) for params, flat in zip(optimizer.fp16_groups, optimizer.fp32_groups_flat)
         ]
-        super().__init__(optimizer, setup, len(self.tables), device)
+        super().__init__(optimizer, setup, len(self.plans), device)
 
     @staticmethod
     def handles(optimizer) -> bool:
@@ -54,7 +54,7 @@ class FusedFP16Adapter(OptimizerAdapter):
         with measurement.guarded("reading the fp32 gradients"):
             for flat_grad in grad_groups_flat:
                 index = group_of(self.optimizer.fp32_groups_flat, flat_grad)
-                measurement.observe_partition(index, flat_grad, self.tables[index])
+                measurement.observe_partition(index, flat_grad, self.plans[index])
 
     def skip_step(self) -> None:
         """Top of ``_skip_invalid_grad_norm`` (0.19.8): a skipped step's gradients, before they are dropped."""
@@ -79,9 +79,9 @@ class FusedFP16Adapter(OptimizerAdapter):
         for index, params in enumerate(self.optimizer.fp16_groups):
             flat_grad = self.optimizer.fp32_groups_flat[index].grad
             if flat_grad is not None:
-                measurement.observe_partition(index, flat_grad, self.tables[index])
+                measurement.observe_partition(index, flat_grad, self.plans[index])
             else:
-                observe_chunks(measurement, index, self.tables[index], [grad_or_zeros(param) for param in params])
+                observe_chunks(measurement, index, self.plans[index], [grad_or_zeros(param) for param in params])
 
 
 def grad_or_zeros(param: torch.nn.Parameter) -> torch.Tensor:

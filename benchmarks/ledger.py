@@ -498,7 +498,7 @@ def count_step_costs(plan: Optional[Dict[str, Sequence[str]]] = None,
     return rows
 
 
-def hook_dispatch_seconds(calls: int = 20000) -> Dict[str, float]:
+def hook_dispatch_seconds(calls: int = 5000, rounds: int = 7) -> Dict[str, float]:
     """Seconds per call of a hooked method around the original's own: with no adapter, and with an adapter
     whose called method does nothing (the installed wrapper's own work: the argument look-up)."""
     from deepspeed_patch.hooks import START, AdapterCall, _wrapped
@@ -517,22 +517,26 @@ def hook_dispatch_seconds(calls: int = 20000) -> Dict[str, float]:
     plain = Optimizer.unscale_and_clip_grads
     hooked = _wrapped(plain, START, AdapterCall(Adapter.unscale_and_clip_grads, ("grad_groups_flat", "total_norm")))
     optimizer = Optimizer()
-    result = {}
-    for name, method, adapter in (("original", plain, None), ("hooked, feature off", hooked, None),
-                                  ("hooked, feature on", hooked, Adapter())):
-        optimizer.layer_grad_norms = adapter
-        start = time.perf_counter()
-        for _ in range(calls):
-            method(optimizer, [0], 1.0)
-        result[name] = (time.perf_counter() - start) / calls
-    return result
+    variants = {
+        "original": (plain, None),
+        "hooked, feature off": (hooked, None),
+        "hooked, feature on": (hooked, Adapter())
+    }
+    best = {name: float("inf") for name in variants}
+    for _ in range(rounds):  # the fastest round of each: the machine's other jobs only ever add time
+        for name, (method, adapter) in variants.items():
+            optimizer.layer_grad_norms = adapter
+            start = time.perf_counter()
+            for _ in range(calls):
+                method(optimizer, [0], 1.0)
+            best[name] = min(best[name], (time.perf_counter() - start) / calls)
+    return best
 
 
 def table(rows: List[Dict[str, Any]]) -> List[str]:
     lines = [
         "| family (adapter) | mode | host syncs | allocations (bytes) | operators | µs inside the call sites "
-        "| syncs at |",
-        "| --- | --- | ---: | ---: | ---: | ---: | --- |"
+        "| syncs at |", "| --- | --- | ---: | ---: | ---: | ---: | --- |"
     ]
     for row in rows:
         micro = "" if row["microseconds"] is None else f"{row['microseconds']:.0f}"

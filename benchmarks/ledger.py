@@ -162,10 +162,14 @@ class Costs:
     """What the wrapped calls did during one step."""
 
     syncs: int = 0
+    """Reads of a device tensor's value on the host."""
     ops: int = 0
+    """Operators dispatched (on an accelerator: kernel launches, at most)."""
     allocations: int = 0
+    """Operators whose output has a storage of its own (on CUDA: or the caching allocator's count, if more)."""
     allocated_bytes: int = 0
     sync_sites: Set[str] = field(default_factory=set)
+    """``file:line: method`` of each read."""
 
 
 class _AllocationCounter(TorchDispatchMode):

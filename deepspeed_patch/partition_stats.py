@@ -18,21 +18,8 @@ from typing import Collection, List, Optional, Sequence, Tuple
 import torch
 from deepspeed.utils import logger
 
+from . import statistics as columns
 from .partition_slices import PartitionSlices
-from .statistics import (
-    L1,
-    MAX,
-    NEG_ABS_MIN,
-    NEG_MIN,
-    NONFINITE,
-    NUM_COLUMNS,
-    NUM_SUMMED,
-    NUMEL,
-    SUM,
-    SUMSQ,
-    ZEROS,
-    empty_stats,
-)
 
 # Runs are read piece by piece, each piece three times in a row (squared norm, min and max, |x| into a
 # scratch buffer for abs_min). On the host a piece of 2 MiB of fp32 stays in the CPU's cache between those
@@ -65,27 +52,29 @@ def accumulate_runs(stats: torch.Tensor,
         owners.extend([index] * len(split))
     scratch = torch.empty(max(piece.numel() for piece in pieces), dtype=torch.float32, device=pieces[0].device)
     sumsq, lows, highs, abs_mins = _piece_statistics(pieces, scratch)
-    per_piece = torch.zeros((len(pieces), NUM_COLUMNS), dtype=torch.float64, device=stats.device)
-    per_piece[:, SUMSQ] = sumsq
+    per_piece = torch.zeros((len(pieces), columns.NUM_COLUMNS), dtype=torch.float64, device=stats.device)
+    per_piece[:, columns.SUMSQ] = sumsq
     min_max = torch.stack([lows, highs], dim=1).double()
-    per_piece[:, MAX], per_piece[:, NEG_MIN] = min_max[:, 1], -min_max[:, 0]
-    per_piece[:, NEG_ABS_MIN] = -abs_mins.double()
-    per_piece[:, NUMEL] = torch.tensor([piece.numel() for piece in pieces], dtype=torch.float64)
+    per_piece[:, columns.MAX], per_piece[:, columns.NEG_MIN] = min_max[:, 1], -min_max[:, 0]
+    per_piece[:, columns.NEG_ABS_MIN] = -abs_mins.double()
+    per_piece[:, columns.NUMEL] = torch.tensor([piece.numel() for piece in pieces], dtype=torch.float64)
     if "l1" in extra:
-        per_piece[:, L1] = torch.stack([torch.linalg.vector_norm(p, 1, dtype=torch.float64) for p in pieces])
+        per_piece[:, columns.L1] = torch.stack([torch.linalg.vector_norm(p, 1, dtype=torch.float64) for p in pieces])
     if "mean" in extra:
-        per_piece[:, SUM] = torch.stack([piece.sum(dtype=torch.float64) for piece in pieces])
+        per_piece[:, columns.SUM] = torch.stack([piece.sum(dtype=torch.float64) for piece in pieces])
     if "zeros" in extra:
-        per_piece[:, ZEROS] = per_piece[:, NUMEL] - torch.stack([torch.count_nonzero(p) for p in pieces]).double()
+        per_piece[:,
+                  columns.ZEROS] = per_piece[:, columns.NUMEL] - torch.stack([torch.count_nonzero(p)
+                                                                              for p in pieces]).double()
     finite = torch.isfinite(min_max).all(dim=1)
     if not bool(finite.all()):  # a NaN or an infinity makes its piece's min or max non-finite
         for index in torch.nonzero(~finite).flatten().tolist():
-            per_piece[index, NONFINITE] = _count_nonfinite(pieces[index], scratch)
+            per_piece[index, columns.NONFINITE] = _count_nonfinite(pieces[index], scratch)
     piece_buckets = buckets if len(pieces) == len(runs) else buckets[torch.tensor(owners, device=buckets.device)]
-    index = piece_buckets.unsqueeze(1).expand(-1, NUM_SUMMED)
-    stats[:, :NUM_SUMMED].scatter_add_(0, index, per_piece[:, :NUM_SUMMED])
-    index = piece_buckets.unsqueeze(1).expand(-1, NUM_COLUMNS - NUM_SUMMED)
-    stats[:, NUM_SUMMED:].scatter_reduce_(0, index, per_piece[:, NUM_SUMMED:], reduce="amax")
+    index = piece_buckets.unsqueeze(1).expand(-1, columns.NUM_SUMMED)
+    stats[:, :columns.NUM_SUMMED].scatter_add_(0, index, per_piece[:, :columns.NUM_SUMMED])
+    index = piece_buckets.unsqueeze(1).expand(-1, columns.NUM_COLUMNS - columns.NUM_SUMMED)
+    stats[:, columns.NUM_SUMMED:].scatter_reduce_(0, index, per_piece[:, columns.NUM_SUMMED:], reduce="amax")
 
 
 def _piece_statistics(pieces: List[torch.Tensor], scratch: torch.Tensor) -> Tuple[torch.Tensor, ...]:
@@ -180,9 +169,9 @@ def _triton_runs(device: torch.device) -> bool:
     try:
         from .partition_stats_triton import accumulate_chunks
 
-        stats = empty_stats(1, device)
+        stats = columns.empty_stats(1, device)
         accumulate_chunks(stats, torch.ones(3, device=device), torch.tensor([[0, 3, 0]], device=device), 0)
-        if stats[0, NUMEL].item() == 3 and stats[0, SUMSQ].item() == 3:
+        if stats[0, columns.NUMEL].item() == 3 and stats[0, columns.SUMSQ].item() == 3:
             return True
         raise RuntimeError(f"wrong result {stats.tolist()}")
     except Exception as error:  # no triton, an unsupported device, a compiler error

@@ -10,9 +10,9 @@ measured step needs it:
 - one read: ``torch.linalg.vector_norm`` of the partition, the physical limit;
 - DeepSpeed's own norm computation: one ``_foreach_norm`` over per-parameter views, summed (16
   parameters a bucket below 224 buckets, else one a bucket);
-- stock: ``statistics.accumulate_runs``, today's operators (squared norm, ``aminmax``, ``abs`` + ``amin``
+- stock: ``partition_stats.accumulate_runs``, today's operators (squared norm, ``aminmax``, ``abs`` + ``amin``
   per 2 MiB piece on the host, per 4M-element piece on an accelerator);
-- fused: ``statistics.accumulate_partition`` with the run table built at start-up (the host's C++
+- fused: ``partition_stats.accumulate_partition`` with the chunk plan built at start-up (the host's C++
   kernel, or Triton on CUDA).
 
 On the host the figures are for one thread, then for torch's default, on the shared 2-core machine;
@@ -28,7 +28,8 @@ from common import RESULTS, interleaved, machine, ratio_of, times, write_results
 from stats_alone import equal_runs
 
 from deepspeed_patch.partition_slices import slices_of_runs
-from deepspeed_patch.statistics import NUM_SUMMED, accumulate_partition, accumulate_runs, empty_stats, run_table
+from deepspeed_patch.partition_stats import accumulate_partition, accumulate_runs, chunk_plan
+from deepspeed_patch.statistics import NUM_SUMMED, empty_stats
 
 PARAMS_PER_BUCKET = 16
 FEW_BUCKETS = 224  # below this many buckets, each bucket holds PARAMS_PER_BUCKET parameters
@@ -43,7 +44,7 @@ def variants(flat: torch.Tensor, num_buckets: int) -> Tuple[Dict[str, Callable[[
     offset = flat.storage_offset()
     slices = slices_of_runs([(run.storage_offset() - offset, run.numel(), bucket) for bucket, run in enumerate(runs)],
                             device)
-    table = run_table(slices, device)
+    table = chunk_plan(slices, device)
     stock, fused = empty_stats(num_buckets, device), empty_stats(num_buckets, device)
     accumulate_runs(stock, runs, slices.buckets)
     accumulate_partition(fused, flat, table)
@@ -88,13 +89,13 @@ def run(quick: bool, device: str = "cpu") -> Tuple[List[str], dict]:
         "model; 224: per-parameter buckets of a small model; 10,000: `granularity: param` of a large one). One "
         "read: `torch.linalg.vector_norm` of the partition. DeepSpeed norm: one `_foreach_norm` over per-parameter "
         f"views, summed ({PARAMS_PER_BUCKET} parameters a bucket below {FEW_BUCKETS} buckets, else one). Stock: "
-        "`statistics.accumulate_runs` (today's operators). Fused: `statistics.accumulate_partition` with the run "
-        "table built at start-up (kernel: `host` C++, `triton`). Every variant ends when its result is ready for "
-        f"the host. Median over {rounds} rounds in which every variant runs once in turn; ratios are per round, "
-        "with their interquartile range in brackets. Threads: torch's intra-op threads (host only); on a machine "
-        "shared with other jobs the rows of more than one thread are erratic (a parallel region waits for threads "
-        "that other jobs keep off the cores, for the stock operators as for the fused kernel): read the "
-        "one-thread rows.", "",
+        "`partition_stats.accumulate_runs` (today's operators). Fused: `partition_stats.accumulate_partition` "
+        "with the chunk plan built at start-up (kernel: `host` C++, `triton`). Every variant ends when its result "
+        f"is ready for the host. Median over {rounds} rounds in which every variant runs once in turn; ratios are "
+        "per round, with their interquartile range in brackets. Threads: torch's intra-op threads (host only); on "
+        "a machine shared with other jobs the rows of more than one thread are erratic (a parallel region waits "
+        "for threads that other jobs keep off the cores, for the stock operators as for the fused kernel): read "
+        "the one-thread rows.", "",
         "| elements | buckets | threads | kernel | one read | DeepSpeed norm | stock | fused | fused / one read "
         "| stock / one read | fused / DeepSpeed norm | stock / fused |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",

@@ -14,7 +14,10 @@
 #    norm, the stock operators and the fused kernel in one run (benchmarks/fused_alone.py --device cuda).
 # 4. Runs the step-time cost on a GPT of about 300M parameters, bf16, ZeRO-1 and ZeRO-2, one rank
 #    (benchmarks/gpu_step_time.py).
-# Tables go to benchmarks/results/gpu/: tests.txt, fused_statistics.{md,json}, step_time.{md,json}.
+# 5. Runs the per-step cost ledger: host syncs, allocations and time inside the call sites per family and
+#    mode, and the Megatron hook's (benchmarks/ledger.py --device cuda, 5 timed steps a mode).
+# Tables go to benchmarks/results/gpu/: tests.txt, fused_statistics.{md,json}, step_time.{md,json},
+# ledger.{md,json}.
 #
 # --dry-run checks this script's logic on a machine without a GPU: it installs nothing and runs the same
 # steps on the host with small sizes, writing into a temporary folder instead.
@@ -73,6 +76,13 @@ fi
 
 step "step time ($device)"
 "$python" benchmarks/gpu_step_time.py --device "$device" --out "$out"
+
+step "cost ledger ($device)"
+if [ "$device" = cuda ]; then
+    "$python" benchmarks/ledger.py --device cuda --steps 5 --out "$out"
+else
+    "$python" benchmarks/ledger.py --device cpu --quick --out "$out"
+fi
 
 step "done: $out"
 ls -l "$out"

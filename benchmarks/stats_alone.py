@@ -17,7 +17,8 @@ import torch
 from common import interleaved, machine, ratio_of, times
 
 from deepspeed_patch.partition_slices import slices_of_runs
-from deepspeed_patch.statistics import HOST_PIECE, accumulate_partition, accumulate_runs, empty_stats, run_table
+from deepspeed_patch.partition_stats import HOST_PIECE, accumulate_partition, accumulate_runs, chunk_plan
+from deepspeed_patch.statistics import empty_stats
 
 NUM_BUCKETS = 14
 PARAMS_PER_BUCKET = 16
@@ -111,7 +112,7 @@ def passes_table(num_elements: int, rounds: int, with_compile: bool) -> Dict[str
     }
     for shift in PIECE_SHIFTS:
         fns[f"after_piece_{shift}"] = functools.partial(with_piece, 1 << shift, runs, buckets)
-    table = run_table(slices_of_runs([(run.storage_offset(), run.numel(), index) for index, run in enumerate(runs)]),
+    table = chunk_plan(slices_of_runs([(run.storage_offset(), run.numel(), index) for index, run in enumerate(runs)]),
                       "cpu")
     fns["fused_kernel"] = lambda: accumulate_partition(empty_stats(len(runs), "cpu"), flat, table)
     if with_compile:
@@ -151,7 +152,7 @@ PASS_ROWS = [
     ("abs_min_norm_neg_inf", "abs_min: `vector_norm(x, -inf)` (no temporary)"),
     ("fused_compiled", "all four in one generated loop (`torch.compile`, not used by the package)"),
     ("fused_kernel", "**all statistics in one hand-written loop: the fused host kernel** "
-     "(`statistics.accumulate_partition`, C++; see fused_statistics.md)"),
+     "(`partition_stats.accumulate_partition`, C++; see fused_statistics.md)"),
     ("core_loop", f"the four operators per {PIECE_MIB} MiB piece in a row, bookkeeping aside (after)"),
     ("int32_loop", "idea: `neg(out=scratch)` + `aminmax` of the int32 views of x and -x per piece, with the dot "
      "(all four statistics exactly for finite data; decoding not included)"),
@@ -251,7 +252,7 @@ def explanation(timing: Dict[str, dict], size: int) -> List[str]:
         f"{ratio('abs_min_norm_neg_inf')}; deriving abs-min from min and max is exact only when a bucket has "
         "one sign, which gradients rarely do.",
         f"- Reaching 1.5x needs a fused single-pass kernel (a C++ or CUDA extension, or `torch.compile`): {fused}"
-        "The package's fused kernel (`statistics.accumulate_partition`: C++ and OpenMP on the host, compiled "
+        "The package's fused kernel (`partition_stats.accumulate_partition`: C++ and OpenMP on the host, compiled "
         "once on first use and cached; Triton on an accelerator) reads each element once for every statistic "
         "and costs "
         f"{ratio('fused_kernel')} one read here; fused_statistics.md sets it beside the stock operators from 1M "

@@ -61,8 +61,8 @@ def engine_fp32_clip_square(parameters: Iterable[torch.nn.Parameter], mpu) -> to
     from deepspeed.runtime.utils import is_model_parallel_parameter
 
     on_rank_zero = mpu.get_model_parallel_rank() == 0
-    squares = [
-        param.grad.detach().float().norm(2)**2 for param in parameters
+    squares = [  # the norm in fp32, as DeepSpeed's ``.float().norm(2)``, without an fp32 copy of a low-precision grad
+        torch.linalg.vector_norm(param.grad.detach(), 2, dtype=torch.float32)**2 for param in parameters
         if param.grad is not None and (on_rank_zero or is_model_parallel_parameter(param))
     ]
     return torch.stack(squares).sum() if squares else torch.zeros(())

@@ -135,26 +135,50 @@ CALL_SITES = (
 )
 
 
-def _arguments(signature: inspect.Signature, names: Tuple[str, ...], args: tuple, kwargs: dict, returned=None) -> list:
-    """The values of the parameters ``names`` in a call ``(args, kwargs)`` of a method of ``signature``."""
-    bound = signature.bind(*args, **kwargs)
-    bound.apply_defaults()
-    return [returned if name == RETURNED else bound.arguments[name] for name in names]
+def _argument_reader(signature: inspect.Signature, names: Tuple[str, ...]) -> Callable[..., list]:
+    """``read(args, kwargs, returned)``: the values of the parameters ``names`` in a call ``(args, kwargs)`` of
+    a method of ``signature``. Where each parameter is passed (its position, its keyword, its default) is
+    worked out here, once per call site, so that a hooked call only indexes its arguments."""
+    parameters = list(signature.parameters.values())
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    places = []
+    for name in names:
+        if name == RETURNED:
+            places.append(None)
+            continue
+        parameter = signature.parameters[name]
+        index = parameters.index(parameter) if parameter.kind in positional else None
+        default = None if parameter.default is inspect.Parameter.empty else parameter.default
+        places.append((name, index, default))
+
+    def read(args: tuple, kwargs: dict, returned=None) -> list:
+        values = []
+        for place in places:
+            if place is None:
+                values.append(returned)
+                continue
+            name, index, default = place
+            if index is not None and index < len(args):
+                values.append(args[index])
+            else:
+                values.append(kwargs.get(name, default))
+        return values
+
+    return read
 
 
 def _wrapped(original: Callable, where: str, statement: Union[AdapterCall, Assign]) -> Callable:
     """``original`` with ``statement`` run where the call site says."""
-    signature = inspect.signature(_undecorated(original))
+    arguments = _argument_reader(inspect.signature(_undecorated(original)), statement.arguments)
 
     def run(args: tuple, kwargs: dict, returned=None) -> None:
         self = args[0]
         if isinstance(statement, Assign):
-            setattr(self, statement.attribute,
-                    statement.function(*_arguments(signature, statement.arguments, args, kwargs)))
+            setattr(self, statement.attribute, statement.function(*arguments(args, kwargs)))
             return
         adapter = getattr(self, ATTRIBUTE)
         if adapter is not None:
-            getattr(adapter, statement.name)(*_arguments(signature, statement.arguments, args, kwargs, returned))
+            getattr(adapter, statement.name)(*arguments(args, kwargs, returned))
 
     def wrapper(*args, **kwargs):
         if where == START:

@@ -24,19 +24,9 @@ from typing import Callable, Hashable, List, Optional, Sequence, Tuple
 import torch
 
 from .clipping import torch_clip_divisor
+from .partition_stats import ChunkPlan, accumulate_partition, accumulate_runs
 from .reduction import reduce_stats
-from .statistics import (
-    MAX,
-    NEG_MIN,
-    NUMEL,
-    SUMSQ,
-    RunTable,
-    accumulate_partition,
-    accumulate_runs,
-    bucket_results,
-    empty_stats,
-    total_norm,
-)
+from .statistics import MAX, NEG_MIN, NUMEL, SUMSQ, bucket_results, empty_stats, reset_stats, total_norm
 
 logger = logging.getLogger(__name__)
 
@@ -50,11 +40,15 @@ class Measurement:
                  num_groups: int,
                  device,
                  extra: Sequence[str],
-                 failed: bool = False) -> None:
+                 failed: bool = False,
+                 table: Optional[torch.Tensor] = None) -> None:
         """``num_groups``: the parameter groups to observe before the step is complete; ``failed``: a
-        failure already known on this rank, to be announced through ``finish``."""
+        failure already known on this rank, to be announced through ``finish``; ``table``: a
+        ``(num_buckets + 1, 9)`` buffer to fill (the owner's, reset here in place, so that a step allocates
+        no table), else a new one. Its last row is the status row ``local_table`` writes."""
         self.step = step
-        self.stats = empty_stats(num_buckets, device)
+        self.table = empty_stats(num_buckets + 1, device) if table is None else reset_stats(table)
+        self.stats = self.table[:-1]
         self.num_groups = num_groups
         self.extra = extra
         self.observed = set()
@@ -80,10 +74,10 @@ class Measurement:
                     "or fire's), training goes on", what, self.step)
             self.failed = True
 
-    def observe_partition(self, group_index: int, flat_grad: torch.Tensor, table: RunTable) -> None:
-        """Fold in one parameter group's flat gradient partition, laid out as ``table`` says (once per group)."""
+    def observe_partition(self, group_index: int, flat_grad: torch.Tensor, plan: ChunkPlan) -> None:
+        """Fold in one parameter group's flat gradient partition, laid out as ``plan`` says (once per group)."""
         if self._wanted(group_index):
-            accumulate_partition(self.stats, flat_grad, table, self.extra)
+            accumulate_partition(self.stats, flat_grad, plan, self.extra)
             self.observed.add(group_index)
 
     def observe(self, group_index: int, runs: Sequence[torch.Tensor], buckets: torch.Tensor) -> None:
@@ -126,14 +120,15 @@ class Measurement:
         """This rank's table and, as its last row, a status row whose element count flags a step this rank
         failed to measure or left incomplete (it survives any reduction, as a count does), whose squared
         norm carries this rank's share of the norm the caller clips by (``set_clip_norm``), if any, and whose
-        max and -min carry the step (reduced, the highest and the lowest step of the ranks)."""
+        max and -min carry the step (reduced, the highest and the lowest step of the ranks). Written in place:
+        the buffer itself, valid until the owner's next step."""
         complete = not self.failed and len(self.observed) == self.num_groups
-        status = torch.zeros((1, self.stats.shape[1]), dtype=self.stats.dtype, device=self.stats.device)
-        status[0, NUMEL] = 0.0 if complete else 1.0
-        status[0, MAX], status[0, NEG_MIN] = self.step, -self.step
+        status = self.table[-1].zero_()
+        status[NUMEL] = 0.0 if complete else 1.0
+        status[MAX], status[NEG_MIN] = self.step, -self.step
         if self.clip_square is not None:
-            status[0, SUMSQ] = self.clip_square.to(status)
-        return torch.cat([self.stats, status])
+            status[SUMSQ] = self.clip_square
+        return self.table
 
     def scales(self, overflow: bool) -> "StepScales":
         """What the step's result needs beside its reduced table."""

@@ -43,6 +43,8 @@ class FlightRecorder:
         """``num_rows``: the buckets of the layer map (the status row is added here)."""
         self.tables = empty_stats(capacity * (num_rows + 1), device).view(capacity, num_rows + 1, NUM_COLUMNS)
         self.scales: List[Optional[StepScales]] = [None] * capacity
+        self.norms = torch.zeros(capacity, dtype=torch.float64, device=device)
+        """Each slot's copy of the optimizer's global norm, where its scales read one (``scale_of_norm``)."""
         self.next_slot = 0
 
     @property
@@ -52,12 +54,14 @@ class FlightRecorder:
 
     def push(self, table: torch.Tensor, scales: StepScales) -> None:
         """Record one step: its local table with its status row (``Measurement.local_table``, which carries
-        the step number), and its scales; the oldest step drops out of a full ring. Device copies, no host
-        synchronisation."""
+        the step number), and its scales; the oldest step drops out of a full ring. Device copies into the ring,
+        no host synchronisation, no allocation."""
         self.tables[self.next_slot].copy_(table)
         if scales.scale_of_norm is not None:  # the optimizer's norm tensor is its own: keep a copy
             norm, formula = scales.scale_of_norm
-            scales = replace(scales, scale_of_norm=(norm.detach().clone(), formula))
+            kept = self.norms[self.next_slot]
+            kept.copy_(norm.detach().reshape(()))
+            scales = replace(scales, scale_of_norm=(kept, formula))
         self.scales[self.next_slot] = scales
         self.next_slot = (self.next_slot + 1) % self.tables.shape[0]
 

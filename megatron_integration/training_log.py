@@ -112,11 +112,14 @@ def log_layer_grad_norms(engine, iteration: int, writer, args: argparse.Namespac
 
     ``loss``: the iteration's loss as Megatron reduces it (``loss_dict["lm loss"]``, the same on every rank),
     reported to the engine for ``trigger.loss_factor``; it is judged at the end of the next optimizer step.
+    Without a ``loss_factor`` it is not touched: Megatron's loss stays on the device, and an iteration the hook
+    does not log costs no host synchronisation.
     """
     if not getattr(args, "log_layer_grad_norms", False):
         return ""
-    if loss is not None and getattr(engine, "layer_grad_norms", None) is not None:
-        engine.layer_grad_norms.report_loss(loss)
+    adapter = getattr(engine, "layer_grad_norms", None)
+    if loss is not None and adapter is not None and adapter.wants_loss:
+        adapter.report_loss(loss)
     if writer is not None:
         _write_new_history(engine, writer)
     stats = engine.get_layer_grad_norms()

@@ -1,7 +1,7 @@
 """The fused statistics kernels against today's stock operators and a plain float64 reference.
 
 Each kernel (the host's C++, and Triton: on CUDA where there is one, else in Triton's interpreter on
-the host) folds partitions into a ``(buckets, 9)`` table; ``statistics.accumulate_runs`` (the stock
+the host) folds partitions into a ``(buckets, 9)`` table; ``partition_stats.accumulate_runs`` (the stock
 operators) and ``reference_table`` (float64 PyTorch, one run at a time) fold the same runs. Min, max,
 abs-min and the counts must match both exactly (NaN where NaN); the sums must match the reference to
 float64 rounding and the stock operators to their own (fp32) rounding.
@@ -20,10 +20,10 @@ from typing import List, Optional, Sequence, Tuple
 import pytest
 import torch
 
-from deepspeed_patch import statistics as fused_stats
+from deepspeed_patch import partition_stats as fused_stats
 from deepspeed_patch.partition_slices import PartitionSlices, partition_runs, slices_of_runs
+from deepspeed_patch.partition_stats import HOST, STOCK, TRITON, accumulate_partition, accumulate_runs, chunk_plan
 from deepspeed_patch.statistics import (
-    HOST,
     L1,
     MAX,
     NEG_ABS_MIN,
@@ -31,15 +31,10 @@ from deepspeed_patch.statistics import (
     NONFINITE,
     NUM_SUMMED,
     NUMEL,
-    STOCK,
     SUM,
     SUMSQ,
-    TRITON,
     ZEROS,
-    accumulate_partition,
-    accumulate_runs,
     empty_stats,
-    run_table,
 )
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -109,7 +104,7 @@ def slices_on(runs: Sequence[Tuple[int, int, int]], device) -> PartitionSlices:
 def fused(kernel: str, device, flat: torch.Tensor, runs, stats: torch.Tensor, extra=(), chunk=None) -> torch.Tensor:
     """``stats`` (a copy) with the runs of ``flat`` folded in by ``kernel``."""
     slices = slices_on(runs, device)
-    table = run_table(slices, device, kernel=kernel, **({} if chunk is None else {"chunk": chunk}))
+    table = chunk_plan(slices, device, kernel=kernel, **({} if chunk is None else {"chunk": chunk}))
     out = stats.clone().to(device)
     accumulate_partition(out, flat.to(device), table, extra)
     return out.cpu()
@@ -256,7 +251,7 @@ def test_empty_runs_and_partitions(kernel, device):
     assert torch.equal(got[[0, 2]], empty_stats(2, "cpu"))
     if kernel == TRITON and triton_unavailable():
         pytest.fail(triton_unavailable())
-    table = run_table(slices_on([], device), device, kernel=kernel)
+    table = chunk_plan(slices_on([], device), device, kernel=kernel)
     stats = empty_stats(2, device)
     accumulate_partition(stats, torch.empty(0, device=device), table, ALL_EXTRA)
     assert torch.equal(stats.cpu(), empty_stats(2, "cpu"))
@@ -323,7 +318,7 @@ def test_stock_path_and_kernel_choice():
     runs = random_runs(flat.numel(), 6, 3, seed=16)
     stats = empty_stats(3, "cpu")
     assert torch.equal(fused(STOCK, "cpu", flat, runs, stats, ALL_EXTRA), stock(flat, runs, stats, ALL_EXTRA))
-    assert run_table(slices_on(runs, "cpu"), "cpu").kernel == HOST
+    assert chunk_plan(slices_on(runs, "cpu"), "cpu").kernel == HOST
     wide = flat.double()
     assert torch.equal(fused(HOST, "cpu", wide, runs, stats, ALL_EXTRA), stock(wide, runs, stats, ALL_EXTRA))
 
@@ -331,11 +326,11 @@ def test_stock_path_and_kernel_choice():
 @NO_CUDA
 def test_cuda_partition_gets_the_triton_kernel():
     runs = random_runs(10_000, 6, 3, seed=16)
-    assert run_table(slices_on(runs, "cuda"), "cuda").kernel == TRITON
+    assert chunk_plan(slices_on(runs, "cuda"), "cuda").kernel == TRITON
 
 
 def test_mismatched_partition_or_table_is_refused():
-    table = run_table(slices_on([(0, 100, 2)], "cpu"), "cpu")
+    table = chunk_plan(slices_on([(0, 100, 2)], "cpu"), "cpu")
     with pytest.raises(ValueError, match="do not fit"):
         accumulate_partition(empty_stats(3, "cpu"), torch.zeros(99), table)
     with pytest.raises(ValueError, match="do not fit"):
@@ -351,12 +346,13 @@ def test_missing_compiler_falls_back_with_one_warning(tmp_path):
     """Without a compiler the host kernel is not built: one warning, then the stock operators' results."""
     script = textwrap.dedent("""
         import torch
-        from deepspeed_patch.statistics import STOCK, accumulate_partition, run_table
+        from deepspeed_patch.partition_stats import STOCK, accumulate_partition, chunk_plan
         from deepspeed_patch.partition_slices import slices_of_runs
-        from deepspeed_patch.statistics import accumulate_runs, empty_stats
+        from deepspeed_patch.partition_stats import accumulate_runs
+        from deepspeed_patch.statistics import empty_stats
         flat = torch.randn(1000)
         slices = slices_of_runs([(0, 600, 0), (600, 400, 1)])
-        tables = [run_table(slices, "cpu") for _ in range(2)]
+        tables = [chunk_plan(slices, "cpu") for _ in range(2)]
         assert all(table.kernel == STOCK for table in tables), [table.kernel for table in tables]
         got, want = empty_stats(2, "cpu"), empty_stats(2, "cpu")
         accumulate_partition(got, flat, tables[0], ("l1",))
@@ -413,7 +409,7 @@ def test_host_kernel_builds_once_per_process(warnings_logged):
 
 
 def test_triton_probe(monkeypatch, warnings_logged):
-    """run_table tries the Triton kernel once on a device before choosing it; where it cannot run, the
+    """chunk_plan tries the Triton kernel once on a device before choosing it; where it cannot run, the
     stock operators are chosen with one warning."""
     if triton_unavailable():
         pytest.fail(triton_unavailable())

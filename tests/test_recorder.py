@@ -197,6 +197,7 @@ def test_megatron_hook_reports_the_loss():
 
     class Adapter:
         reported = []
+        wants_loss = True
 
         def report_loss(self, loss):
             self.reported.append(loss)
@@ -210,6 +211,8 @@ def test_megatron_hook_reports_the_loss():
     args = argparse.Namespace(log_layer_grad_norms=True)
     assert log_layer_grad_norms(Engine(), 3, None, args, loss=2.5) == ""
     assert log_layer_grad_norms(Engine(), 4, None, args) == ""
+    Adapter.wants_loss = False  # no trigger.loss_factor: the loss (a device tensor in Megatron) is not read
+    assert log_layer_grad_norms(Engine(), 5, None, args, loss=3.5) == ""
     assert Adapter.reported == [2.5]
 
 

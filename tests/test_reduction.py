@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from deepspeed_patch import reduction
-from deepspeed_patch.statistics import NUMEL, accumulate_runs, bucket_results, empty_stats
+from deepspeed_patch.partition_stats import accumulate_runs
+from deepspeed_patch.statistics import NUMEL, bucket_results, empty_stats
 from reference import TOLERANCE, bucket_stats
 
 EXTRA = ("l1", "mean", "zeros", "numel")

@@ -30,7 +30,7 @@ one rank changes nothing the ranks do. A failure of the measurement itself goes 
 import functools
 import logging
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence, Union
 
 import torch
 
@@ -39,9 +39,10 @@ from ..clipping import zero_unscale_divisor
 from ..config import LayerGradNormsConfig
 from ..layer_map import LayerMap
 from ..measurement import Measurement
+from ..partition_stats import ChunkPlan
 from ..publish import Publisher
 from ..recorder import FlightRecorder, Replay
-from ..statistics import RunTable
+from ..statistics import empty_stats
 from ..steps import FailureLatch, StepPlan
 from ..trigger import Fire, History, TriggerState
 
@@ -85,9 +86,14 @@ class LayerGradNormsAdapter:
         self.num_groups = num_groups
         self.device = device
         self.measurement: Optional[Measurement] = None
+        self.table = empty_stats(self.layer_map.num_rows + 1, device)
+        """Every measured or recorded step's table and status row, filled in place (``Measurement``)."""
         self.reporting = False
         """Whether the step under way is measured (reduced and published), not only recorded."""
-        history = setup.config.trigger.history if setup.config.trigger is not None else 0
+        trigger = setup.config.trigger
+        self.wants_loss = trigger is not None and trigger.loss_factor is not None
+        """Whether ``report_loss`` is needed: a trigger watches the loss (``trigger.loss_factor``)."""
+        history = trigger.history if trigger is not None else 0
         self.recorder = FlightRecorder(history, self.layer_map.num_rows, device) if history else None
 
     def begin_step(self) -> None:
@@ -100,7 +106,8 @@ class LayerGradNormsAdapter:
                                        self.num_groups,
                                        self.device,
                                        self.extra,
-                                       failed=self.latch.failed_locally)
+                                       failed=self.latch.failed_locally,
+                                       table=self.table)
         with self.measurement.guarded("reading the gradients"):
             self.read_at_begin(self.measurement)
 
@@ -188,12 +195,14 @@ class LayerGradNormsAdapter:
         the last fire's, a given fire's, or every kept fire's (``TriggerState.history``)."""
         return self.trigger.history(fire)
 
-    def report_loss(self, loss: float) -> None:
+    def report_loss(self, loss: Union[float, torch.Tensor]) -> None:
         """The training step's loss, for ``trigger.loss_factor``: call it on every rank with the same value
         (a loss already averaged across the ranks, as Megatron's reduced loss is), before ``engine.step()``
         of that step or after it; it is judged at the end of the next optimizer step. A rank that reports
-        another value, or none, could fire alone and hang the others in the recorder's collective."""
-        self.trigger.report_loss(loss)
+        another value, or none, could fire alone and hang the others in the recorder's collective. Without
+        a ``loss_factor`` (``wants_loss`` false) the loss is ignored, not read: a device tensor stays there."""
+        if self.wants_loss:
+            self.trigger.report_loss(loss)
 
     def set_options(self,
                     enabled: Optional[bool] = None,
@@ -227,16 +236,16 @@ class OptimizerAdapter(LayerGradNormsAdapter):
 class ZeroPartitionsAdapter(OptimizerAdapter):
     """ZeRO's optimizers (stages 1 to 3): each group's flat fp32 gradient partition, still multiplied by the
     loss scale, is read in ``unscale_and_clip_grads``; on a step the loss scaler skips, in ``_update_scale``,
-    before the gradients are dropped. ``tables`` holds each group's runs."""
+    before the gradients are dropped. ``plans`` holds each group's chunk plan."""
 
-    tables: List[RunTable]
+    plans: List[ChunkPlan]
 
     def observe_group(self, measurement: Measurement, index: int, flat_grad: torch.Tensor, total_norm,
                       zeroes_invalid_norm: bool) -> None:
         """Fold in group ``index``'s flat partition and record what ``unscale_and_clip_grads`` divides it by,
         for the global norm (times the loss scale) ``total_norm``, which stays on the device until ``finish``."""
         optimizer = self.optimizer
-        measurement.observe_partition(index, flat_grad, self.tables[index])
+        measurement.observe_partition(index, flat_grad, self.plans[index])
         measurement.set_applied_scale_of_norm(
             total_norm,
             functools.partial(zero_unscale_divisor,
@@ -253,18 +262,18 @@ class ZeroPartitionsAdapter(OptimizerAdapter):
         with measurement.guarded("reading a skipped step's gradients"):
             measurement.set_gradient_scale(self.optimizer.loss_scale)
             if has_overflow:
-                for index, table in enumerate(self.tables):
-                    self.observe_skipped(measurement, index, table)
+                for index, plan in enumerate(self.plans):
+                    self.observe_skipped(measurement, index, plan)
 
-    def observe_skipped(self, measurement: Measurement, index: int, table: RunTable) -> None:
+    def observe_skipped(self, measurement: Measurement, index: int, plan: ChunkPlan) -> None:
         """Fold in group ``index``'s gradient on a skipped step, wherever the family holds it then."""
         raise NotImplementedError
 
 
-def observe_chunks(measurement: Measurement, group_index: int, table: RunTable,
+def observe_chunks(measurement: Measurement, group_index: int, plan: ChunkPlan,
                    chunks: Sequence[torch.Tensor]) -> None:
     """Fold in a partition still held as per-parameter pieces laid end to end: no copy of it."""
-    measurement.observe(group_index, *table.slices.chunked_views(chunks))
+    measurement.observe(group_index, *plan.slices.chunked_views(chunks))
 
 
 def group_of(partitions: Sequence[torch.Tensor], flat_grad: torch.Tensor) -> int:

@@ -17,7 +17,7 @@ from deepspeed import comm as dist
 from ..clipping import bf16_clip_divisor
 from ..measurement import Measurement
 from ..partition_slices import PartitionSlices, back_to_back_ranges, partition_runs, slices_of_runs
-from ..statistics import run_table
+from ..partition_stats import chunk_plan
 from .base import OptimizerAdapter, Setup
 
 
@@ -26,11 +26,11 @@ class BF16Adapter(OptimizerAdapter):
 
     def __init__(self, optimizer, setup: Setup) -> None:
         device = optimizer.fp32_groups_gradients_flat[0].device
-        self.tables = [
-            run_table(_group_slices(optimizer, index, setup, device), device)
+        self.plans = [
+            chunk_plan(_group_slices(optimizer, index, setup, device), device)
             for index in range(len(optimizer.bf16_groups))
         ]
-        super().__init__(optimizer, setup, len(self.tables), device)
+        super().__init__(optimizer, setup, len(self.plans), device)
 
     @staticmethod
     def handles(optimizer) -> bool:
@@ -44,7 +44,7 @@ class BF16Adapter(OptimizerAdapter):
 
     def read_at_begin(self, measurement: Measurement) -> None:
         for index, flat_grad in enumerate(self.optimizer.fp32_groups_gradient_flat_partition):
-            measurement.observe_partition(index, flat_grad, self.tables[index])
+            measurement.observe_partition(index, flat_grad, self.plans[index])
 
     def read_at_end(self, measurement: Measurement, overflow: bool) -> None:
         if not overflow:

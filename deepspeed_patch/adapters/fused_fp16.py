@@ -6,13 +6,13 @@
 
 Every rank holds each parameter group's whole gradient as one flat fp32 buffer, read where the
 optimizer unscales and clips it, all groups at once; the factor it divides by is its return value. On a
-skipped step the gradient is read before it is dropped: in ``_skip_invalid_grad_norm`` (DeepSpeed 0.19.8),
-or in ``_update_scale`` (before).
+skipped step the gradient is read before it is dropped, in whichever method of the release drops it
+(``capabilities.Capabilities.fp16_skip_method``).
 
-Since DeepSpeed 0.18 its gradients carry no loss scale: ``engine.backward`` scales the loss only for
-ZeRO optimizers, yet ``unscale_and_clip_grads`` divides by the loss scale. ``post_clip`` and
-``clip_coef`` (about 1 / loss scale) show what it really applies. Before 0.18 the engine handed the loss
-to the optimizer's ``backward``, which multiplied it by the loss scale, as the statistics then account for.
+Whether the gradients carry the loss scale depends on the release
+(``Capabilities.fp16_loss_scaled_by_optimizer``); where they do not, ``unscale_and_clip_grads`` still
+divides by it, and ``post_clip`` and ``clip_coef`` show what it really applies
+(``upstream/bug_reports/stage0_unscaled_loss.md``).
 """
 
 from typing import List
@@ -20,7 +20,7 @@ from typing import List
 import torch
 
 from ..partition_slices import back_to_back_ranges, partition_runs, slices_of_runs
-from ..statistics import run_table
+from ..partition_stats import chunk_plan
 from .base import OptimizerAdapter, Setup, group_of, observe_chunks
 
 
@@ -29,12 +29,12 @@ class FusedFP16Adapter(OptimizerAdapter):
 
     def __init__(self, optimizer, setup: Setup) -> None:
         device = optimizer.fp32_groups_flat[0].device
-        self.tables = [
-            run_table(
+        self.plans = [
+            chunk_plan(
                 slices_of_runs(partition_runs(back_to_back_ranges(params, setup.bucket_of), 0, flat.numel()), device),
                 device) for params, flat in zip(optimizer.fp16_groups, optimizer.fp32_groups_flat)
         ]
-        super().__init__(optimizer, setup, len(self.tables), device)
+        super().__init__(optimizer, setup, len(self.plans), device)
 
     @staticmethod
     def handles(optimizer) -> bool:
@@ -54,18 +54,19 @@ class FusedFP16Adapter(OptimizerAdapter):
         with measurement.guarded("reading the fp32 gradients"):
             for flat_grad in grad_groups_flat:
                 index = group_of(self.optimizer.fp32_groups_flat, flat_grad)
-                measurement.observe_partition(index, flat_grad, self.tables[index])
+                measurement.observe_partition(index, flat_grad, self.plans[index])
 
     def skip_step(self) -> None:
-        """Top of ``_skip_invalid_grad_norm`` (0.19.8): a skipped step's gradients, before they are dropped."""
+        """Top of ``_skip_invalid_grad_norm`` (where the release has it): a skipped step's gradients, before
+        they are dropped."""
         measurement = self.measurement
         if measurement is not None:
             with measurement.guarded("reading a skipped step's gradients"):
                 self._observe_skipped(measurement)
 
     def update_scale(self, skip) -> None:
-        """Top of ``_update_scale`` (before 0.19.8): the loss scale the gradients carry, and on a skipped step
-        its gradients, before they are dropped."""
+        """Top of ``_update_scale`` (releases without ``_skip_invalid_grad_norm``): the loss scale the gradients
+        carry, and on a skipped step its gradients, before they are dropped."""
         measurement = self.measurement
         if measurement is not None:
             with measurement.guarded("reading a skipped step's gradients"):
@@ -79,9 +80,9 @@ class FusedFP16Adapter(OptimizerAdapter):
         for index, params in enumerate(self.optimizer.fp16_groups):
             flat_grad = self.optimizer.fp32_groups_flat[index].grad
             if flat_grad is not None:
-                measurement.observe_partition(index, flat_grad, self.tables[index])
+                measurement.observe_partition(index, flat_grad, self.plans[index])
             else:
-                observe_chunks(measurement, index, self.tables[index], [grad_or_zeros(param) for param in params])
+                observe_chunks(measurement, index, self.plans[index], [grad_or_zeros(param) for param in params])
 
 
 def grad_or_zeros(param: torch.nn.Parameter) -> torch.Tensor:

@@ -18,7 +18,7 @@ from typing import Callable, List, Optional
 import torch
 
 from ..measurement import Measurement
-from ..statistics import total_norm
+from ..statistics import SUMSQ
 from .base import LayerGradNormsAdapter, Setup
 
 
@@ -39,22 +39,32 @@ class ParamGradAdapter(LayerGradNormsAdapter):
         self.bucket_of = setup.bucket_of
         self.max_norm = max_norm
         self.clip_square = clip_square
-        self.norm: Optional[float] = None
+        self.norm: Optional[torch.Tensor] = None
+        self._buckets_of: List[torch.nn.Parameter] = []
+        self._bucket_rows = torch.zeros(0, dtype=torch.int64)
         super().__init__(setup, 1, params[0].device)
 
     def read_at_begin(self, measurement: Measurement) -> None:
         with_grad = [param for param in self.measured if param.grad is not None]
-        buckets = torch.tensor([self.bucket_of(param) for param in with_grad], dtype=torch.int64, device=self.device)
-        measurement.observe(0, [param.grad.detach().reshape(-1) for param in with_grad], buckets)
+        measurement.observe(0, [param.grad.detach().reshape(-1) for param in with_grad], self._buckets(with_grad))
         max_norm = self.max_norm() if self.max_norm is not None else 0.0
         if max_norm > 0:
             measurement.set_clip_norm(max_norm, None if self.clip_square is None else self.clip_square())
 
+    def _buckets(self, with_grad: List[torch.nn.Parameter]) -> torch.Tensor:
+        """The bucket rows of ``with_grad`` on the device, made once for each set of parameters with a gradient
+        (the same every step, unless a parameter's gradient comes and goes)."""
+        if self._buckets_of != with_grad:
+            rows = [self.bucket_of(param) for param in with_grad]
+            self._buckets_of, self._bucket_rows = with_grad, torch.tensor(rows, dtype=torch.int64, device=self.device)
+        return self._bucket_rows
+
     def read_at_end(self, measurement: Measurement, overflow: bool) -> None:
         if self.recorder is not None:
-            self.norm = total_norm(measurement.stats)
+            self.norm = measurement.stats[:, SUMSQ].sum().sqrt()
 
-    def global_norm(self) -> Optional[float]:
-        """The norm of the step just read by the recorder (taken once: a step it did not read has none)."""
+    def global_norm(self) -> Optional[torch.Tensor]:
+        """The norm of the step just read by the recorder, on the device: the trigger's one host read is the
+        step's only one (taken once: a step it did not read has none)."""
         norm, self.norm = self.norm, None
         return norm

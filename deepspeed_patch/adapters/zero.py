@@ -18,7 +18,7 @@ import torch
 from deepspeed import comm as dist
 
 from ..partition_slices import PartitionSlices, partition_runs, slices_of_runs
-from ..statistics import RunTable, run_table
+from ..partition_stats import ChunkPlan, chunk_plan
 from .base import Setup, ZeroPartitionsAdapter, group_of, observe_chunks
 
 
@@ -27,10 +27,10 @@ class ZeroAdapter(ZeroPartitionsAdapter):
 
     def __init__(self, optimizer, setup: Setup) -> None:
         device = optimizer.single_partition_of_fp32_groups[0].device
-        self.tables = [
-            run_table(_group_slices(optimizer, index, setup), device) for index in range(len(optimizer.bit16_groups))
+        self.plans = [
+            chunk_plan(_group_slices(optimizer, index, setup), device) for index in range(len(optimizer.bit16_groups))
         ]
-        super().__init__(optimizer, setup, len(self.tables), device)
+        super().__init__(optimizer, setup, len(self.plans), device)
 
     @staticmethod
     def handles(optimizer) -> bool:
@@ -54,19 +54,19 @@ class ZeroAdapter(ZeroPartitionsAdapter):
             index = group_of(self.optimizer.single_partition_of_fp32_groups, flat_grad)
             self.observe_group(measurement, index, flat_grad, total_norm, self.capabilities.zero_zeroes_invalid_norm)
 
-    def observe_skipped(self, measurement, index: int, table: RunTable) -> None:
+    def observe_skipped(self, measurement, index: int, plan: ChunkPlan) -> None:
         """Group ``index``'s gradient on a skipped step: the offloaded fp32 partition, the flat partition a
         pre-flattening pass left, or the per-parameter pieces (fp16) the partition would be built from."""
         optimizer = self.optimizer
         if optimizer.cpu_offload:
-            measurement.observe_partition(index, optimizer.single_partition_of_fp32_groups[index].grad, table)
+            measurement.observe_partition(index, optimizer.single_partition_of_fp32_groups[index].grad, plan)
             return
         pieces = optimizer.averaged_gradients[index]
         flat = getattr(pieces, "flat_partition", None)
         if flat is not None:
-            measurement.observe_partition(index, flat.view(-1), table)
+            measurement.observe_partition(index, flat.view(-1), plan)
         else:
-            observe_chunks(measurement, index, table, pieces)
+            observe_chunks(measurement, index, plan, pieces)
 
 
 def _group_slices(optimizer, index: int, setup: Setup) -> PartitionSlices:

@@ -21,7 +21,7 @@ from deepspeed import comm as dist
 
 from ..capabilities import Capabilities
 from ..partition_slices import PartitionSlices, partition_runs, slices_of_runs
-from ..statistics import RunTable, run_table
+from ..partition_stats import ChunkPlan, chunk_plan
 from .base import BucketOf, Setup, ZeroPartitionsAdapter, observe_chunks
 
 
@@ -31,11 +31,11 @@ class Zero3Adapter(ZeroPartitionsAdapter):
     def __init__(self, optimizer, setup: Setup) -> None:
         device = optimizer.fp32_partitioned_groups_flat[0].device
         rank = dist.get_rank(group=optimizer.dp_process_group)
-        self.tables = [
-            run_table(_sub_group_slices(params, rank, setup.bucket_of, device), device)
+        self.plans = [
+            chunk_plan(_sub_group_slices(params, rank, setup.bucket_of, device), device)
             for params in optimizer.fp16_groups
         ]
-        super().__init__(optimizer, setup, len(self.tables), device)
+        super().__init__(optimizer, setup, len(self.plans), device)
 
     @staticmethod
     def handles(optimizer) -> bool:
@@ -85,14 +85,14 @@ class Zero3Adapter(ZeroPartitionsAdapter):
             # (0.19.8), skips the step before this point: never a zeroed gradient.
             self.observe_group(measurement, sub_group_id, flat_grad, total_norm, zeroes_invalid_norm=False)
 
-    def observe_skipped(self, measurement, index: int, table: RunTable) -> None:
+    def observe_skipped(self, measurement, index: int, plan: ChunkPlan) -> None:
         """Sub-group ``index``'s gradient on a skipped step: the offloaded flat fp32 gradient, or the
         per-parameter partitions it would be flattened from."""
         optimizer = self.optimizer
         if optimizer.offload_optimizer:
-            measurement.observe_partition(index, optimizer.fp32_partitioned_groups_flat[index].grad, table)
+            measurement.observe_partition(index, optimizer.fp32_partitioned_groups_flat[index].grad, plan)
         else:
-            observe_chunks(measurement, index, table, optimizer.averaged_gradients[index])
+            observe_chunks(measurement, index, plan, optimizer.averaged_gradients[index])
 
 
 def _sub_group_slices(params: List[torch.nn.Parameter], rank: int, bucket_of: BucketOf, device) -> PartitionSlices:

@@ -1,0 +1,100 @@
+# Copyright (c) Microsoft Corporation.
+# SPDX-License-Identifier: Apache-2.0
+
+# DeepSpeed Team
+"""The set-ups the per-layer statistics refuse at initialize, each with its reason.
+
+A set-up that cannot be measured correctly (yet) fails when the engine is built, naming the reason and the
+way out, rather than reporting wrong numbers later. ``attach`` asks these checks while it picks the adapter.
+"""
+
+from typing import List, Optional
+
+import torch
+
+from ..config import CONFIG_KEY, LayerGradNormsConfig, UnsupportedSetupError
+from .zero import ZeroAdapter
+
+
+def check_param_grads(engine, config: LayerGradNormsConfig) -> None:
+    """DeepSpeed without ZeRO is read from ``.grad`` in fp32 only; and there, the trigger needs the recorder,
+    which reads every step's norm (the engine keeps none)."""
+    if not _plain_fp32(engine):
+        raise UnsupportedSetupError(
+            f"{CONFIG_KEY} needs a ZeRO optimizer (stage 1, 2 or 3), BF16_Optimizer, or no "
+            f"ZeRO (fp32, or FP16_Optimizer / FP16_UnfusedOptimizer for fp16/bf16); this engine uses "
+            f"{type(engine.optimizer).__name__} (zero_optimization.stage={engine.zero_optimization_stage()}, "
+            f"bf16={engine.bfloat16_enabled()}, fp16={engine.fp16_enabled()})")
+    if config.trigger is not None and not config.trigger.history:
+        raise UnsupportedSetupError(f"{CONFIG_KEY}.trigger needs an optimizer that reports the global "
+                                    "gradient norm (ZeRO-1/2/3, BF16_Optimizer, fp16/bf16 without ZeRO), or, in fp32 "
+                                    "without ZeRO, trigger.history > 0 (the recorder reads every step's norm)")
+
+
+def check_param_grad_trigger(config: LayerGradNormsConfig, replicated: bool) -> None:
+    """In fp32 without ZeRO, the recorder's per-step norm is the whole model's only where every rank holds it
+    all (``replicated``)."""
+    if config.trigger is not None and not replicated:
+        raise UnsupportedSetupError(f"{CONFIG_KEY}.trigger in fp32 without ZeRO under pipeline or tensor "
+                                    "parallelism is not supported (the recorder's per-step norm would be "
+                                    "this rank's stage or shard only); use ZeRO-1/2 or fp16/bf16")
+
+
+def check_supported(optimizer, family_refusals: List[str]) -> None:
+    """Refuse what no adapter measures yet, and what ``family_refusals`` (the adapter's own) names."""
+    refusals = {
+        "ZenFlow": bool(getattr(optimizer, "zenflow", False)),
+        "torch autocast": getattr(optimizer, "torch_autocast_gradscaler", None) is not None,
+        "the Muon optimizer": "muon" in type(optimizer.optimizer).__name__.lower(),
+    }
+    refused = [what for what, present in refusals.items() if present] + family_refusals
+    if refused:
+        raise UnsupportedSetupError(f"{CONFIG_KEY} does not support {', '.join(refused)} yet; "
+                                    f"remove the '{CONFIG_KEY}' block or set enabled=false")
+
+
+def check_moe(engine, family: Optional[type]) -> None:
+    """Mixture-of-Experts is measured under ZeRO stage 1 and 2 without model parallelism.
+
+    There each parameter group's gradient is partitioned over its own ``real_dp_process_group``: the
+    data-parallel group for dense groups, an expert-data-parallel group for expert groups. The ranks of
+    one expert-data-parallel group hold the same experts, and every expert lives in exactly one such
+    group, so each element of the model's gradient lies in exactly one rank's partition and one SUM (and
+    one MAX) over the data-parallel group combines them. Other optimizers reduce and hold expert
+    gradients in ways no test covers yet, and pipeline or tensor parallelism splits the expert groups
+    further, so those combinations are refused, by name.
+    """
+    if not getattr(engine, "has_moe_layers", False):
+        return
+    if family is not ZeroAdapter:
+        raise UnsupportedSetupError(f"{CONFIG_KEY} supports Mixture-of-Experts under ZeRO stage 1 or 2 only; "
+                                    f"this engine uses {type(engine.optimizer).__name__} "
+                                    f"(zero_optimization.stage={engine.zero_optimization_stage()})")
+    if not whole_model_on_each_rank(engine):
+        raise UnsupportedSetupError(f"{CONFIG_KEY} does not support Mixture-of-Experts with pipeline or tensor "
+                                    f"parallelism yet; remove the '{CONFIG_KEY}' block or set enabled=false")
+
+
+def check_no_sequence_parallel(params: List[torch.nn.Parameter], names) -> None:
+    """Megatron's ``--sequence-parallel`` marks the parameters (layer norms) whose gradients stay partial on
+    each tensor-parallel rank until Megatron all-reduces them, after DeepSpeed's optimizer would have read
+    them; nothing tests which of the two it sees, so the set-up is refused."""
+    marked = [names.get(param, "?") for param in params if getattr(param, "sequence_parallel", False)]
+    if marked:
+        raise UnsupportedSetupError(f"{CONFIG_KEY} does not support Megatron's --sequence-parallel (parameters "
+                                    f"marked sequence_parallel: {', '.join(marked[:3])}"
+                                    f"{', ...' if len(marked) > 3 else ''}); run without it or set enabled=false")
+
+
+def _plain_fp32(engine) -> bool:
+    """fp32 without ZeRO and a torch optimizer: every rank holds its averaged gradient in ``.grad``."""
+    return (engine.zero_optimization_stage() == 0 and not engine.fp16_enabled() and not engine.bfloat16_enabled()
+            and isinstance(engine.optimizer, torch.optim.Optimizer))
+
+
+def whole_model_on_each_rank(engine) -> bool:
+    """No pipeline stages, no tensor shards: each rank's gradient is the whole model's."""
+    from deepspeed.runtime.pipe.module import PipelineModule
+
+    return not isinstance(engine.module, PipelineModule) and (engine.mpu is None
+                                                              or engine.mpu.get_model_parallel_world_size() == 1)

@@ -1,0 +1,74 @@
+"""The per-step cost ledger's counts (benchmarks/ledger.py) as CI checks: host syncs and allocations per step.
+
+DESIGN.md section 4: a step that is neither measured nor recorded costs no host synchronisation, a measured
+step one. Counts, not times: one launch of one rank trains ZeRO-2 through every mode and DeepSpeed without
+ZeRO (fp32) through three, and runs the Megatron hook after an iteration with its loss on the device.
+"""
+
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+import ledger  # noqa: E402
+
+from megatron_integration.cpu_launch import launch  # noqa: E402
+
+EXPECTED = {
+    # (family, mode): (host syncs, allocations); None: not checked
+    ("ZeRO-2", "off"): (0, 0),
+    ("ZeRO-2", "quiet"): (0, 0),
+    ("ZeRO-2", "trigger"): (1, 0),  # the trigger reads the global norm
+    ("ZeRO-2", "recorder"): (1, 0),  # the same read; the table goes into the ring in place
+    ("ZeRO-2", "measured"): (1, None),  # the one host copy of the reduced table
+    ("ZeRO-2", "fire"): (2, None),  # the trigger's read, then the ring's host copy
+    ("Megatron hook (ZeRO-2)", "hook, feature off"): (0, 0),
+    ("Megatron hook (ZeRO-2)", "hook, quiet iteration"): (0, 0),
+    ("Megatron hook (ZeRO-2)", "hook, logged iteration"): (0, 0),
+    ("Megatron hook (ZeRO-2)", "hook, loss_factor set"): (1, 0),  # the loss the trigger watches, read
+    ("stage 0 fp32", "quiet"): (0, 0),
+    # the stock operators' one check for non-finite values (partition_stats.accumulate_runs), then the host copy
+    ("stage 0 fp32", "measured"): (2, None),
+}
+
+
+@pytest.fixture(scope="module")
+def rows():
+    plan = {"ZeRO-2": tuple(ledger.MODES), "stage 0 fp32": ("quiet", "measured")}
+    rows = launch(ledger.count_step_costs, 1, plan)[0]
+    return {(row["family"], row["mode"]): row for row in rows}
+
+
+@pytest.mark.parametrize("key", list(EXPECTED), ids=[f"{family}-{mode}" for family, mode in EXPECTED])
+def test_host_syncs_and_allocations_per_step(rows, key):
+    syncs, allocations = EXPECTED[key]
+    row = rows[key]
+    assert row["syncs"] == syncs, row["sync_sites"]
+    if allocations is not None:
+        assert row["allocations"] == allocations, row
+    if key[1] in ("off", "quiet", "hook, quiet iteration"):
+        assert row["ops"] == 0, row  # no work on a tensor at all, per parameter or otherwise
+
+
+def test_the_counter_sees_host_reads_inside_the_call_sites_only():
+    counter = ledger.CallSiteCounter()
+    try:
+        device_tensor = torch.ones(3)
+
+        def reads(tensor):
+            host = tensor.sum().cpu()
+            return float(tensor[0]) + tensor.max().item() + bool(tensor.all()) + host.item() + len(tensor.tolist())
+
+        counter.counting = True
+        reads(device_tensor)  # outside a wrapped call: nothing counted
+        assert counter.take().syncs == 0
+        counter.wrapped(reads)(device_tensor)
+        costs = counter.take()
+        # float, item, bool, tolist and the transfer; the transferred copy's own item is no sync
+        assert costs.syncs == 5, costs.sync_sites
+        assert costs.allocations >= 3 and costs.ops >= 4
+    finally:
+        counter.close()
+    assert "watched" not in repr(torch.Tensor.item)

@@ -76,7 +76,8 @@ class FlightRecorder:
         reduced = reduced.view(self.tables.shape)
         scales_of = dict(zip(filled, resolved))
         replay = Replay()
-        for slot, (highest, neg_lowest, flag) in enumerate(reduced[:, -1, [MAX, NEG_MIN, NUMEL]].tolist()):
+        for slot, status in enumerate(reduced[:, -1].tolist()):
+            highest, neg_lowest, flag = status[MAX], status[NEG_MIN], status[NUMEL]
             if highest == -math.inf:
                 continue  # no rank recorded anything there yet
             if highest != -neg_lowest:

@@ -13,6 +13,8 @@ of the results does on one of them.
 import logging
 from typing import Dict, List, Optional, Union
 
+import torch
+
 from .config import TriggerConfig
 from .on_demand import SpikeTrigger, rank_of_process
 
@@ -40,15 +42,16 @@ class TriggerState:
                                         config.loss_factor,
                                         cooldown=config.refractory_steps(),
                                         overflow_steps=config.overflow_steps)
-        self.loss: Optional[float] = None
+        self.loss: Union[None, float, torch.Tensor] = None
         self.fires: Dict[int, List[dict]] = {}
         """Each kept fire's newly recorded steps, by the step it fired at, oldest fire first."""
         self.published_until = 0
         """The newest step a fire's recorded steps included: a later fire's start after it."""
 
-    def report_loss(self, loss: float) -> None:
-        """The training loop's loss, the same on every rank; judged at the end of the next optimizer step."""
-        self.loss = float(loss)
+    def report_loss(self, loss: Union[float, torch.Tensor]) -> None:
+        """The training loop's loss, the same on every rank; judged at the end of the next optimizer step. A
+        device tensor is kept as it is and read with the global norm, in the step's one host copy."""
+        self.loss = loss.detach() if isinstance(loss, torch.Tensor) else float(loss)
 
     def after_step(self, step: int, global_norm, overflow: bool) -> Optional[dict]:
         """Feed the trigger the step's global gradient norm (the same on every rank) and the loss reported
@@ -56,7 +59,7 @@ class TriggerState:
         loss, self.loss = self.loss, None
         if self.trigger is None:
             return None
-        norm = None if global_norm is None else float(global_norm)
+        norm, loss = _on_host(global_norm, loss)
         fired = self.trigger.update(step, norm, bool(overflow), loss)
         if fired is not None and rank_of_process() == 0:  # the same fire on every rank: one line
             logger.warning("layer_grad_norms: trigger fired at step %d (%s); capturing every layer until step %d",
@@ -84,3 +87,14 @@ class TriggerState:
         if fire is None:
             return self.fires[next(reversed(self.fires))] if self.fires else None
         return self.fires.get(fire)
+
+
+def _on_host(*values) -> List[Optional[float]]:
+    """``values`` (floats, tensors or ``None``) as floats: the tensors among them in one host copy."""
+    tensors = [value for value in values if isinstance(value, torch.Tensor)]
+    if len(tensors) > 1:
+        tensors = torch.cat([tensor.reshape(1).double() for tensor in tensors]).tolist()
+    read = iter(float(value) for value in tensors)
+    return [
+        next(read) if isinstance(value, torch.Tensor) else None if value is None else float(value) for value in values
+    ]

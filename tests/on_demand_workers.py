@@ -47,8 +47,9 @@ def nan_reductions() -> Dict[str, Dict[str, Any]]:
     own MAX all-reduce of ``[NaN, 1]`` against ``[1, NaN]`` (what the coding works around)."""
     from deepspeed import comm as dist
 
+    from deepspeed_patch.partition_stats import accumulate_runs
     from deepspeed_patch.reduction import reduce_stats
-    from deepspeed_patch.statistics import accumulate_runs, empty_stats
+    from deepspeed_patch.statistics import empty_stats
 
     rank, results = dist.get_rank(), {}
     for name, pieces in NAN_CASES.items():

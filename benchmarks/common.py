@@ -28,9 +28,12 @@ def machine() -> str:
     except (OSError, StopIteration):
         pass
     import deepspeed
+    from deepspeed.accelerator import get_accelerator
 
+    accelerator = get_accelerator()
     return (f"{model} ({platform.machine()}), {os.cpu_count()} cores, shared with other jobs; "
-            f"torch {torch.__version__}, DeepSpeed {deepspeed.__version__} (CPU accelerator, gloo)")
+            f"torch {torch.__version__}, DeepSpeed {deepspeed.__version__} ({accelerator.device_name()} "
+            f"accelerator, {accelerator.communication_backend_name()})")
 
 
 def paired_ratios(tagged: Sequence[Tuple[bool, float]]) -> List[float]:

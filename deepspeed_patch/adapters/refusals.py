@@ -13,6 +13,7 @@ from typing import List, Optional
 import torch
 
 from ..config import CONFIG_KEY, LayerGradNormsConfig, UnsupportedSetupError
+from ..optimizer_stats import NEEDS_ADAM, adam_decoupling, adam_rule
 from .zero import ZeroAdapter
 
 
@@ -51,6 +52,29 @@ def check_supported(optimizer, family_refusals: List[str]) -> None:
     if refused:
         raise UnsupportedSetupError(f"{CONFIG_KEY} does not support {', '.join(refused)} yet; "
                                     f"remove the '{CONFIG_KEY}' block or set enabled=false")
+
+
+def check_optimizer_statistics(optimizer, family: Optional[type], config: LayerGradNormsConfig) -> None:
+    """``optimizer_statistics`` is read from ZeRO-1/2's fp32 partitions (not offloaded), and the update and
+    moments from an optimizer of the Adam family (``optimizer_stats.adam_decoupling``)."""
+    kinds = config.optimizer_statistics
+    if not kinds:
+        return
+    key = f"{CONFIG_KEY}.optimizer_statistics={list(kinds)}"
+    if family is not ZeroAdapter:
+        raise UnsupportedSetupError(f"{key}: supported under ZeRO stage 1 or 2 only yet; this engine uses "
+                                    f"{type(optimizer).__name__}")
+    if optimizer.cpu_offload:
+        raise UnsupportedSetupError(f"{key}: ZeRO with offload_optimizer is not supported yet")
+    if set(kinds) & set(NEEDS_ADAM):
+        inner = optimizer.optimizer
+        try:
+            adam_decoupling(inner)
+            for group in inner.param_groups:
+                adam_rule(inner, group)
+        except ValueError as err:
+            raise UnsupportedSetupError(f"{key}: 'update', 'exp_avg' and 'exp_avg_sq' need an Adam optimizer; "
+                                        f"this engine steps {err}") from None
 
 
 def check_moe(engine, family: Optional[type]) -> None:

@@ -105,13 +105,14 @@ class GroupState:
     that read them."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, index: int, partition: torch.Tensor, plan: ChunkPlan,
-                 kinds: tuple) -> None:
+                 kinds: tuple, window: int) -> None:
         self.optimizer = optimizer
         self.index = index
         self.partition = partition
         self.plan = plan
-        derived = "update" in kinds
-        self.windows = window_plans(plan.slices, plan.chunks.device) if derived or set(MOMENTS) & set(kinds) else []
+        self.window = window
+        derived = any(kind != "param" for kind in kinds)
+        self.windows = window_plans(plan.slices, plan.chunks.device, window) if derived else []
         """Per-window plans: the update's pieces, and zero moments before the optimizer's first step."""
 
     def state(self) -> dict:
@@ -137,7 +138,7 @@ class GroupState:
     def _pieces(self, stats: torch.Tensor, scratch: torch.Tensor, fill) -> None:
         """A derived statistic, window by window: ``fill(low, high, out)`` writes elements ``[low, high)``
         into the scratch buffer, which that window's plan then reads."""
-        window = WINDOW
+        window = self.window
         for number, plan in enumerate(self.windows):
             low = number * window
             high = min(low + window, self.partition.numel())
@@ -149,14 +150,19 @@ class OptimizerStatistics:
     """The requested optimizer statistics of a ZeRO-style optimizer: one ``GroupState`` per parameter group,
     and one scratch buffer of at most ``WINDOW`` fp32 elements for the derived ones."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, partitions: List[torch.Tensor], plans: List[ChunkPlan],
-                 kinds: tuple) -> None:
+    def __init__(self,
+                 optimizer: torch.optim.Optimizer,
+                 partitions: List[torch.Tensor],
+                 plans: List[ChunkPlan],
+                 kinds: tuple,
+                 window: int = WINDOW) -> None:
+        """``window``: the scratch buffer's elements (tests make it small)."""
         self.kinds = kinds
         self.groups = [
-            GroupState(optimizer, index, partition, plan, kinds)
+            GroupState(optimizer, index, partition, plan, kinds, window)
             for index, (partition, plan) in enumerate(zip(partitions, plans))
         ]
-        largest = min(WINDOW, max((partition.numel() for partition in partitions), default=0))
+        largest = min(window, max((partition.numel() for partition in partitions), default=0))
         self.scratch: Optional[torch.Tensor] = None
         if any(group.windows for group in self.groups):
             self.scratch = torch.empty(largest, dtype=torch.float32, device=partitions[0].device)

@@ -17,7 +17,7 @@ from zero_workers import DEFAULT_CASE, batches_of_step, ds_config, force_fp16_on
 
 KINDS = ["param", "update", "exp_avg", "exp_avg_sq"]
 OPTIMIZERS = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam, "sgd": torch.optim.SGD}
-DEFAULT = {**DEFAULT_CASE, "optimizer": "adamw", "kinds": KINDS, "lr": 1e-2, "weight_decay": 0.1}
+DEFAULT = {**DEFAULT_CASE, "optimizer": "adamw", "kinds": KINDS, "lr": 1e-2, "weight_decay": 0.1, "options": {}}
 
 
 def full_state(engine, trainable, moments: bool) -> Dict[str, Dict[str, torch.Tensor]]:
@@ -45,7 +45,7 @@ def train(case: Dict[str, Any], block: Dict[str, Any]) -> Dict[str, Any]:
     trainable = list(model.named_parameters())
     options = {"lr": case["lr"]} if case["optimizer"] == "sgd" else {"lr": case["lr"],
                                                                       "weight_decay": case["weight_decay"]}
-    optimizer = OPTIMIZERS[case["optimizer"]]([param for _, param in trainable], **options)
+    optimizer = OPTIMIZERS[case["optimizer"]]([param for _, param in trainable], **options, **case["options"])
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
     key_of = reference_key_of({})
     record = {"measured": [], "reference": [], "collectives": [], "final": None}

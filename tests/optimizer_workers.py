@@ -25,7 +25,7 @@ def full_state(engine, trainable, moments: bool) -> Dict[str, Dict[str, torch.Te
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
     state = {"param": {name: safe_get_full_fp32_param(param).clone() for name, param in trainable}}
-    if not (moments and engine.optimizer.optimizer.state):
+    if not (moments and engine.optimizer.optimizer.state and isinstance(engine.optimizer.optimizer, torch.optim.Adam)):
         return state
     for moment in ("exp_avg", "exp_avg_sq"):
         values = {name: safe_get_full_optimizer_state(param, moment) for name, param in trainable}

@@ -146,6 +146,13 @@ class GroupState:
             accumulate_partition(stats, out, plan)
 
 
+def optimizer_statistics(optimizer: torch.optim.Optimizer, partitions: List[torch.Tensor], plans: List[ChunkPlan],
+                         kinds: tuple) -> Optional["OptimizerStatistics"]:
+    """The reader of ``kinds`` for the fp32 master ``partitions`` that ``optimizer`` (the inner torch
+    optimizer) steps, laid out as their gradients' ``plans``; ``None`` without kinds."""
+    return OptimizerStatistics(optimizer, partitions, plans, kinds) if kinds else None
+
+
 class OptimizerStatistics:
     """The requested optimizer statistics of a ZeRO-style optimizer: one ``GroupState`` per parameter group,
     and one scratch buffer of at most ``WINDOW`` fp32 elements for the derived ones."""

@@ -17,6 +17,8 @@ from megatron_integration.cpu_launch import launch
 TOLERANCE = 1e-4
 """Relative, on norm, min, max and abs_max; abs_min, an element that may be near zero, to this times abs_max."""
 UNEVEN = 5  # layers: partitions of unequal size at 3 ranks
+BF16_OPTIMIZER = {"dtype": "bf16", "grad_accum_dtype": "fp32"}  # at stage 1: BF16_Optimizer
+OFFLOAD = {"zero": {"offload_optimizer": {"device": "cpu"}}, "top": {"zero_force_ds_cpu_optimizer": False}}
 
 CASES = {
     1: {
@@ -32,10 +34,14 @@ CASES = {
         "z2_bf16_adamw_clip": {"stage": 2, "dtype": "bf16", "clip": 0.1, "compare_off": True},
         "z2_fp32_adam_l2": {"stage": 2, "optimizer": "adam"},
         "z2_fp16_overflow_update_zero": {"stage": 2, "dtype": "fp16", "overflow_step": 2, "compare_off": True},
+        "z1_bf16_optimizer_adamw_gas2_clip": {"stage": 1, **BF16_OPTIMIZER, "gas": 2, "clip": 0.1,
+                                              "compare_off": True},
+        "z2_offload_adamw_clip": {"stage": 2, **OFFLOAD, "clip": 0.1, "compare_off": True},
     },
     3: {
         "z1_bf16_adamw_uneven": {"stage": 1, "dtype": "bf16", "layers": UNEVEN, "clip": 0.1},
         "z2_fp32_adamw_gas2_uneven": {"stage": 2, "gas": 2, "layers": UNEVEN, "compare_off": True},
+        "z1_bf16_optimizer_adam_l2_uneven": {"stage": 1, **BF16_OPTIMIZER, "optimizer": "adam", "layers": UNEVEN},
     },
 }
 MEASURED = [(world, name) for world, cases in CASES.items() for name in cases if not name.startswith("refused")]
@@ -88,6 +94,12 @@ def test_each_kind_matches_the_full_fp32_state_per_bucket(world, name):
                     checked += 1
     assert checked == world * len(on["reference"]) * len(kinds) * len(reference["param"])
     print(f"{name}: {checked} bucket statistics, worst relative error {worst:.2e}")
+
+
+def test_the_cases_cover_zero_and_bf16_optimizer():
+    """The optimizer classes the measured cases ran under, as DeepSpeed picked them."""
+    families = {result_of(world, name)[0]["on"]["optimizer"] for world, name in MEASURED if world < 3}
+    assert families == {"DeepSpeedZeroOptimizer", "BF16_Optimizer"}
 
 
 def test_a_skipped_step_updates_nothing():

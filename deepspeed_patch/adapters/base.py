@@ -190,6 +190,10 @@ class OptimizerAdapter(LayerGradNormsAdapter):
     def overflow(self) -> bool:
         return bool(self.optimizer.overflow)
 
+    def read_optimizer_state(self, measurement: Measurement, overflow: bool) -> None:
+        """The families with fp32 master partitions (ZeRO-1/2, BF16_Optimizer) set ``optimizer_statistics``."""
+        self.optimizer_statistics.accumulate(measurement.kind_stats, skipped=overflow)
+
     def global_norm(self) -> Optional[float]:
         return self.optimizer._global_grad_norm
 

@@ -14,6 +14,7 @@ import torch
 
 from ..config import CONFIG_KEY, LayerGradNormsConfig, UnsupportedSetupError
 from ..optimizer_stats import NEEDS_ADAM, adam_decoupling, adam_rule
+from .bf16 import BF16Adapter
 from .zero import ZeroAdapter
 
 
@@ -55,17 +56,16 @@ def check_supported(optimizer, family_refusals: List[str]) -> None:
 
 
 def check_optimizer_statistics(optimizer, family: Optional[type], config: LayerGradNormsConfig) -> None:
-    """``optimizer_statistics`` is read from ZeRO-1/2's fp32 partitions (not offloaded), and the update and
-    moments from an optimizer of the Adam family (``optimizer_stats.adam_decoupling``)."""
+    """``optimizer_statistics`` is read from the fp32 master partitions of ZeRO-1/2 (on the device or offloaded)
+    and BF16_Optimizer, and the update and moments from an optimizer of the Adam family
+    (``optimizer_stats.adam_decoupling``)."""
     kinds = config.optimizer_statistics
     if not kinds:
         return
     key = f"{CONFIG_KEY}.optimizer_statistics={list(kinds)}"
-    if family is not ZeroAdapter:
-        raise UnsupportedSetupError(f"{key}: supported under ZeRO stage 1 or 2 only yet; this engine uses "
-                                    f"{type(optimizer).__name__}")
-    if optimizer.cpu_offload:
-        raise UnsupportedSetupError(f"{key}: ZeRO with offload_optimizer is not supported yet")
+    if family not in (ZeroAdapter, BF16Adapter):
+        raise UnsupportedSetupError(f"{key}: supported under ZeRO stage 1 or 2 and BF16_Optimizer only yet; this "
+                                    f"engine uses {type(optimizer).__name__}")
     if set(kinds) & set(NEEDS_ADAM):
         inner = optimizer.optimizer
         try:

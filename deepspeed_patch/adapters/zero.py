@@ -17,7 +17,7 @@ from typing import List
 import torch
 from deepspeed import comm as dist
 
-from ..optimizer_stats import OptimizerStatistics
+from ..optimizer_stats import optimizer_statistics
 from ..partition_slices import PartitionSlices, partition_runs, slices_of_runs
 from ..partition_stats import ChunkPlan, chunk_plan
 from .base import Setup, ZeroPartitionsAdapter, group_of, observe_chunks
@@ -32,11 +32,9 @@ class ZeroAdapter(ZeroPartitionsAdapter):
             chunk_plan(_group_slices(optimizer, index, setup), device) for index in range(len(optimizer.bit16_groups))
         ]
         super().__init__(optimizer, setup, len(self.plans), device)
-        self.optimizer_statistics = None
-        if self.kinds:
-            self.optimizer_statistics = OptimizerStatistics(optimizer.optimizer,
-                                                            optimizer.single_partition_of_fp32_groups, self.plans,
-                                                            self.kinds)
+        self.optimizer_statistics = optimizer_statistics(optimizer.optimizer,
+                                                         optimizer.single_partition_of_fp32_groups, self.plans,
+                                                         self.kinds)
 
     @staticmethod
     def handles(optimizer) -> bool:
@@ -59,10 +57,6 @@ class ZeroAdapter(ZeroPartitionsAdapter):
             flat_grad = grad_groups_flat[0]
             index = group_of(self.optimizer.single_partition_of_fp32_groups, flat_grad)
             self.observe_group(measurement, index, flat_grad, total_norm, self.capabilities.zero_zeroes_invalid_norm)
-
-    def read_optimizer_state(self, measurement, overflow: bool) -> None:
-        """After the step: the fp32 master partitions, their Adam moments and the update, per bucket."""
-        self.optimizer_statistics.accumulate(measurement.kind_stats, skipped=overflow)
 
     def observe_skipped(self, measurement, index: int, plan: ChunkPlan) -> None:
         """Group ``index``'s gradient on a skipped step: the offloaded fp32 partition, the flat partition a

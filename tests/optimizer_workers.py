@@ -16,7 +16,16 @@ from setup_workers import counting_collectives
 from zero_workers import DEFAULT_CASE, batches_of_step, ds_config, force_fp16_on_cpu, install_feature, model_config
 
 KINDS = ["param", "update", "exp_avg", "exp_avg_sq"]
-OPTIMIZERS = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam, "sgd": torch.optim.SGD}
+
+
+def cpu_adam(params, **options) -> torch.optim.Optimizer:
+    """DeepSpeedCPUAdam (its host kernel is built on first use, which takes minutes)."""
+    from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+    return DeepSpeedCPUAdam(params, **options)
+
+
+OPTIMIZERS = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam, "sgd": torch.optim.SGD, "cpu_adam": cpu_adam}
 DEFAULT = {**DEFAULT_CASE, "optimizer": "adamw", "kinds": KINDS, "lr": 1e-2, "weight_decay": 0.1, "options": {}}
 
 
@@ -25,7 +34,8 @@ def full_state(engine, trainable, moments: bool) -> Dict[str, Dict[str, torch.Te
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
     state = {"param": {name: safe_get_full_fp32_param(param).clone() for name, param in trainable}}
-    if not (moments and engine.optimizer.optimizer.state and isinstance(engine.optimizer.optimizer, torch.optim.Adam)):
+    inner = engine.optimizer.optimizer
+    if not (moments and inner.state and not isinstance(inner, torch.optim.SGD)):
         return state
     for moment in ("exp_avg", "exp_avg_sq"):
         values = {name: safe_get_full_optimizer_state(param, moment) for name, param in trainable}

@@ -42,6 +42,8 @@ CASES = {
         "z1_bf16_adamw_uneven": {"stage": 1, "dtype": "bf16", "layers": UNEVEN, "clip": 0.1},
         "z2_fp32_adamw_gas2_uneven": {"stage": 2, "gas": 2, "layers": UNEVEN, "compare_off": True},
         "z1_bf16_optimizer_adam_l2_uneven": {"stage": 1, **BF16_OPTIMIZER, "optimizer": "adam", "layers": UNEVEN},
+        "z2_offload_cpu_adam_uneven": {"stage": 2, "zero": OFFLOAD["zero"], "optimizer": "cpu_adam", "layers": UNEVEN,
+                                       "clip": 0.1},
     },
 }
 MEASURED = [(world, name) for world, cases in CASES.items() for name in cases if not name.startswith("refused")]

@@ -181,22 +181,13 @@ class LayerGradNormsConfig(DeepSpeedConfigModel):
     @field_validator("statistics", mode="before")
     @classmethod
     def _validate_statistics(cls, value: Any) -> Tuple[str, ...]:
-        if isinstance(value, str) or not isinstance(value, (list, tuple)):
-            raise ValueError(f"expected a list of statistics from {list(EXTRA_STATISTICS)}")
-        unknown = [name for name in value if name not in EXTRA_STATISTICS]
-        if unknown:
-            raise ValueError(f"unknown statistic {unknown[0]!r}; known: {list(EXTRA_STATISTICS)}")
-        return tuple(value)
+        return tuple(_names_from(value, EXTRA_STATISTICS, "statistic"))
 
     @field_validator("optimizer_statistics", mode="before")
     @classmethod
     def _validate_optimizer_statistics(cls, value: Any) -> Tuple[str, ...]:
-        if isinstance(value, str) or not isinstance(value, (list, tuple)):
-            raise ValueError(f"expected a list drawn from {list(OPTIMIZER_STATISTICS)}")
-        unknown = [name for name in value if name not in OPTIMIZER_STATISTICS]
-        if unknown:
-            raise ValueError(f"unknown optimizer statistic {unknown[0]!r}; known: {list(OPTIMIZER_STATISTICS)}")
-        return tuple(name for name in OPTIMIZER_STATISTICS if name in value)
+        names = _names_from(value, OPTIMIZER_STATISTICS, "optimizer statistic")
+        return tuple(name for name in OPTIMIZER_STATISTICS if name in names)
 
     @model_validator(mode="after")
     def _optimizer_statistics_not_recorded(self) -> "LayerGradNormsConfig":
@@ -212,6 +203,16 @@ class LayerGradNormsConfig(DeepSpeedConfigModel):
             raise ValueError(f"granularity={self.granularity!r} with group_by={self.group_by!r}: "
                              "'group_by' is needed with, and only with, granularity 'group_by'")
         return self
+
+
+def _names_from(value: Any, known: Tuple[str, ...], what: str) -> List[str]:
+    """``value`` checked to be a list of names from ``known`` (each a ``what``)."""
+    if isinstance(value, str) or not isinstance(value, (list, tuple)):
+        raise ValueError(f"expected a list of {what}s from {list(known)}")
+    unknown = [name for name in value if name not in known]
+    if unknown:
+        raise ValueError(f"unknown {what} {unknown[0]!r}; known: {list(known)}")
+    return list(value)
 
 
 def load_config(param_dict: dict) -> LayerGradNormsConfig:

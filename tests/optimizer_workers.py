@@ -26,7 +26,9 @@ def cpu_adam(params, **options) -> torch.optim.Optimizer:
 
 
 OPTIMIZERS = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam, "sgd": torch.optim.SGD, "cpu_adam": cpu_adam}
-DEFAULT = {**DEFAULT_CASE, "optimizer": "adamw", "kinds": KINDS, "lr": 1e-2, "weight_decay": 0.1, "options": {}}
+DEFAULT = {
+    **DEFAULT_CASE, "layers": 2, "optimizer": "adamw", "kinds": KINDS, "lr": 1e-2, "weight_decay": 0.1, "options": {}
+}
 
 
 def full_state(engine, trainable, moments: bool) -> Dict[str, Dict[str, torch.Tensor]]:

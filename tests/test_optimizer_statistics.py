@@ -208,3 +208,23 @@ def test_the_update_in_small_windows_matches_the_step():
                 assert math.isclose(table[bucket, SUMSQ].item(), expected, rel_tol=TOLERANCE), (kind, bucket)
                 checked += 1
     assert checked == 2 * len(KINDS) * len(runs)
+
+
+def test_before_the_first_step_the_moments_and_update_are_zero():
+    """A step the loss scaler skips before the optimizer ever stepped (fp16's first steps): no state yet, so
+    zero moments and a zero update, over every element of each bucket; the weights as they are."""
+    from deepspeed_patch.optimizer_stats import OptimizerStatistics
+    from deepspeed_patch.partition_slices import slices_of_runs
+    from deepspeed_patch.partition_stats import STOCK, chunk_plan
+    from deepspeed_patch.statistics import MAX, NEG_ABS_MIN, NUMEL, SUMSQ, empty_stats
+
+    torch.manual_seed(0)
+    flat = torch.nn.Parameter(torch.randn(100))
+    optimizer = torch.optim.AdamW([flat], lr=1e-2)
+    plan = chunk_plan(slices_of_runs([(0, 40, 0), (40, 60, 1)]), "cpu", kernel=STOCK)
+    tables = {kind: empty_stats(2, "cpu") for kind in KINDS}
+    OptimizerStatistics(optimizer, [flat], [plan], tuple(KINDS), window=32).accumulate(tables, skipped=True)
+    assert tables["param"][:, SUMSQ].sum().item() == pytest.approx(flat.detach().double().square().sum().item())
+    for kind in KINDS[1:]:
+        assert tables[kind][:, NUMEL].tolist() == [40, 60]
+        assert tables[kind][:, [SUMSQ, MAX, NEG_ABS_MIN]].abs().sum().item() == 0, kind

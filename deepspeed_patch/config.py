@@ -26,6 +26,8 @@ LAYER_SPEC_FORMS = '"all", a list such as [0, 1, "mid", -2, -1], or the string "
 GRANULARITIES = ("layer", "param", "group_by")
 # Statistics beyond norm, min, max, abs_min, abs_max and nonfinite, which are always reported.
 EXTRA_STATISTICS = ("l1", "mean", "zeros", "numel")
+# What an optimizer step did, per bucket (``optimizer_stats``): fp32 master weights, update and Adam moments.
+OPTIMIZER_STATISTICS = ("param", "update", "exp_avg", "exp_avg_sq")
 
 
 class LayerGradNormsConfigError(ValueError):
@@ -141,6 +143,11 @@ class LayerGradNormsConfig(DeepSpeedConfigModel):
     """Extra statistics, computed in the same pass: ``l1`` (sum of absolute values), ``mean``,
     ``zeros`` (count of exact zeros), ``numel``."""
 
+    optimizer_statistics: Tuple[str, ...] = ()
+    """What the optimizer step did, per bucket, on measured steps: ``param`` (fp32 master weights after the
+    step), ``update`` (after minus before), ``exp_avg``, ``exp_avg_sq`` (Adam's moments after the step);
+    each a result key of its own. Empty: off."""
+
     trigger: Optional[TriggerConfig] = None
     """Switch full capture on after a spike; see ``TriggerConfig``."""
 
@@ -185,12 +192,21 @@ class LayerGradNormsConfig(DeepSpeedConfigModel):
     @field_validator("statistics", mode="before")
     @classmethod
     def _validate_statistics(cls, value: Any) -> Tuple[str, ...]:
-        if isinstance(value, str) or not isinstance(value, (list, tuple)):
-            raise ValueError(f"expected a list of statistics from {list(EXTRA_STATISTICS)}")
-        unknown = [name for name in value if name not in EXTRA_STATISTICS]
-        if unknown:
-            raise ValueError(f"unknown statistic {unknown[0]!r}; known: {list(EXTRA_STATISTICS)}")
-        return tuple(value)
+        return tuple(_names_from(value, EXTRA_STATISTICS, "statistic"))
+
+    @field_validator("optimizer_statistics", mode="before")
+    @classmethod
+    def _validate_optimizer_statistics(cls, value: Any) -> Tuple[str, ...]:
+        names = _names_from(value, OPTIMIZER_STATISTICS, "optimizer statistic")
+        return tuple(name for name in OPTIMIZER_STATISTICS if name in names)
+
+    @model_validator(mode="after")
+    def _optimizer_statistics_not_recorded(self) -> "LayerGradNormsConfig":
+        if self.optimizer_statistics and self.trigger is not None and self.trigger.history:
+            raise ValueError(f"optimizer_statistics={list(self.optimizer_statistics)} with trigger.history="
+                             f"{self.trigger.history}: the flight recorder does not carry optimizer statistics "
+                             "yet; drop one of the two")
+        return self
 
     @model_validator(mode="after")
     def _group_by_goes_with_its_granularity(self) -> "LayerGradNormsConfig":
@@ -198,6 +214,16 @@ class LayerGradNormsConfig(DeepSpeedConfigModel):
             raise ValueError(f"granularity={self.granularity!r} with group_by={self.group_by!r}: "
                              "'group_by' is needed with, and only with, granularity 'group_by'")
         return self
+
+
+def _names_from(value: Any, known: Tuple[str, ...], what: str) -> List[str]:
+    """``value`` checked to be a list of names from ``known`` (each a ``what``)."""
+    if isinstance(value, str) or not isinstance(value, (list, tuple)):
+        raise ValueError(f"expected a list of {what}s from {list(known)}")
+    unknown = [name for name in value if name not in known]
+    if unknown:
+        raise ValueError(f"unknown {what} {unknown[0]!r}; known: {list(known)}")
+    return list(value)
 
 
 def load_config(param_dict: dict) -> LayerGradNormsConfig:

@@ -41,14 +41,21 @@ class Measurement:
                  device,
                  extra: Sequence[str],
                  failed: bool = False,
-                 table: Optional[torch.Tensor] = None) -> None:
+                 table: Optional[torch.Tensor] = None,
+                 kinds: Sequence[str] = ()) -> None:
         """``num_groups``: the parameter groups to observe before the step is complete; ``failed``: a
         failure already known on this rank, to be announced through ``finish``; ``table``: a
-        ``(num_buckets + 1, 9)`` buffer to fill (the owner's, reset here in place, so that a step allocates
-        no table), else a new one. Its last row is the status row ``local_table`` writes."""
+        ``(table_rows(num_buckets, kinds), 9)`` buffer to fill (the owner's, reset here in place, so that a
+        step allocates no table), else a new one. Its last row is the status row ``local_table`` writes;
+        ``kinds`` (``optimizer_statistics``) add one block of ``num_buckets`` rows each after the gradient's."""
         self.step = step
-        self.table = empty_stats(num_buckets + 1, device) if table is None else reset_stats(table)
-        self.stats = self.table[:-1]
+        rows = table_rows(num_buckets, kinds)
+        self.table = empty_stats(rows, device) if table is None else reset_stats(table)
+        self.stats = self.table[:num_buckets]
+        self.kinds = tuple(kinds)
+        blocks = self.table[:-1].view(1 + len(kinds), num_buckets, -1)
+        self.kind_stats = dict(zip(kinds, blocks[1:]))
+        """The rows of each optimizer statistic (``optimizer_stats``), views of the one table."""
         self.num_groups = num_groups
         self.extra = extra
         self.observed = set()
@@ -138,7 +145,8 @@ class Measurement:
                           self.applied_scale,
                           self.clip_norm,
                           self.scale_of_norm,
-                          clip_by_status=self.clip_square is not None)
+                          clip_by_status=self.clip_square is not None,
+                          kinds=self.kinds)
 
     def finish(self, group, overflow: bool, keys: Sequence[Hashable], selected: Sequence[Hashable]) -> Optional[dict]:
         """Reduce the step across ``group`` (``reduce_stats``; every rank must call it) and return the
@@ -152,6 +160,12 @@ class Measurement:
 
 
 NormFormula = Tuple[torch.Tensor, Callable[[float], float]]
+
+
+def table_rows(num_buckets: int, kinds: Sequence[str] = ()) -> int:
+    """The rows of a step's table: the gradient's buckets, one block of buckets per optimizer statistic,
+    the status row."""
+    return num_buckets * (1 + len(kinds)) + 1
 
 
 @dataclass(frozen=True)
@@ -171,6 +185,8 @@ class StepScales:
     ``host_copy`` (then ``None``)."""
     clip_by_status: bool = False
     """``clip_norm`` applies to the norm whose square the status row carries, not to the table's total."""
+    kinds: Tuple[str, ...] = ()
+    """The optimizer statistics whose blocks of rows follow the gradient's in the table."""
 
 
 def host_copy(reduced: torch.Tensor, scales: Sequence[StepScales]) -> Tuple[torch.Tensor, List[StepScales]]:
@@ -190,22 +206,29 @@ def step_result(stats: torch.Tensor, scales: StepScales, keys: Sequence[Hashable
                 extra: Sequence[str]) -> Optional[dict]:
     """The result dict of one step from its reduced table (status row last, on the host) and its resolved
     scales: ``step``, ``overflow``, ``clip_coef``, ``pre_clip`` and ``post_clip`` of the ``selected``
-    buckets; ``None`` when the status row says a rank failed to measure the step."""
+    buckets, and one key per optimizer statistic (``scales.kinds``), unscaled; ``None`` when the status row
+    says a rank failed to measure the step."""
     if stats[-1, NUMEL] > 0:
         return None
+    blocks = stats[:-1].view(1 + len(scales.kinds), -1, stats.shape[1])
+    gradient = blocks[0]
     applied_scale = scales.applied_scale
     if scales.clip_norm:
-        norm = math.sqrt(stats[-1, SUMSQ]) if scales.clip_by_status else total_norm(stats[:-1])
+        norm = math.sqrt(stats[-1, SUMSQ]) if scales.clip_by_status else total_norm(gradient)
         applied_scale = torch_clip_divisor(norm, scales.clip_norm)
-    pre_clip = bucket_results(stats[:-1], keys, selected, 1.0 / scales.gradient_scale, extra)
+    pre_clip = bucket_results(gradient, keys, selected, 1.0 / scales.gradient_scale, extra)
     clip_coef = post_clip = None
     if not scales.overflow:
         clip_coef = scales.gradient_scale / applied_scale
-        post_clip = bucket_results(stats[:-1], keys, selected, 1.0 / applied_scale, extra)
-    return {
+        post_clip = bucket_results(gradient, keys, selected, 1.0 / applied_scale, extra)
+    result = {
         "step": scales.step,
         "overflow": scales.overflow,
         "clip_coef": clip_coef,
         "pre_clip": pre_clip,
         "post_clip": post_clip
     }
+    result.update(
+        (kind, bucket_results(block, keys, selected, 1.0, extra)) for kind, block in zip(scales.kinds, blocks[1:]))
+    return result
+

@@ -31,6 +31,7 @@ from .param_grads import ParamGradAdapter
 from .refusals import (
     check_moe,
     check_no_sequence_parallel,
+    check_optimizer_statistics,
     check_param_grad_trigger,
     check_param_grads,
     check_supported,
@@ -58,6 +59,7 @@ def attach(engine) -> Optional[LayerGradNormsAdapter]:
     optimizer = engine.optimizer
     family = next((family for family in OPTIMIZER_FAMILIES if family.handles(optimizer)), None)
     check_moe(engine, family)
+    check_optimizer_statistics(optimizer, family, config)
     if family is None:
         return _param_grad_adapter(engine, config)
     check_supported(optimizer, family.unsupported(optimizer, engine.param_names, capabilities.installed()))

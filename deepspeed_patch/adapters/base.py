@@ -38,7 +38,7 @@ from ..capabilities import Capabilities
 from ..clipping import zero_unscale_divisor
 from ..config import LayerGradNormsConfig
 from ..layer_map import LayerMap
-from ..measurement import Measurement
+from ..measurement import Measurement, table_rows
 from ..partition_stats import ChunkPlan
 from ..publish import Publisher
 from ..recorder import FlightRecorder, Replay
@@ -83,10 +83,11 @@ class LayerGradNormsAdapter:
         self.layer_map = setup.layer_map
         self.group = setup.group
         self.extra = setup.config.statistics
+        self.kinds = setup.config.optimizer_statistics
         self.num_groups = num_groups
         self.device = device
         self.measurement: Optional[Measurement] = None
-        self.table = empty_stats(self.layer_map.num_rows + 1, device)
+        self.table = empty_stats(table_rows(self.layer_map.num_rows, self.kinds), device)
         """Every measured or recorded step's table and status row, filled in place (``Measurement``)."""
         self.reporting = False
         """Whether the step under way is measured (reduced and published), not only recorded."""
@@ -107,7 +108,8 @@ class LayerGradNormsAdapter:
                                        self.device,
                                        self.extra,
                                        failed=self.latch.failed_locally,
-                                       table=self.table)
+                                       table=self.table,
+                                       kinds=self.kinds)
         with self.measurement.guarded("reading the gradients"):
             self.read_at_begin(self.measurement)
 
@@ -136,6 +138,9 @@ class LayerGradNormsAdapter:
         step = measurement.step
         with measurement.guarded("reading the applied scale"):
             self.read_at_end(measurement, overflow)
+        if measurement.kinds:
+            with measurement.guarded("reading the optimizer state"):
+                self.read_optimizer_state(measurement, overflow)
         if self.recorder is not None:
             with self.latch.failing_locally("recording the step", step):
                 self.recorder.push(measurement.local_table(), measurement.scales(overflow))
@@ -171,6 +176,11 @@ class LayerGradNormsAdapter:
 
     def read_at_end(self, measurement: Measurement, overflow: bool) -> None:
         """Families whose applied scale is known only once the step is done record it here."""
+
+    def read_optimizer_state(self, measurement: Measurement, overflow: bool) -> None:
+        """After the optimizer step, on a measured step with ``optimizer_statistics``: fold the requested
+        kinds into ``measurement.kind_stats`` (families that can, see ``refusals.check_optimizer_statistics``)."""
+        raise NotImplementedError(f"{type(self).__name__} has no optimizer statistics")
 
     def applied_scale(self, combined_scale) -> None:
         """On what an optimizer's ``unscale_and_clip_grads`` returns, where it returns the one factor it
@@ -228,6 +238,10 @@ class OptimizerAdapter(LayerGradNormsAdapter):
 
     def overflow(self) -> bool:
         return bool(self.optimizer.overflow)
+
+    def read_optimizer_state(self, measurement: Measurement, overflow: bool) -> None:
+        """The families with fp32 master partitions (ZeRO-1/2, BF16_Optimizer) set ``optimizer_statistics``."""
+        self.optimizer_statistics.accumulate(measurement.kind_stats, skipped=overflow)
 
     def global_norm(self) -> Optional[float]:
         return self.optimizer._global_grad_norm

@@ -16,6 +16,7 @@ from deepspeed import comm as dist
 
 from ..clipping import bf16_clip_divisor
 from ..measurement import Measurement
+from ..optimizer_stats import optimizer_statistics
 from ..partition_slices import PartitionSlices, back_to_back_ranges, partition_runs, slices_of_runs
 from ..partition_stats import chunk_plan
 from .base import OptimizerAdapter, Setup
@@ -31,6 +32,8 @@ class BF16Adapter(OptimizerAdapter):
             for index in range(len(optimizer.bf16_groups))
         ]
         super().__init__(optimizer, setup, len(self.plans), device)
+        self.optimizer_statistics = optimizer_statistics(optimizer.optimizer, optimizer.fp32_groups_flat_partition,
+                                                         self.plans, self.kinds)
 
     @staticmethod
     def handles(optimizer) -> bool:

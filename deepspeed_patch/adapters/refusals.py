@@ -13,6 +13,8 @@ from typing import List, Optional
 import torch
 
 from ..config import CONFIG_KEY, LayerGradNormsConfig, UnsupportedSetupError
+from ..optimizer_stats import NEEDS_ADAM, adam_decoupling, adam_rule
+from .bf16 import BF16Adapter
 from .zero import ZeroAdapter
 
 
@@ -51,6 +53,28 @@ def check_supported(optimizer, family_refusals: List[str]) -> None:
     if refused:
         raise UnsupportedSetupError(f"{CONFIG_KEY} does not support {', '.join(refused)} yet; "
                                     f"remove the '{CONFIG_KEY}' block or set enabled=false")
+
+
+def check_optimizer_statistics(optimizer, family: Optional[type], config: LayerGradNormsConfig) -> None:
+    """``optimizer_statistics`` is read from the fp32 master partitions of ZeRO-1/2 (on the device or offloaded)
+    and BF16_Optimizer, and the update and moments from an optimizer of the Adam family
+    (``optimizer_stats.adam_decoupling``)."""
+    kinds = config.optimizer_statistics
+    if not kinds:
+        return
+    key = f"{CONFIG_KEY}.optimizer_statistics={list(kinds)}"
+    if family not in (ZeroAdapter, BF16Adapter):
+        raise UnsupportedSetupError(f"{key}: supported under ZeRO stage 1 or 2 and BF16_Optimizer only yet; this "
+                                    f"engine uses {type(optimizer).__name__}")
+    if set(kinds) & set(NEEDS_ADAM):
+        inner = optimizer.optimizer
+        try:
+            adam_decoupling(inner)
+            for group in inner.param_groups:
+                adam_rule(inner, group)
+        except ValueError as err:
+            raise UnsupportedSetupError(f"{key}: 'update', 'exp_avg' and 'exp_avg_sq' need an Adam optimizer; "
+                                        f"this engine steps {err}") from None
 
 
 def check_moe(engine, family: Optional[type]) -> None:

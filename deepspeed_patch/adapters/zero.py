@@ -17,6 +17,7 @@ from typing import List
 import torch
 from deepspeed import comm as dist
 
+from ..optimizer_stats import optimizer_statistics
 from ..partition_slices import PartitionSlices, partition_runs, slices_of_runs
 from ..partition_stats import ChunkPlan, chunk_plan
 from .base import Setup, ZeroPartitionsAdapter, group_of, observe_chunks
@@ -31,6 +32,9 @@ class ZeroAdapter(ZeroPartitionsAdapter):
             chunk_plan(_group_slices(optimizer, index, setup), device) for index in range(len(optimizer.bit16_groups))
         ]
         super().__init__(optimizer, setup, len(self.plans), device)
+        self.optimizer_statistics = optimizer_statistics(optimizer.optimizer,
+                                                         optimizer.single_partition_of_fp32_groups, self.plans,
+                                                         self.kinds)
 
     @staticmethod
     def handles(optimizer) -> bool:

@@ -1,0 +1,182 @@
+# Copyright (c) Microsoft Corporation.
+# SPDX-License-Identifier: Apache-2.0
+
+# DeepSpeed Team
+"""What an optimizer step did to each bucket (``optimizer_statistics``): the fp32 master weights after the
+step, the Adam moments after it, and the update (after minus before).
+
+The fp32 master partition and its moments have the layout of the flat gradient partition, so the gradient's
+``ChunkPlan`` reads each of them in one fused pass (``accumulate_partition``). The update is not read from a
+copy of the partition taken before the step: it is derived from the weights and moments after the step and the
+Adam family's rule (``AdamRule``), piece by piece into one bounded scratch buffer, each piece read with a chunk
+plan of its own window (``WindowPlans``).
+"""
+
+import math
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Optional
+
+import torch
+
+from .partition_slices import PartitionSlices, slices_of_runs
+from .partition_stats import ChunkPlan, accumulate_partition, chunk_plan
+
+MOMENTS = ("exp_avg", "exp_avg_sq")
+NEEDS_ADAM = ("update", ) + MOMENTS
+# The most elements one piece of a derived statistic (the update, or zeros) holds in the scratch buffer.
+WINDOW = 1 << 20
+
+
+@dataclass(frozen=True)
+class AdamRule:
+    """One parameter group's Adam step: ``p <- p * (1 - lr * wd) - a`` with decoupled weight decay (AdamW),
+    ``p <- p - a`` with L2 in the gradient (Adam), where ``a = lr / bc1 * m / (sqrt(v) / sqrt(bc2) + eps)``
+    for the moments ``m``, ``v`` after the step and the bias corrections ``bc = 1 - beta ** step`` (1 without
+    bias correction)."""
+
+    lr: float
+    beta1: float
+    beta2: float
+    eps: float
+    weight_decay: float
+    decoupled: bool
+    bias_correction: bool
+
+    def update_into(self, out: torch.Tensor, param: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
+                    step: float) -> torch.Tensor:
+        """The update of one piece, written into ``out`` (same length): after minus before, in the order of
+        operations torch's Adam uses, so that it matches the step to rounding."""
+        bc1 = 1 - self.beta1**step if self.bias_correction else 1.0
+        bc2 = 1 - self.beta2**step if self.bias_correction else 1.0
+        torch.sqrt(exp_avg_sq, out=out).div_(math.sqrt(bc2)).add_(self.eps)
+        torch.div(exp_avg, out, out=out).mul_(self.lr / bc1)
+        if self.decoupled and self.weight_decay:
+            decay = self.lr * self.weight_decay
+            out.add_(param, alpha=decay).div_(1 - decay)
+        return out.neg_()
+
+
+def adam_rule(optimizer: torch.optim.Optimizer, group: dict) -> AdamRule:
+    """The rule of ``optimizer``'s parameter ``group``; ``ValueError`` naming what is not supported."""
+    decoupled = adam_decoupling(optimizer)
+    for flag in ("amsgrad", "maximize"):
+        if group.get(flag):
+            raise ValueError(f"{type(optimizer).__name__} with {flag}=True")
+    beta1, beta2 = group["betas"]
+    return AdamRule(lr=float(group["lr"]),
+                    beta1=float(beta1),
+                    beta2=float(beta2),
+                    eps=float(group["eps"]),
+                    weight_decay=float(group.get("weight_decay", 0.0)),
+                    decoupled=decoupled(group),
+                    bias_correction=bool(group.get("bias_correction", True)))
+
+
+def adam_decoupling(optimizer: torch.optim.Optimizer) -> Callable[[dict], bool]:
+    """Whether a group of ``optimizer`` decays weights decoupled (AdamW) or as L2 in the gradient (Adam), for
+    the Adam family whose semantics this module follows; ``ValueError`` naming any other optimizer."""
+    from deepspeed.ops.adam import DeepSpeedCPUAdam, FusedAdam
+
+    if isinstance(optimizer, torch.optim.Adam):  # AdamW too: a subclass with decoupled_weight_decay
+        return lambda group: bool(group.get("decoupled_weight_decay", False))
+    if isinstance(optimizer, (FusedAdam, DeepSpeedCPUAdam)):
+        return lambda group: bool(optimizer.adam_w_mode)
+    raise ValueError(f"{type(optimizer).__name__} (supported: torch.optim.Adam, torch.optim.AdamW, FusedAdam, "
+                     "DeepSpeedCPUAdam)")
+
+
+def window_plans(slices: PartitionSlices, device, window: int = WINDOW) -> List[ChunkPlan]:
+    """The chunk plans of ``slices`` cut into windows of ``window`` elements, each relative to its window's
+    start: window ``k`` reads elements ``[k * window, (k + 1) * window)`` of the partition."""
+    end = max((start + length for start, length in zip(slices.starts, slices.lengths)), default=0)
+    buckets = slices.buckets.tolist()
+    plans = []
+    for low in range(0, end, window):
+        high = low + window
+        runs = [(max(start, low) - low, min(start + length, high) - max(start, low), bucket)
+                for start, length, bucket in zip(slices.starts, slices.lengths, buckets)
+                if start < high and start + length > low]
+        plans.append(chunk_plan(slices_of_runs(runs, device), device))
+    return plans
+
+
+class GroupState:
+    """One parameter group's fp32 master partition, its optimizer state and hyper-parameters, and the plans
+    that read them."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, index: int, partition: torch.Tensor, plan: ChunkPlan,
+                 kinds: tuple, window: int) -> None:
+        self.optimizer = optimizer
+        self.index = index
+        self.partition = partition
+        self.plan = plan
+        self.window = window
+        derived = any(kind != "param" for kind in kinds)
+        self.windows = window_plans(plan.slices, plan.chunks.device, window) if derived else []
+        """Per-window plans: the update's pieces, and zero moments before the optimizer's first step."""
+
+    def state(self) -> dict:
+        return self.optimizer.state.get(self.partition, {})
+
+    def accumulate(self, kind: str, stats: torch.Tensor, scratch: torch.Tensor, skipped: bool) -> None:
+        """Fold ``kind`` of this group into ``stats`` (its block of the table)."""
+        state = self.state()
+        if kind == "param":
+            accumulate_partition(stats, self.partition.detach(), self.plan)
+        elif kind in MOMENTS and kind in state:
+            accumulate_partition(stats, state[kind], self.plan)
+        elif kind in MOMENTS or skipped or "exp_avg" not in state:  # no step yet, or a skipped one: zeros
+            self._pieces(stats, scratch, lambda low, high, out: out.zero_())
+        else:
+            rule = adam_rule(self.optimizer, self.optimizer.param_groups[self.index])
+            step = float(state["step"])
+            flat = self.partition.detach()
+            self._pieces(
+                stats, scratch, lambda low, high, out: rule.update_into(out, flat[low:high], state["exp_avg"][
+                    low:high], state["exp_avg_sq"][low:high], step))
+
+    def _pieces(self, stats: torch.Tensor, scratch: torch.Tensor, fill) -> None:
+        """A derived statistic, window by window: ``fill(low, high, out)`` writes elements ``[low, high)``
+        into the scratch buffer, which that window's plan then reads."""
+        window = self.window
+        for number, plan in enumerate(self.windows):
+            low = number * window
+            high = min(low + window, self.partition.numel())
+            out = fill(low, high, scratch[:high - low])
+            accumulate_partition(stats, out, plan)
+
+
+def optimizer_statistics(optimizer: torch.optim.Optimizer, partitions: List[torch.Tensor], plans: List[ChunkPlan],
+                         kinds: tuple) -> Optional["OptimizerStatistics"]:
+    """The reader of ``kinds`` for the fp32 master ``partitions`` that ``optimizer`` (the inner torch
+    optimizer) steps, laid out as their gradients' ``plans``; ``None`` without kinds."""
+    return OptimizerStatistics(optimizer, partitions, plans, kinds) if kinds else None
+
+
+class OptimizerStatistics:
+    """The requested optimizer statistics of a ZeRO-style optimizer: one ``GroupState`` per parameter group,
+    and one scratch buffer of at most ``WINDOW`` fp32 elements for the derived ones."""
+
+    def __init__(self,
+                 optimizer: torch.optim.Optimizer,
+                 partitions: List[torch.Tensor],
+                 plans: List[ChunkPlan],
+                 kinds: tuple,
+                 window: int = WINDOW) -> None:
+        """``window``: the scratch buffer's elements (tests make it small)."""
+        self.kinds = kinds
+        self.groups = [
+            GroupState(optimizer, index, partition, plan, kinds, window)
+            for index, (partition, plan) in enumerate(zip(partitions, plans))
+        ]
+        largest = min(window, max((partition.numel() for partition in partitions), default=0))
+        self.scratch: Optional[torch.Tensor] = None
+        if any(group.windows for group in self.groups):
+            self.scratch = torch.empty(largest, dtype=torch.float32, device=partitions[0].device)
+
+    def accumulate(self, kind_stats: Dict[str, torch.Tensor], skipped: bool) -> None:
+        """Fold every requested kind of every group into its block of the table; ``skipped``: the loss scaler
+        skipped the step, so the update is zero."""
+        for kind in self.kinds:
+            for group in self.groups:
+                group.accumulate(kind, kind_stats[kind], self.scratch, skipped)

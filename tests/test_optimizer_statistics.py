@@ -1,0 +1,230 @@
+"""``optimizer_statistics`` under ZeRO-1/2 against a plain-PyTorch reference, on 1, 2 and 3 CPU ranks.
+
+One launch per world size runs all of that world's cases (optimizer_workers.py). The reference of each step is
+the full fp32 weights before and after it and the Adam moments after it, gathered by DeepSpeed's
+``safe_get_full_*`` helpers, reduced per bucket in float64 (reference.bucket_stats).
+"""
+
+import math
+from functools import lru_cache
+
+import pytest
+import torch
+from optimizer_workers import KINDS, run_cases
+
+from megatron_integration.cpu_launch import launch
+
+TOLERANCE = 1e-4
+"""Relative, on norm, min, max and abs_max; abs_min, an element that may be near zero, to this times abs_max."""
+UNEVEN = 5  # layers: partitions of unequal size at 3 ranks
+BF16_OPTIMIZER = {"dtype": "bf16", "grad_accum_dtype": "fp32"}  # at stage 1: BF16_Optimizer
+OFFLOAD = {"zero": {"offload_optimizer": {"device": "cpu"}}, "top": {"zero_force_ds_cpu_optimizer": False}}
+
+CASES = {
+    1: {
+        "z1_fp32_adamw_clip": {"stage": 1, "clip": 0.1, "compare_off": True},
+        "z2_bf16_adam_l2": {"stage": 2, "dtype": "bf16", "optimizer": "adam", "compare_off": True},
+        "z2_sgd_param_only": {"stage": 2, "optimizer": "sgd", "kinds": ["param"]},
+        "refused_sgd_moments": {"stage": 2, "optimizer": "sgd", "kinds": ["param", "exp_avg"]},
+        "refused_stage0": {"stage": 0},
+        "refused_amsgrad": {"stage": 1, "optimizer": "adam", "options": {"amsgrad": True}, "kinds": ["update"]},
+    },
+    2: {
+        "z1_fp32_adamw_gas2_clip": {"stage": 1, "gas": 2, "clip": 0.1, "compare_off": True},
+        "z2_bf16_adamw_clip": {"stage": 2, "dtype": "bf16", "clip": 0.1},
+        "z2_fp32_adam_l2": {"stage": 2, "optimizer": "adam"},
+        "z2_fp16_overflow_update_zero": {"stage": 2, "dtype": "fp16", "overflow_step": 2},
+        "z1_bf16_optimizer_adamw_gas2_clip": {"stage": 1, **BF16_OPTIMIZER, "gas": 2, "clip": 0.1,
+                                              "compare_off": True},
+        "z2_offload_adamw_clip": {"stage": 2, **OFFLOAD, "clip": 0.1},
+    },
+    3: {
+        "z1_bf16_adamw_uneven": {"stage": 1, "dtype": "bf16", "layers": UNEVEN, "clip": 0.1},
+        "z2_fp32_adamw_gas2_uneven": {"stage": 2, "gas": 2, "layers": UNEVEN, "compare_off": True},
+        "z1_bf16_optimizer_adam_l2_uneven": {"stage": 1, **BF16_OPTIMIZER, "optimizer": "adam", "layers": UNEVEN},
+        "z2_offload_cpu_adam_uneven": {"stage": 2, "zero": OFFLOAD["zero"], "optimizer": "cpu_adam", "layers": UNEVEN,
+                                       "clip": 0.1},
+    },
+}
+MEASURED = [(world, name) for world, cases in CASES.items() for name in cases if not name.startswith("refused")]
+COMPARED = [(world, name) for world, name in MEASURED if CASES[world][name].get("compare_off")]
+
+
+@lru_cache(maxsize=None)
+def results_of(world_size: int):
+    return launch(run_cases, world_size, CASES[world_size])
+
+
+def result_of(world_size: int, name: str):
+    by_rank = [ranks[name] for ranks in results_of(world_size)]
+    if "error" in by_rank[0] and not name.startswith("refused"):
+        pytest.fail(by_rank[0]["error"])
+    return by_rank
+
+
+def world_param(world: int, name: str):
+    return pytest.param(world, name, marks=[pytest.mark.extended] if world == 3 else [])
+
+
+def close(measured: float, reference: float, scale: float) -> float:
+    """The error of ``measured`` relative to ``scale``."""
+    return abs(measured - reference) / scale if scale else abs(measured - reference)
+
+
+@pytest.mark.parametrize("world, name", [world_param(*case) for case in MEASURED])
+def test_each_kind_matches_the_full_fp32_state_per_bucket(world, name):
+    """Every rank reports, for every step and every requested kind, each bucket's statistics of the gathered
+    full fp32 weights (after the step), their change, and the moments."""
+    checked, worst = 0, 0.0
+    case = CASES[world][name]
+    kinds = case.get("kinds", KINDS)
+    for record in result_of(world, name):
+        on = record["on"]
+        assert len(on["measured"]) == len(on["reference"]) > 0
+        for measured, reference in zip(on["measured"], on["reference"]):
+            assert set(kinds) <= set(measured) and set(measured) & set(KINDS) == set(kinds)
+            for kind in kinds:
+                assert measured[kind].keys() == reference[kind].keys() == measured["pre_clip"].keys()
+                for bucket, ref in reference[kind].items():
+                    got = measured[kind][bucket]
+                    assert got["nonfinite"] == ref["nonfinite"] == 0
+                    for stat in ("norm", "min", "max", "abs_max"):
+                        error = close(got[stat], ref[stat], abs(ref[stat]))
+                        worst = max(worst, error)
+                        assert error <= TOLERANCE, (kind, bucket, stat, got[stat], ref[stat])
+                    assert close(got["abs_min"], ref["abs_min"], ref["abs_max"]) <= TOLERANCE, (kind, bucket)
+                    checked += 1
+    assert checked == world * len(on["reference"]) * len(kinds) * len(reference["param"])
+    print(f"{name}: {checked} bucket statistics, worst relative error {worst:.2e}")
+
+
+def test_the_cases_cover_zero_and_bf16_optimizer():
+    """The optimizer classes the measured cases ran under, as DeepSpeed picked them."""
+    families = {result_of(world, name)[0]["on"]["optimizer"] for world, name in MEASURED if world < 3}
+    assert families == {"DeepSpeedZeroOptimizer", "BF16_Optimizer"}
+
+
+def test_a_skipped_step_updates_nothing():
+    """The fp16 step the loss scaler skips reports a zero update in every bucket (and the reference agrees)."""
+    record = result_of(2, "z2_fp16_overflow_update_zero")[0]["on"]
+    skipped = record["measured"][1]
+    assert skipped["overflow"] is True
+    assert len(skipped["update"]) == len(record["reference"][1]["update"]) > 0
+    for bucket, stats in skipped["update"].items():
+        assert stats["norm"] == stats["abs_max"] == record["reference"][1]["update"][bucket]["norm"] == 0.0
+
+
+@pytest.mark.parametrize("world, name", [world_param(*case) for case in COMPARED])
+def test_training_is_bit_identical_and_the_collectives_unchanged(world, name):
+    """The same weights with the kinds on, with gradient statistics only and with the block off; a measured step
+    makes the two collectives of the gradient statistics and no more."""
+    for record in result_of(world, name):
+        for other in ("grad_only", "off"):
+            for key, value in record["on"]["final"].items():
+                assert torch.equal(value, record[other]["final"][key]), (other, key)
+        assert record["on"]["collectives"] == record["grad_only"]["collectives"]
+        added = [on - off for on, off in zip(record["on"]["collectives"], record["off"]["collectives"])]
+        assert added == [0 if world == 1 else 2] * len(added)
+
+
+@pytest.mark.parametrize("name, words", [
+    ("refused_sgd_moments", ["optimizer_statistics=['param', 'exp_avg']", "Adam", "SGD"]),
+    ("refused_stage0", ["optimizer_statistics=", "ZeRO stage 1 or 2"]),
+    ("refused_amsgrad", ["optimizer_statistics=['update']", "amsgrad"]),
+])
+def test_refused_at_initialize_by_name(name, words):
+    record = result_of(1, name)[0]
+    assert record.get("type") == "UnsupportedSetupError", record
+    for word in words:
+        assert word in record["message"]
+
+
+def test_kinds_are_validated_naming_key_and_value():
+    from deepspeed_patch.config import LayerGradNormsConfigError, load_config
+
+    assert load_config({"layer_grad_norms": {}}).optimizer_statistics == ()
+    assert load_config({"layer_grad_norms": {"optimizer_statistics": ["update", "param"]}
+                        }).optimizer_statistics == ("param", "update")
+    for value, words in ((["momentum"], "'momentum'"), ("param", "expected a list")):
+        with pytest.raises(LayerGradNormsConfigError, match="optimizer_statistics") as error:
+            load_config({"layer_grad_norms": {"optimizer_statistics": value}})
+        assert words in str(error.value)
+    with pytest.raises(LayerGradNormsConfigError, match="flight recorder"):
+        load_config({"layer_grad_norms": {"optimizer_statistics": ["param"], "trigger": {"history": 4}}})
+
+
+def test_update_rule_reconstructs_torch_adam_steps():
+    """The update derived from the weights and moments after a torch Adam / AdamW step, against the step's own
+    after minus before, on one tensor (with and without bias correction's effect of a later step)."""
+    from deepspeed_patch.optimizer_stats import adam_rule
+
+    checked = 0
+    for optimizer_class, decay in ((torch.optim.Adam, 0.1), (torch.optim.AdamW, 0.1), (torch.optim.AdamW, 0.0)):
+        torch.manual_seed(0)
+        param = torch.nn.Parameter(torch.randn(1000))
+        optimizer = optimizer_class([param], lr=1e-2, weight_decay=decay)
+        for _ in range(3):
+            before = param.detach().clone()
+            param.grad = torch.randn(1000)
+            optimizer.step()
+            state = optimizer.state[param]
+            rule = adam_rule(optimizer, optimizer.param_groups[0])
+            derived = rule.update_into(torch.empty(1000), param.detach(), state["exp_avg"], state["exp_avg_sq"],
+                                       float(state["step"]))
+            actual = param.detach() - before
+            assert torch.allclose(derived, actual, rtol=0, atol=1e-6), (optimizer_class, decay)
+            assert math.isclose(derived.norm().item(), actual.norm().item(), rel_tol=TOLERANCE)
+            checked += 1
+    assert checked == 9
+
+
+def test_the_update_in_small_windows_matches_the_step():
+    """A flat fp32 partition stepped by AdamW, read with windows far smaller than its runs and cutting them:
+    each bucket's update, weights and moments against plain torch on the actual after minus before."""
+    from deepspeed_patch.optimizer_stats import OptimizerStatistics
+    from deepspeed_patch.partition_slices import slices_of_runs
+    from deepspeed_patch.partition_stats import STOCK, chunk_plan
+    from deepspeed_patch.statistics import SUMSQ, empty_stats
+
+    torch.manual_seed(0)
+    flat = torch.nn.Parameter(torch.randn(1000))
+    runs = [(0, 300, 1), (310, 200, 0), (510, 490, 2)]  # a gap of padding that no bucket counts
+    optimizer = torch.optim.AdamW([flat], lr=1e-2, weight_decay=0.1)
+    checked = 0
+    for kernel in (None, STOCK):
+        plan = chunk_plan(slices_of_runs(runs), "cpu", kernel=kernel, chunk=64)
+        statistics = OptimizerStatistics(optimizer, [flat], [plan], tuple(KINDS), window=97)
+        assert statistics.scratch.numel() == 97
+        before = flat.detach().clone()
+        flat.grad = torch.randn(1000)
+        optimizer.step()
+        tables = {kind: empty_stats(3, "cpu") for kind in KINDS}
+        statistics.accumulate(tables, skipped=False)
+        state = optimizer.state[flat]
+        values = {"param": flat.detach(), "update": flat.detach() - before, **{m: state[m] for m in KINDS[2:]}}
+        for kind, table in tables.items():
+            for start, length, bucket in runs:
+                expected = values[kind][start:start + length].double().square().sum().item()
+                assert math.isclose(table[bucket, SUMSQ].item(), expected, rel_tol=TOLERANCE), (kind, bucket)
+                checked += 1
+    assert checked == 2 * len(KINDS) * len(runs)
+
+
+def test_before_the_first_step_the_moments_and_update_are_zero():
+    """A step the loss scaler skips before the optimizer ever stepped (fp16's first steps): no state yet, so
+    zero moments and a zero update, over every element of each bucket; the weights as they are."""
+    from deepspeed_patch.optimizer_stats import OptimizerStatistics
+    from deepspeed_patch.partition_slices import slices_of_runs
+    from deepspeed_patch.partition_stats import STOCK, chunk_plan
+    from deepspeed_patch.statistics import MAX, NEG_ABS_MIN, NUMEL, SUMSQ, empty_stats
+
+    torch.manual_seed(0)
+    flat = torch.nn.Parameter(torch.randn(100))
+    optimizer = torch.optim.AdamW([flat], lr=1e-2)
+    plan = chunk_plan(slices_of_runs([(0, 40, 0), (40, 60, 1)]), "cpu", kernel=STOCK)
+    tables = {kind: empty_stats(2, "cpu") for kind in KINDS}
+    OptimizerStatistics(optimizer, [flat], [plan], tuple(KINDS), window=32).accumulate(tables, skipped=True)
+    assert tables["param"][:, SUMSQ].sum().item() == pytest.approx(flat.detach().double().square().sum().item())
+    for kind in KINDS[1:]:
+        assert tables[kind][:, NUMEL].tolist() == [40, 60]
+        assert tables[kind][:, [SUMSQ, MAX, NEG_ABS_MIN]].abs().sum().item() == 0, kind

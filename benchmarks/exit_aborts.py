@@ -7,10 +7,11 @@ scripts and the HF Trainer do: without ``destroy_process_group``. Launches alter
 return code of the rank the launcher reports as failed (it stops the other one), whether each rank
 finished its steps, and whether "terminate called" was printed.
 
-    python benchmarks/exit_aborts.py --pairs 30 --label before
+    python benchmarks/exit_aborts.py --rounds 30 --label NAME [--trace] [--before-tree DIR]
 
-writes ``results/exit_aborts_<label>.md`` and ``.json``. Leave the machine otherwise alone meanwhile:
-the abort is timing-dependent.
+writes ``results/exit_aborts_<label>.md`` and ``.json`` (after every launch). ``--before-tree``: a third
+configuration, the block on with the package of another checkout (before a fix). Leave the machine
+otherwise alone meanwhile: the abort is timing-dependent.
 """
 
 import argparse
@@ -64,10 +65,11 @@ print(f"EXIT_ABORTS rank {{engine.global_rank}} finished, statistics {{stats is 
 FAILED_RANK = re.compile(r"--local_rank=(\d+)'?\]? exits with return code = (-?\d+)")
 
 
-def launch(script: str, block: bool, port: int, trace: str = "") -> Dict:
-    """One launch: its return codes and what the ranks printed; ``trace``: a library to preload into
-    every process (``terminate_trace.cpp`` prints the thread that calls std::terminate, and its stack)."""
-    env = dict(os.environ, EXIT_ABORTS_BLOCK="1" if block else "0")
+def launch(script: str, config: Dict, port: int, trace: str = "") -> Dict:
+    """One launch of ``config`` (its ``block`` on or off, its package ``tree`` on PYTHONPATH): its return
+    codes and what the ranks printed; ``trace``: a library to preload into every process
+    (``terminate_trace.cpp`` prints the thread that calls std::terminate, and its stack)."""
+    env = dict(os.environ, EXIT_ABORTS_BLOCK="1" if config["block"] else "0", PYTHONPATH=config["tree"])
     if trace:
         env["LD_PRELOAD"] = trace
     started = time.monotonic()
@@ -76,11 +78,11 @@ def launch(script: str, block: bool, port: int, trace: str = "") -> Dict:
     output = result.stdout + result.stderr
     failed = FAILED_RANK.search(output)
     return {
-        "block": block,
+        "config": config["name"],
         "launcher_rc": result.returncode,
         "failed_rank": int(failed.group(1)) if failed else None,
         "failed_rank_rc": int(failed.group(2)) if failed else None,
-        "finished": len(re.findall(r"EXIT_ABORTS rank \d finished, statistics " + str(block), output)),
+        "finished": len(re.findall(r"EXIT_ABORTS rank \d finished, statistics " + str(config["block"]), output)),
         "terminate_called": output.count("terminate called"),
         "seconds": round(time.monotonic() - started, 1),
         "trace": [line for line in output.splitlines() if "TERMINATE_TRACE" in line or "(+0x" in line],
@@ -102,56 +104,63 @@ def remove_buffers(port: int) -> None:
         os.remove(path)
 
 
-def table(label: str, runs: List[Dict], traced: bool) -> List[str]:
+def table(label: str, configs: List[Dict], runs: List[Dict], traced: bool) -> List[str]:
     lines = [f"# Exit aborts: {label}", "", machine(), "",
-             f"2 ranks, `deepspeed --num_gpus 2`, ZeRO-2, {STEPS} steps, no `destroy_process_group`; "
-             f"launches alternating with and without the block, one port, one at a time"
+             f"2 ranks, `deepspeed --num_gpus 2`, ZeRO-2, {STEPS} steps, no `destroy_process_group`; launches "
+             f"rotating through the configurations below, one port, one at a time"
              f"{'; terminate_trace.cpp preloaded' if traced else ''}.", "",
-             "| block | launches | launcher rc 0 | both ranks finished | aborted (\"terminate called\") | "
+             "| configuration | launches | launcher rc 0 | both ranks finished | aborted (\"terminate called\") | "
              "launcher rcs seen | failed rank rcs seen |", "|---|---|---|---|---|---|---|"]
-    for block in (True, False):
-        mine = [run for run in runs if run["block"] == block]
+    for config in configs:
+        mine = [run for run in runs if run["config"] == config["name"]]
         lines.append(
-            f"| {'on' if block else 'off'} | {len(mine)} | {sum(run['launcher_rc'] == 0 for run in mine)} | "
+            f"| {config['name']} | {len(mine)} | {sum(run['launcher_rc'] == 0 for run in mine)} | "
             f"{sum(run['finished'] == 2 for run in mine)} | {sum(run['terminate_called'] > 0 for run in mine)} | "
             f"{sorted({run['launcher_rc'] for run in mine})} | "
             f"{sorted({run['failed_rank_rc'] for run in mine if run['failed_rank_rc'] is not None})} |")
-    lines += ["", "Launches in order (launcher rc, + with the block, - without):", "",
-              " ".join(f"{run['launcher_rc']}{'+' if run['block'] else '-'}" for run in runs)]
+    lines += ["", "Launches in order (configuration: launcher rc):", "",
+              ", ".join(f"{run['config']}: {run['launcher_rc']}" for run in runs)]
     for number, run in enumerate(runs, 1):
         if run["trace"]:
-            lines += ["", f"Launch {number} (block {'on' if run['block'] else 'off'}), the thread that called "
-                      "std::terminate:", "", "```", *run["trace"], "```"]
+            lines += ["", f"Launch {number} ({run['config']}), the thread that called std::terminate:", "", "```",
+                      *run["trace"], "```"]
     return lines
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--pairs", type=int, default=30)
+    parser.add_argument("--rounds", type=int, default=30, help="launches of each configuration")
     parser.add_argument("--port", type=int, default=29611)
     parser.add_argument("--label", required=True, help="names the result files: exit_aborts_<label>")
     parser.add_argument("--trace", action="store_true",
                         help="preload terminate_trace.cpp (built with g++) into every process")
+    parser.add_argument("--before-tree", help="a checkout of the package before a fix: a third configuration, "
+                        "the block on with that package")
     args = parser.parse_args()
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    configs = [{"name": "block on", "block": True, "tree": here}, {"name": "block off", "block": False, "tree": here}]
+    if args.before_tree:
+        configs.append({"name": "block on, package before the fix", "block": True, "tree": args.before_tree})
     runs: List[Dict] = []
     with tempfile.TemporaryDirectory() as folder:
         script = os.path.join(folder, "exit_aborts_script.py")
         trace = build_trace(folder) if args.trace else ""
         with open(script, "w", encoding="utf-8") as out:
             out.write(SCRIPT)
-        launch(script, True, args.port, trace)  # builds the JIT ops once, uncounted
+        launch(script, configs[0], args.port, trace)  # builds the JIT ops once, uncounted
         remove_buffers(args.port)
-        for pair in range(args.pairs):
-            for block in (True, False) if pair % 2 == 0 else (False, True):
-                runs.append(launch(script, block, args.port, trace))
+        for round_ in range(args.rounds):
+            for config in configs[round_ % len(configs):] + configs[:round_ % len(configs)]:
+                runs.append(launch(script, config, args.port, trace))
                 remove_buffers(args.port)
                 run = runs[-1]
-                print(f"{len(runs):3d} block={'on ' if block else 'off'} launcher rc {run['launcher_rc']} "
-                      f"finished {run['finished']} terminate {run['terminate_called']} {run['seconds']} s",
-                      flush=True)
+                print(f"{len(runs):3d} {config['name']}: launcher rc {run['launcher_rc']} finished {run['finished']} "
+                      f"terminate {run['terminate_called']} {run['seconds']} s", flush=True)
                 if run["launcher_rc"] or run["terminate_called"]:
                     print(run["tail"], *run["trace"], sep="\n", flush=True)
-    write_results(f"exit_aborts_{args.label}", table(args.label, runs, args.trace), {"runs": runs})
+                # after every launch: a count stopped early still leaves its table
+                write_results(f"exit_aborts_{args.label}", table(args.label, configs, runs, args.trace),
+                              {"runs": runs})
 
 
 if __name__ == "__main__":

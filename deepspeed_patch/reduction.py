@@ -32,6 +32,14 @@ from .statistics import NUM_SUMMED
 REPLICATED = "replicated"
 COLLECTIVES_PER_STEP = 2
 """What ``reduce_stats`` issues when there is something to combine: one SUM and one MAX all-reduce."""
+_LAST_REDUCED = []
+"""The tensors of the last all-reduces, referenced from Python until the next ones. torch's gloo worker
+thread (``ProcessGroupGloo::runLoop``) drops its reference to a collective's tensors after the caller's
+wait has returned; where it drops the last one of a tensor Python created, it takes the GIL to free the
+Python object, and if the interpreter is exiting by then, Python ends the thread with ``pthread_exit``,
+whose unwinding through a ``noexcept`` destructor aborts the process ("terminate called without an active
+exception"). Held here, the worker's release is a count decrement: the last reference is Python's.
+(``upstream/bug_reports/gloo_exit_abort.md``.)"""
 
 
 def reduce_stats(stats: torch.Tensor, group=None) -> torch.Tensor:
@@ -45,4 +53,5 @@ def reduce_stats(stats: torch.Tensor, group=None) -> torch.Tensor:
     maxima = stats[:, NUM_SUMMED:].contiguous()
     dist.all_reduce(summed, op=dist.ReduceOp.SUM, group=group)
     dist.all_reduce(maxima, op=dist.ReduceOp.MAX, group=group)
+    _LAST_REDUCED[:] = [summed, maxima]
     return torch.cat([summed, maxima], dim=1)

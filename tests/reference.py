@@ -77,11 +77,13 @@ def bucket_stats(named_grads: Dict[str, torch.Tensor],
 
 def averaged_gradients(weights: Dict[str, torch.Tensor], config: TinyGPTConfig, dtype: torch.dtype,
                        batches: Iterable[torch.Tensor], frozen: Iterable[str] = (),
-                       loss_scale: float = 1.0) -> Dict[str, torch.Tensor]:
+                       loss_scale: float = 1.0, blow_up: Optional[float] = None) -> Dict[str, torch.Tensor]:
     """Mean gradient (float64) over ``batches`` of a TinyGPT holding ``weights``, run in ``dtype``.
 
     ``loss_scale`` multiplies the loss before backward and divides the gradient after, as fp16
     training does, so that small fp16 gradients do not flush to zero in the reference either.
+    ``blow_up`` multiplies the loss first and stays in the gradient, as a test's forced overflow does
+    (``loss * blow_up``, then the engine's ``backward`` multiplies by its loss scale).
     """
     model = TinyGPT(config)
     with torch.no_grad():
@@ -95,7 +97,8 @@ def averaged_gradients(weights: Dict[str, torch.Tensor], config: TinyGPTConfig, 
     count = 0
     for batch in batches:
         model.zero_grad(set_to_none=True)
-        (model(batch) * loss_scale).backward()
+        loss = model(batch) if blow_up is None else model(batch) * blow_up
+        (loss * loss_scale).backward()
         for name, param in model.named_parameters():
             if param.grad is not None:
                 grad = param.grad.double() / loss_scale
@@ -120,12 +123,20 @@ def mean_gradients(model: torch.nn.Module, loss_of: Callable[[torch.nn.Module, D
     return {name: grad / count for name, grad in total.items()}
 
 
+ERROR_SCALE = {"norm": "norm", "abs_min": "abs_min"}
+"""What each statistic's error is relative to: the norm and abs_min to themselves, the other elementwise
+statistics to the largest |element| (min and max are at most that far off when every element is: one of them
+is the largest |element|). Scaled by the largest |element|, abs_min, often orders of magnitude below it,
+would go unchecked; each element is off by at most the tolerance of itself, so their smallest |value| is
+too."""
+
+
 def assert_close_stats(measured, reference, tolerance, stats=STATS):
-    """Relative error: of the norm to the norm, of the elementwise stats to the largest |element|."""
+    """Relative error of each statistic, to its scale in ``ERROR_SCALE``; a zero scale asks for an exact 0."""
     assert reference and stats, "nothing to compare"
     for key, ref in reference.items():
         for stat in stats:
-            scale = max(ref["norm" if stat == "norm" else "abs_max"], 1e-30)
+            scale = max(ref[ERROR_SCALE.get(stat, "abs_max")], 1e-30)
             error = abs(measured[key][stat] - ref[stat]) / scale
             assert error <= tolerance, f"bucket {key!r} {stat}: {measured[key][stat]} vs reference {ref[stat]}"
 

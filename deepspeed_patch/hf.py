@@ -100,11 +100,11 @@ class LayerGradNormsCallback(TrainerCallback):
     def _check_interval(self, args, state) -> None:
         """Under DeepSpeed only the steps the block's ``interval`` measures have values to log."""
         interval = getattr(getattr(getattr(self._optimizer, CONFIG_KEY), "schedule", None), "interval", 1)
-        if args.logging_strategy == IntervalStrategy.STEPS and state.logging_steps % interval:
-            self._warn("interval", f"logging_steps={state.logging_steps} is not a multiple of the '{CONFIG_KEY}' "
-                       f"block's interval={interval}: only the steps that are multiples of "
-                       f"{math.lcm(state.logging_steps, interval)} log the statistics; make logging_steps a "
-                       "multiple of the interval")
+        steps = int(state.logging_steps)  # TrainingArguments takes a float (a ratio below 1)
+        if args.logging_strategy == IntervalStrategy.STEPS and steps % interval:
+            self._warn("interval", f"logging_steps={steps} is not a multiple of the '{CONFIG_KEY}' block's "
+                       f"interval={interval}: only the steps that are multiples of {math.lcm(steps, interval)} "
+                       "log the statistics; make logging_steps a multiple of the interval")
 
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
         """Without DeepSpeed: measure the (clipped) gradient of a step the Trainer will log."""

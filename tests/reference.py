@@ -123,20 +123,17 @@ def mean_gradients(model: torch.nn.Module, loss_of: Callable[[torch.nn.Module, D
     return {name: grad / count for name, grad in total.items()}
 
 
-ERROR_SCALE = {"norm": "norm", "abs_min": "abs_min"}
-"""What each statistic's error is relative to: the norm and abs_min to themselves, the other elementwise
-statistics to the largest |element| (min and max are at most that far off when every element is: one of them
-is the largest |element|). Scaled by the largest |element|, abs_min, often orders of magnitude below it,
-would go unchecked; each element is off by at most the tolerance of itself, so their smallest |value| is
-too."""
-
-
-def assert_close_stats(measured, reference, tolerance, stats=STATS):
-    """Relative error of each statistic, to its scale in ``ERROR_SCALE``; a zero scale asks for an exact 0."""
+def assert_close_stats(measured, reference, tolerance, stats=STATS, summed: bool = True):
+    """Relative error: of the norm to the norm; of abs_min to itself where the gradient is one backward's
+    (``summed`` False: every element is off by at most its own rounding, so their smallest |value| is too);
+    of the other elementwise statistics, and of abs_min of a gradient summed over ranks or micro-batches, to
+    the largest |element|: the smallest element of a sum is where its terms cancel, and its rounding is that
+    of the terms, not of the result. A zero scale asks for an exact 0."""
     assert reference and stats, "nothing to compare"
     for key, ref in reference.items():
         for stat in stats:
-            scale = max(ref[ERROR_SCALE.get(stat, "abs_max")], 1e-30)
+            own = stat == "norm" or (stat == "abs_min" and not summed)
+            scale = max(ref[stat if own else "abs_max"], 1e-30)
             error = abs(measured[key][stat] - ref[stat]) / scale
             assert error <= tolerance, f"bucket {key!r} {stat}: {measured[key][stat]} vs reference {ref[stat]}"
 

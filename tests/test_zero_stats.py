@@ -215,7 +215,8 @@ def test_pre_clip_matches_reference(world_size, name, request):
     for index, measured, reference in measured_steps(record):
         assert set(measured["pre_clip"]) == expected_keys(record, index)
         selected = {key: reference[key] for key in measured["pre_clip"]}
-        assert_close_stats(measured["pre_clip"], selected, TOLERANCE[case["dtype"]])
+        assert_close_stats(measured["pre_clip"], selected, TOLERANCE[case["dtype"]],
+                           summed=world_size * case["gas"] > 1)
         assert [stats["nonfinite"] for stats in measured["pre_clip"].values()] == [0] * len(selected)
 
 
@@ -265,7 +266,7 @@ def clipped_norm(record, index: int, old_scale: float, new_scale: float) -> Tupl
     tolerance of the clip factor made from it: float rounding. An optimizer that reports none (a torch
     optimizer without ZeRO, clipped by the engine) gets the reference's norm, at the reference's tolerance."""
     reported = record["on"]["global_norm"][index]
-    optimizer = record["optimizer"]
+    optimizer = record["on"]["optimizer"]
     if reported is None or optimizer not in REPORTED_NORM:
         every_parameter = record["on"]["layer_reference"][index].values()  # clipping is over all of them
         total = math.sqrt(sum(ref["norm"]**2 for ref in every_parameter)) * old_scale / new_scale

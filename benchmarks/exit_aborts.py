@@ -104,18 +104,23 @@ def remove_buffers(port: int) -> None:
         os.remove(path)
 
 
+def aborted(run: Dict) -> bool:
+    """Whether a rank called std::terminate: the default handler's message, or the trace's."""
+    return run["terminate_called"] > 0 or any("TERMINATE_TRACE" in line for line in run["trace"])
+
+
 def table(label: str, configs: List[Dict], runs: List[Dict], traced: bool) -> List[str]:
     lines = [f"# Exit aborts: {label}", "", machine(), "",
              f"2 ranks, `deepspeed --num_gpus 2`, ZeRO-2, {STEPS} steps, no `destroy_process_group`; launches "
              f"rotating through the configurations below, one port, one at a time"
              f"{'; terminate_trace.cpp preloaded' if traced else ''}.", "",
-             "| configuration | launches | launcher rc 0 | both ranks finished | aborted (\"terminate called\") | "
+             "| configuration | launches | launcher rc 0 | both ranks finished | a rank aborted (std::terminate) | "
              "launcher rcs seen | failed rank rcs seen |", "|---|---|---|---|---|---|---|"]
     for config in configs:
         mine = [run for run in runs if run["config"] == config["name"]]
         lines.append(
             f"| {config['name']} | {len(mine)} | {sum(run['launcher_rc'] == 0 for run in mine)} | "
-            f"{sum(run['finished'] == 2 for run in mine)} | {sum(run['terminate_called'] > 0 for run in mine)} | "
+            f"{sum(run['finished'] == 2 for run in mine)} | {sum(aborted(run) for run in mine)} | "
             f"{sorted({run['launcher_rc'] for run in mine})} | "
             f"{sorted({run['failed_rank_rc'] for run in mine if run['failed_rank_rc'] is not None})} |")
     lines += ["", "Launches in order (configuration: launcher rc):", "",
@@ -156,7 +161,7 @@ def main() -> None:
                 run = runs[-1]
                 print(f"{len(runs):3d} {config['name']}: launcher rc {run['launcher_rc']} finished {run['finished']} "
                       f"terminate {run['terminate_called']} {run['seconds']} s", flush=True)
-                if run["launcher_rc"] or run["terminate_called"]:
+                if run["launcher_rc"] or aborted(run):
                     print(run["tail"], *run["trace"], sep="\n", flush=True)
                 # after every launch: a count stopped early still leaves its table
                 write_results(f"exit_aborts_{args.label}", table(args.label, configs, runs, args.trace),

@@ -11,6 +11,7 @@ namespace {
 void traced_terminate() {
   char name[32] = {0};
   pthread_getname_np(pthread_self(), name, sizeof name);
+  std::fprintf(stderr, "terminate called (traced)\n");
   std::fprintf(stderr, "TERMINATE_TRACE pid %d tid %d thread '%s' main %d\n", getpid(), gettid(), name,
                getpid() == gettid());
   void* frames[64];

@@ -20,7 +20,7 @@ Either way the values go into the logs of the Trainer's logging steps, in the fl
 import math
 import sys
 import warnings
-from typing import Any, Dict, Optional, Sequence, Tuple
+from typing import Any, Dict, Optional, Sequence, Set, Tuple
 
 from transformers import TrainerCallback
 from transformers.trainer_callback import CallbackHandler
@@ -39,13 +39,16 @@ class LayerGradNormsCallback(TrainerCallback):
     ``statistics``: any of ``"norm"``, ``"min"``, ``"max"`` (the norm by default); ``phases``: ``"pre_clip"``
     and/or ``"post_clip"``. Under DeepSpeed the buckets, layers and interval come from the ``layer_grad_norms``
     block of the DeepSpeed config given to the Trainer (``TrainingArguments(deepspeed=...)``), which needs
-    ``enabled: true``; a logging step the block's ``interval`` does not measure logs no statistics. Without
+    ``enabled: true``; a logging step the block's ``interval`` does not measure logs no statistics (a
+    warning at the start of training says so when ``logging_steps`` is not a multiple of it). Without
     DeepSpeed, ``options`` are those of ``plain.LayerGradNorms`` (``layers``, ``layer_pattern``,
     ``granularity``, ``group_by``), and only the logging steps are measured. With ``layers: "all"`` the
     root-sum-square of the pre-clip norms is the ``grad_norm`` the Trainer logs.
 
     Constructing it calls ``deepspeed_patch.install()`` (when DeepSpeed is installed), which must precede
-    ``deepspeed.initialize``; the Trainer calls that inside ``train()``.
+    ``deepspeed.initialize``; the Trainer calls that inside ``train()``. It may be given to the Trainer or
+    added with ``trainer.add_callback``, and serve several Trainers in turn: each training run starts
+    afresh, with the callback moved ahead of the ``report_to`` integrations.
     """
 
     def __init__(self,
@@ -58,21 +61,14 @@ class LayerGradNormsCallback(TrainerCallback):
         self._optimizer = None  # under DeepSpeed: its optimizer, which holds the engine's result
         self._plain = None  # without DeepSpeed: a plain.LayerGradNorms
         self._measured: Optional[Tuple[int, Optional[dict]]] = None  # plain: (step, result of the clipped gradient)
-        self._warned = False
+        self._warned: Set[str] = set()  # the problems warned of in this training run
         _install_deepspeed_patch()
 
-    def on_init_end(self, args, state, control, **kwargs):
-        """Move ahead of the ``report_to`` integrations, which the Trainer lists before the callbacks it is
-        given: they write the logs as ``on_log`` reaches them, so this callback must add its values first."""
-        handler = _calling_handler(self)
-        if handler is None:
-            self._warn("could not find the Trainer's callback list; callbacks listed before it (the report_to "
-                       "integrations) will not see the statistics, trainer.state.log_history will")
-            return
-        handler.callbacks.remove(self)
-        handler.callbacks.insert(0, self)
-
     def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
+        """Start of a training run: forget the previous run (a callback may serve several Trainers), move
+        ahead of the ``report_to`` integrations, and find what this run measures."""
+        self._optimizer, self._plain, self._measured, self._warned = None, None, None, set()
+        self._move_first()
         from accelerate.utils import DeepSpeedOptimizerWrapper
 
         if not isinstance(optimizer, DeepSpeedOptimizerWrapper):
@@ -80,11 +76,35 @@ class LayerGradNormsCallback(TrainerCallback):
 
             self._plain = LayerGradNorms(model, **self.options)
         elif getattr(optimizer.optimizer, CONFIG_KEY, None) is None:
-            self._warn(f"the DeepSpeed config has no '{CONFIG_KEY}' block with \"enabled\": true (or the "
+            self._warn("block", f"the DeepSpeed config has no '{CONFIG_KEY}' block with \"enabled\": true (or the "
                        f"optimizer, {type(optimizer.optimizer).__name__}, keeps no statistics), so nothing is "
                        f"measured; add \"{CONFIG_KEY}\": {{\"enabled\": true}} to TrainingArguments(deepspeed=...)")
         else:
             self._optimizer = optimizer.optimizer
+            self._check_interval(args, state)
+
+    def _move_first(self) -> None:
+        """Move to the head of the running Trainer's callback list, wherever this callback was added (the
+        Trainer's ``callbacks``, ``trainer.add_callback``): the ``report_to`` integrations, listed before the
+        callbacks a user adds, write the logs as ``on_log`` reaches them, so this callback must add its
+        values first. Called from an event: moving from position i to 0 leaves the callbacks after i where
+        they are, so each of them still gets this event once."""
+        handler = _calling_handler(self)
+        if handler is None:
+            self._warn("order", "could not find the Trainer's callback list; callbacks listed before it (the "
+                       "report_to integrations) will not see the statistics, trainer.state.log_history will")
+            return
+        handler.callbacks.remove(self)
+        handler.callbacks.insert(0, self)
+
+    def _check_interval(self, args, state) -> None:
+        """Under DeepSpeed only the steps the block's ``interval`` measures have values to log."""
+        interval = getattr(getattr(getattr(self._optimizer, CONFIG_KEY), "schedule", None), "interval", 1)
+        steps = int(state.logging_steps)  # TrainingArguments takes a float (a ratio below 1)
+        if args.logging_strategy == IntervalStrategy.STEPS and steps % interval:
+            self._warn("interval", f"logging_steps={steps} is not a multiple of the '{CONFIG_KEY}' block's "
+                       f"interval={interval}: only the steps that are multiples of {math.lcm(steps, interval)} "
+                       "log the statistics; make logging_steps a multiple of the interval")
 
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
         """Without DeepSpeed: measure the (clipped) gradient of a step the Trainer will log."""
@@ -127,9 +147,10 @@ class LayerGradNormsCallback(TrainerCallback):
             }
         return flat_scalars(result, self.phases, self.statistics)
 
-    def _warn(self, problem: str) -> None:
-        if not self._warned:
-            self._warned = True
+    def _warn(self, key: str, problem: str) -> None:
+        """Warn of ``problem`` once per training run."""
+        if key not in self._warned:
+            self._warned.add(key)
             warnings.warn(f"LayerGradNormsCallback: {problem}", stacklevel=3)
 
 

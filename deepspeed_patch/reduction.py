@@ -47,6 +47,14 @@ INF_CODE = 1e300
 bf16's largest is 3.4e38; float64 gradients beyond 1e300 are not supported)."""
 NAN_CODE = 1e306
 """NaN in the maxima during the MAX all-reduce: above ``INF_CODE``, so that NaN wins over +inf."""
+_LAST_REDUCED = []
+"""The tensors of the last all-reduces, referenced from Python until the next ones. torch's gloo worker
+thread (``ProcessGroupGloo::runLoop``) drops its reference to a collective's tensors after the caller's
+wait has returned; where it drops the last one of a tensor Python created, it takes the GIL to free the
+Python object, and if the interpreter is exiting by then, Python ends the thread with ``pthread_exit``,
+whose unwinding through a ``noexcept`` destructor aborts the process ("terminate called without an active
+exception"). Held here, the worker's release is a count decrement: the last reference is Python's.
+(``upstream/bug_reports/gloo_exit_abort.md``.)"""
 
 
 def reduce_stats(stats: torch.Tensor, group=None) -> torch.Tensor:
@@ -60,6 +68,7 @@ def reduce_stats(stats: torch.Tensor, group=None) -> torch.Tensor:
     maxima = stats[:, NUM_SUMMED:].nan_to_num(nan=NAN_CODE, posinf=INF_CODE, neginf=-math.inf)
     dist.all_reduce(summed, op=dist.ReduceOp.SUM, group=group)
     dist.all_reduce(maxima, op=dist.ReduceOp.MAX, group=group)
+    _LAST_REDUCED[:] = [summed, maxima]
     return torch.cat([summed, decode_maxima(maxima)], dim=1)
 
 

@@ -142,6 +142,9 @@ def _recorded_norms(axis, fire: Fire, spike: Dict) -> None:
 
 def _rise_map(axis, fire: Fire, spike: Dict, figure) -> None:
     layers = list(spike["layers"])
+    if not layers:  # nothing to map: the fire recorded no layer bucket
+        axis.set_title("rise: no layer bucket was recorded")
+        return
     steps = sorted({step for points in fire.norms.values() for step, _ in points})
     grid = []
     for layer in layers:

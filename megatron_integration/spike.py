@@ -4,9 +4,13 @@ A fire of the trigger with a flight recorder (``trigger.history: K``) leaves eve
 K steps up to the fire: in the JSONL dump, lines marked ``"history": true`` carrying the trigger's record;
 in TensorBoard, the runs ``layer-grad-norms-history/fire-000123/layer00`` (``deepspeed_patch.tags``).
 
-Each layer is judged against itself: its baseline is the median of its pre-clip norm over the window's steps
-before the fire, and its rise at a step is the norm over that baseline. The layers that rose most (the
-largest rise in the window) and first (the earliest step above ``factor`` x the baseline) localise the spike.
+Each layer is judged against itself: its baseline is the median of its finite pre-clip norms over the
+window's steps before the fire (at least ``MIN_BASELINE`` of them, else it has none), and its rise at a step
+is the norm over that baseline (over a zero baseline, any positive norm is an infinite rise). The answer names,
+in this order: the layers whose norm went non-finite first, at or before the fire (an overflow's origin: the
+others' rises may follow from it); else the layers that rose most (the largest rise in the window) and first
+(the earliest step above ``RISE_FACTOR`` x the baseline); else why no layer can be judged (no layer bucket
+recorded, a baseline too short).
 """
 
 import math
@@ -21,6 +25,9 @@ from .tensorboard_reader import Points, json_bucket, latest_per_step, layer_titl
 
 RISE_FACTOR = 2.0
 """A layer has risen at a step once its norm there is above this many times its own baseline."""
+MIN_BASELINE = 3
+"""The fewest finite norms before the fire that make a layer's baseline: the median of one or two steps is
+a single noisy step, not a baseline."""
 
 
 @dataclass
@@ -76,46 +83,77 @@ def _tensorboard_fires(logdir: str) -> Dict[int, Fire]:
     return fires
 
 
+def rise_over(value: float, baseline: float) -> float:
+    """``value`` over ``baseline``. Over a zero baseline, a positive norm is an infinite rise and a zero norm
+    no rise (1x); a NaN norm or baseline gives NaN."""
+    if math.isnan(value) or math.isnan(baseline):
+        return math.nan
+    if baseline > 0:
+        return value / baseline
+    return math.inf if value > 0 else 1.0
+
+
 def _rise(points: Points, fired_at: int) -> Dict:
-    """One layer's rise over its baseline, the median of its finite norms before ``fired_at``."""
+    """One layer against itself: its baseline (the median of its finite norms before ``fired_at``, NaN with
+    fewer than ``MIN_BASELINE`` of them), its rise at its finite steps, and its first non-finite step up to
+    the fire."""
     earlier = [value for step, value in points if step < fired_at and math.isfinite(value)]
-    baseline = statistics.median(earlier) if earlier else math.nan
-    rises = [(step, value / baseline if baseline > 0 else math.nan) for step, value in points]
-    peak_step, peak = max(rises, key=lambda rise: rise[1] if not math.isnan(rise[1]) else -math.inf)
+    baseline = statistics.median(earlier) if len(earlier) >= MIN_BASELINE else math.nan
+    rises = [(step, rise_over(value, baseline)) for step, value in points
+             if math.isfinite(value) and not math.isnan(baseline)]
+    peak_step, peak = max(rises, key=lambda rise: rise[1], default=(None, math.nan))  # ties: the earliest
     first = next((step for step, rise in rises if rise > RISE_FACTOR), None)
-    at_fire = dict(rises).get(fired_at, math.nan)
-    return {"baseline": baseline, "rise_at_fire": at_fire, "peak_rise": peak, "peak_step": peak_step,
-            "first_risen": first}
+    nonfinite = next((step for step, value in points if step <= fired_at and not math.isfinite(value)), None)
+    return {"baseline": baseline, "baseline_points": len(earlier),
+            "rise_at_fire": rise_over(dict(points).get(fired_at, math.nan), baseline), "peak_rise": peak,
+            "peak_step": peak_step, "first_risen": first, "first_nonfinite": nonfinite}
 
 
 def localise(fire: Fire) -> Dict:
-    """Each layer's rise, the layers that rose most and first, and the one-line answer."""
+    """Each layer's rise, the layers that went non-finite first, rose most and rose first, and the one-line
+    answer. A layer non-finite at or before the fire is named before any rise: its rise cannot be measured,
+    and the others' rises may be its consequence."""
     layers = {layer: _rise(points, fire.fired_at) for layer, points in fire.norms.items() if points}
     steps = sorted({step for points in fire.norms.values() for step, _ in points})
+    broken = {layer: rise["first_nonfinite"] for layer, rise in layers.items() if rise["first_nonfinite"] is not None}
+    nonfinite_step = min(broken.values()) if broken else None
     judged = {layer: rise for layer, rise in layers.items() if not math.isnan(rise["peak_rise"])}
-    most = max(judged, key=lambda layer: judged[layer]["peak_rise"]) if judged else None
+    most = max(judged, key=lambda layer: (judged[layer]["peak_rise"], -judged[layer]["peak_step"]), default=None)
     risen = {layer: rise["first_risen"] for layer, rise in judged.items() if rise["first_risen"] is not None}
     first_step = min(risen.values()) if risen else None
     first = sorted((layer for layer, step in risen.items() if step == first_step),
                    key=lambda layer: -judged[layer]["peak_rise"])
-    return {"fired_at": fire.fired_at, "reason": fire.reason, "steps": [steps[0], steps[-1]] if steps else [],
-            "layers": layers, "rose_most": most, "rose_first": first, "first_step": first_step,
-            "answer": _answer(fire, judged, most, first, first_step)}
+    spike = {"fired_at": fire.fired_at, "reason": fire.reason, "steps": [steps[0], steps[-1]] if steps else [],
+             "layers": layers, "nonfinite_first": [layer for layer, step in broken.items() if step == nonfinite_step],
+             "nonfinite_step": nonfinite_step, "rose_most": most, "rose_first": first, "first_step": first_step}
+    spike["answer"] = _answer(spike, broken)
+    return spike
 
 
-def _answer(fire: Fire, judged: Dict, most, first: List, first_step: Optional[int]) -> str:
-    head = f"spike at step {fire.fired_at}" + (f" ({fire.reason})" if fire.reason else "")
+def _answer(spike: Dict, broken: Dict) -> str:
+    head = f"spike at step {spike['fired_at']}" + (f" ({spike['reason']})" if spike["reason"] else "")
+    layers, most, first, first_step = spike["layers"], spike["rose_most"], spike["rose_first"], spike["first_step"]
+    if not layers:
+        return f"{head}: no layer bucket was recorded (only buckets outside the layers, or none)"
+    if broken:
+        return (f"{head}: {_titles(spike['nonfinite_first'])} went non-finite first, at step "
+                f"{spike['nonfinite_step']} ({len(broken)} of {len(layers)} layers non-finite by the fire)")
     if most is None:
-        return f"{head}: no layer has a baseline (the window holds no step before the fire)"
+        longest = max(rise["baseline_points"] for rise in layers.values())
+        return (f"{head}: the baseline is too short: at most {longest} finite norms of a layer before the fire, "
+                f"{MIN_BASELINE} needed (a longer trigger.history keeps more)")
     if first_step is None:
         return f"{head}: no layer rose above {RISE_FACTOR:g}x its median over the window; most: {layer_title(most)}"
-    rise = judged[most]
-    answer = (f"{head}: {layer_title(most)} rose most, {rise['peak_rise']:.1f}x its median at step "
-              f"{rise['peak_step']}")
+    rise = layers[most]
+    size = "from a zero median" if math.isinf(rise["peak_rise"]) else f"{rise['peak_rise']:.1f}x its median"
+    answer = f"{head}: {layer_title(most)} rose most, {size} at step {rise['peak_step']}"
     if first != [most] or first_step != rise["peak_step"]:
-        answer += (f"; first above {RISE_FACTOR:g}x: {', '.join(layer_title(layer) for layer in first)} at step "
-                   f"{first_step}")
+        answer += f"; first above {RISE_FACTOR:g}x: {_titles(first)} at step {first_step}"
     return answer
+
+
+def _titles(layers: List) -> str:
+    return ", ".join(layer_title(layer) for layer in layers)
 
 
 def spike_summaries(source: str) -> List[Dict]:
@@ -129,19 +167,36 @@ def spiked_layers(spikes: List[Dict]) -> List:
 
 
 def format_spikes(spikes: List[Dict], shown: int = 5) -> str:
-    """The spike section: per fire, the ``shown`` layers that rose most, and the answer."""
+    """The spike section: per fire, the layers that went non-finite, then the ``shown`` layers that rose most,
+    and the answer."""
     lines = []
     for spike in spikes:
-        lines.append(f"spike: the trigger fired at step {spike['fired_at']}, recorded steps "
-                     f"{spike['steps'][0]}-{spike['steps'][1]}; pre-clip norm over each layer's median before it:")
-        ranked = sorted(spike["layers"].items(), key=lambda item: -_sortable(item[1]["peak_rise"]))
-        for layer, rise in ranked[:shown]:
-            first = rise["first_risen"]
-            lines.append(f"  {layer_title(layer):>16}: {rise['peak_rise']:8.2f}x at step {rise['peak_step']}, "
-                         f"{rise['rise_at_fire']:8.2f}x at the fire, above {RISE_FACTOR:g}x from "
-                         f"{'-' if first is None else f'step {first}'}")
+        steps = f"recorded steps {spike['steps'][0]}-{spike['steps'][1]}" if spike["steps"] else "no step recorded"
+        lines.append(f"spike: the trigger fired at step {spike['fired_at']}, {steps}; pre-clip norm over each "
+                     "layer's median before it:")
+        for layer, rise in sorted(spike["layers"].items(), key=_rank)[:shown]:
+            lines.append(f"  {layer_title(layer):>16}: {_row(rise)}")
         lines.append(spike["answer"])
     return "\n".join(lines)
+
+
+def _rank(item) -> tuple:
+    """Non-finite layers first, earliest first; then the largest rise; then the layers with no baseline."""
+    rise = item[1]
+    broken = rise["first_nonfinite"]
+    return (broken is None, broken or 0, -_sortable(rise["peak_rise"]))
+
+
+def _row(rise: Dict) -> str:
+    if math.isnan(rise["baseline"]):
+        row = f"baseline too short ({rise['baseline_points']} finite norms before the fire, {MIN_BASELINE} needed)"
+    else:
+        first = rise["first_risen"]
+        row = (f"{rise['peak_rise']:8.2f}x at step {rise['peak_step']}, {rise['rise_at_fire']:8.2f}x at the fire, "
+               f"above {RISE_FACTOR:g}x from {'-' if first is None else f'step {first}'}")
+    if rise["first_nonfinite"] is not None:
+        row += f"; non-finite from step {rise['first_nonfinite']}"
+    return row
 
 
 def _sortable(value: float) -> float:

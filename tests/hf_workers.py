@@ -64,19 +64,19 @@ def ds_config(stage: int, block: Optional[dict]) -> Dict[str, Any]:
     return config
 
 
-def make_trainer(output_dir: str, deepspeed: Optional[dict], callback_options: dict, gas: int = 1):
-    """A ``Trainer`` with the callback, a recorder of what happens outside it, and TensorBoard logging."""
-    from deepspeed_patch.hf import LayerGradNormsCallback
-
+def make_trainer(output_dir: str, deepspeed: Optional[dict], callback, gas: int = 1, added_late: bool = False):
+    """A ``Trainer`` with ``callback`` (given to the Trainer, or with ``added_late`` through
+    ``trainer.add_callback`` once it is built), a recorder of what happens outside it, and TensorBoard logging."""
     args = TrainingArguments(output_dir=output_dir, per_device_train_batch_size=2, gradient_accumulation_steps=gas,
                              max_steps=STEPS, logging_steps=1, learning_rate=1e-3, max_grad_norm=MAX_GRAD_NORM,
                              use_cpu=True, deepspeed=deepspeed, report_to=["tensorboard"], save_strategy="no",
                              disable_tqdm=True, seed=0)
-    callback = LayerGradNormsCallback(**callback_options)  # before the model: under ZeRO-3 it is built partitioned
     model = tiny_gpt2()
     recorder = Recorder()
     trainer = RecordingTrainer(model=model, args=args, train_dataset=SyntheticText(),
-                               callbacks=[callback, recorder])
+                               callbacks=[recorder] if added_late else [callback, recorder])
+    if added_late:
+        trainer.add_callback(callback)
     recorder.trainer = trainer
     return trainer, recorder
 
@@ -121,13 +121,23 @@ def tensorboard_tags(log_dir: str) -> Dict[str, Dict[int, float]]:
     return scalars
 
 
-def run(deepspeed: Optional[dict], callback_options: dict, gas: int = 1) -> Dict[str, Any]:
-    """One Trainer run; what the tests check, or the error (a refusal at initialize is a result too)."""
+def new_callback(options: dict):
+    """Made before the model: under ZeRO-3 the model is built partitioned, which needs the patch installed."""
+    from deepspeed_patch.hf import LayerGradNormsCallback
+
+    return LayerGradNormsCallback(**options)
+
+
+def run(deepspeed: Optional[dict], callback_options: dict, gas: int = 1, callback=None,
+        added_late: bool = False) -> Dict[str, Any]:
+    """One Trainer run (with ``callback``, else a new one of ``callback_options``); what the tests check, or the
+    error (a refusal at initialize is a result too)."""
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
     with tempfile.TemporaryDirectory() as output_dir, warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
-            trainer, recorder = make_trainer(output_dir, deepspeed, callback_options, gas)
+            callback = callback or new_callback(callback_options)
+            trainer, recorder = make_trainer(output_dir, deepspeed, callback, gas, added_late)
             trainer.train()
         except Exception:
             return {"error": traceback.format_exc()}
@@ -144,11 +154,13 @@ def run(deepspeed: Optional[dict], callback_options: dict, gas: int = 1) -> Dict
 
 
 def run_deepspeed_cases(cases: Dict[str, dict]) -> Dict[str, Any]:
-    """Each case ``{"stage", "block", "gas", "options"}`` on this rank, in one launch."""
-    return {
-        name: run(ds_config(case["stage"], case["block"]), case.get("options", {}), case.get("gas", 1))
-        for name, case in cases.items()
-    }
+    """Each case ``{"stage", "block", "gas", "options", "reuse"}`` on this rank, in one launch, in order;
+    ``reuse`` names an earlier case whose callback this one's Trainer is given again."""
+    callbacks, records = {}, {}
+    for name, case in cases.items():
+        callbacks[name] = callbacks[case["reuse"]] if "reuse" in case else new_callback(case.get("options", {}))
+        records[name] = run(ds_config(case["stage"], case["block"]), {}, case.get("gas", 1), callbacks[name])
+    return records
 
 
 def run_with_every_log(output_dir: str, monitors: str) -> Dict[str, Any]:

@@ -77,11 +77,13 @@ def bucket_stats(named_grads: Dict[str, torch.Tensor],
 
 def averaged_gradients(weights: Dict[str, torch.Tensor], config: TinyGPTConfig, dtype: torch.dtype,
                        batches: Iterable[torch.Tensor], frozen: Iterable[str] = (),
-                       loss_scale: float = 1.0) -> Dict[str, torch.Tensor]:
+                       loss_scale: float = 1.0, blow_up: Optional[float] = None) -> Dict[str, torch.Tensor]:
     """Mean gradient (float64) over ``batches`` of a TinyGPT holding ``weights``, run in ``dtype``.
 
     ``loss_scale`` multiplies the loss before backward and divides the gradient after, as fp16
     training does, so that small fp16 gradients do not flush to zero in the reference either.
+    ``blow_up`` multiplies the loss first and stays in the gradient, as a test's forced overflow does
+    (``loss * blow_up``, then the engine's ``backward`` multiplies by its loss scale).
     """
     model = TinyGPT(config)
     with torch.no_grad():
@@ -95,7 +97,8 @@ def averaged_gradients(weights: Dict[str, torch.Tensor], config: TinyGPTConfig, 
     count = 0
     for batch in batches:
         model.zero_grad(set_to_none=True)
-        (model(batch) * loss_scale).backward()
+        loss = model(batch) if blow_up is None else model(batch) * blow_up
+        (loss * loss_scale).backward()
         for name, param in model.named_parameters():
             if param.grad is not None:
                 grad = param.grad.double() / loss_scale
@@ -120,12 +123,17 @@ def mean_gradients(model: torch.nn.Module, loss_of: Callable[[torch.nn.Module, D
     return {name: grad / count for name, grad in total.items()}
 
 
-def assert_close_stats(measured, reference, tolerance, stats=STATS):
-    """Relative error: of the norm to the norm, of the elementwise stats to the largest |element|."""
+def assert_close_stats(measured, reference, tolerance, stats=STATS, summed: bool = True):
+    """Relative error: of the norm to the norm; of abs_min to itself where the gradient is one backward's
+    (``summed`` False: every element is off by at most its own rounding, so their smallest |value| is too);
+    of the other elementwise statistics, and of abs_min of a gradient summed over ranks or micro-batches, to
+    the largest |element|: the smallest element of a sum is where its terms cancel, and its rounding is that
+    of the terms, not of the result. A zero scale asks for an exact 0."""
     assert reference and stats, "nothing to compare"
     for key, ref in reference.items():
         for stat in stats:
-            scale = max(ref["norm" if stat == "norm" else "abs_max"], 1e-30)
+            own = stat == "norm" or (stat == "abs_min" and not summed)
+            scale = max(ref[stat if own else "abs_max"], 1e-30)
             error = abs(measured[key][stat] - ref[stat]) / scale
             assert error <= tolerance, f"bucket {key!r} {stat}: {measured[key][stat]} vs reference {ref[stat]}"
 

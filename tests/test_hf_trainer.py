@@ -26,7 +26,9 @@ BUCKETS = {"layer00", "layer01", "layer02", "transformer.wte", "transformer.wpe"
 DEEPSPEED_CASES = {
     "zero2": {"stage": 2, "block": {"enabled": True}, "gas": 2, "options": {"statistics": STATISTICS}},
     "zero3": {"stage": 3, "block": {"enabled": True}, "options": {"statistics": STATISTICS}},
-    "zero2_without_block": {"stage": 2, "block": None},
+    # the zero2 case's callback again, in a second Trainer: it must not read the first run's engine
+    "zero2_without_block": {"stage": 2, "block": None, "reuse": "zero2"},
+    "zero2_interval_2": {"stage": 2, "block": {"enabled": True, "interval": 2}},
 }
 TOLERANCE = 1e-5
 
@@ -37,8 +39,8 @@ def deepspeed_runs():
 
 
 @lru_cache(maxsize=None)
-def plain_run():
-    return run(None, {"statistics": STATISTICS})
+def plain_run(added_late: bool = False):
+    return run(None, {"statistics": STATISTICS}, added_late=added_late)
 
 
 def deepspeed_record(name: str, rank: int = 0):
@@ -106,10 +108,27 @@ def test_deepspeed_same_logs_on_every_rank():
 
 
 def test_missing_block_warns_once():
+    """In a second Trainer run with the first run's callback: its engine, whose last result is of step 3 too,
+    is not read."""
+    assert deepspeed_record("zero2")["engine_results"][-1]["step"] == STEPS
     record = deepspeed_record("zero2_without_block")
     assert len(record["warnings"]) == 1
     assert "no 'layer_grad_norms' block" in record["warnings"][0]
     assert not any(tag.startswith("layer-grad-norms/") for entry in record["log_history"] for tag in entry)
+
+
+def test_logging_steps_not_a_multiple_of_the_interval_warns_once():
+    """``logging_steps=1``, ``interval: 2``: one warning; only step 2 logs, the engine's values of step 2."""
+    record = deepspeed_record("zero2_interval_2")
+    assert record["warnings"] == ["LayerGradNormsCallback: logging_steps=1 is not a multiple of the "
+                                  "'layer_grad_norms' block's interval=2: only the steps that are multiples of 2 log "
+                                  "the statistics; make logging_steps a multiple of the interval"]
+    logged = [entry for entry in training_logs(record) if any(tag.startswith("layer-grad-norms/") for tag in entry)]
+    assert [entry["step"] for entry in logged] == [2]
+    assert [result and result["step"] for result in record["engine_results"]] == [None, 2, 2]
+    expected = flat_scalars(record["engine_results"][1], statistics=("norm", ))  # the callback's default
+    assert {tag: logged[0][tag] for tag in expected} == expected
+    assert sum(tag.startswith("layer-grad-norms/") for tag in logged[0]) == len(expected)
 
 
 def test_plain_logs_every_layer_adding_up_to_grad_norm():
@@ -136,3 +155,11 @@ def test_plain_pre_clip_matches_the_gradient_before_the_trainer_clipped_it():
 
 def test_plain_values_reach_tensorboard():
     assert_in_tensorboard(plain_run())
+
+
+def test_plain_added_after_the_trainer_was_built_still_reaches_tensorboard():
+    """``trainer.add_callback`` puts the callback behind the report_to integrations; it moves ahead of them."""
+    record = plain_run(added_late=True)
+    assert record["warnings"] == []
+    assert_norms_add_up(record)
+    assert_in_tensorboard(record)

@@ -2,9 +2,11 @@
 with known values: the hook's TensorBoard runs per fire, the JSONL dump's ``"history": true`` lines."""
 
 import json
+import math
 import os
 from typing import Dict, List
 
+import numpy as np
 import pytest
 
 from deepspeed_patch.on_demand import JsonlDump
@@ -12,7 +14,7 @@ from deepspeed_patch.tags import history_run_name, run_name
 from megatron_integration.arguments import add_layer_grad_norms_args
 from megatron_integration.cli import main
 from megatron_integration.plot import plot_spike_history
-from megatron_integration.spike import localise, read_fires
+from megatron_integration.spike import Fire, format_spikes, localise, read_fires
 from megatron_integration.tensorboard_reader import read_layer_series
 from megatron_integration.training_log import log_layer_grad_norms
 
@@ -188,3 +190,127 @@ def test_plot_history_without_a_fire_says_so(tmp_path, capsys):
         main(["plot", path, "--history"])
     assert exit_info.value.code == 2
     assert "no fire of the trigger with a flight recorder" in capsys.readouterr().err
+
+
+# Localisation on windows built here, each layer's norms varying from step to step: the expected rises come from
+# numpy's median of the layer's own finite norms before the fire.
+WINDOW = range(3, FIRE + 1)
+
+
+def varying(layer: int, step: int) -> float:
+    """A layer's norm without a spike: its own level, up to 60% above it, changing every step."""
+    return base_norm(layer) * (1.0 + 0.15 * ((7 * step + 3 * layer) % 5))
+
+
+def window_fire(norms: Dict, steps=WINDOW, reason: str = None) -> Fire:
+    """A fire at ``FIRE`` whose window holds ``steps``; ``norms[(layer, step)]`` replaces the varying norm."""
+    return Fire(FIRE, reason, {layer: [(step, norms.get((layer, step), varying(layer, step))) for step in steps]
+                               for layer in range(LAYERS)})
+
+
+def expected_rises(fire: Fire) -> Dict:
+    """Per layer: its baseline and its rise at each finite step, computed independently of ``spike``."""
+    rises = {}
+    for layer, points in fire.norms.items():
+        baseline = float(np.median([value for step, value in points if step < FIRE and np.isfinite(value)]))
+        rises[layer] = (baseline, {step: value / baseline for step, value in points if np.isfinite(value)})
+    return rises
+
+
+def test_localise_judges_each_layer_against_its_own_varying_median():
+    """Layer 4 is 2.5x its varying norm at step 8 and 12x at the fire, layer 1 4x at the fire: layer 4 rose first
+    and most, by numpy's median of its own norms before the fire."""
+    spiked = {(4, 8): 2.5 * varying(4, 8), (4, FIRE): 12 * varying(4, FIRE), (1, FIRE): 4 * varying(1, FIRE)}
+    fire = window_fire(spiked)
+    spike = localise(fire)
+    expected = expected_rises(fire)
+    checked = 0
+    for layer, (baseline, rises) in expected.items():
+        rise = spike["layers"][layer]
+        assert rise["baseline"] == pytest.approx(baseline, rel=1e-12)
+        assert rise["rise_at_fire"] == pytest.approx(rises[FIRE], rel=1e-12)
+        peak_step = max(rises, key=lambda step: (rises[step], -step))
+        assert (rise["peak_step"], rise["peak_rise"]) == (peak_step, pytest.approx(rises[peak_step], rel=1e-12))
+        assert rise["first_risen"] == next((step for step in sorted(rises) if rises[step] > 2), None)
+        checked += 1
+    assert checked == LAYERS
+    assert spike["rose_most"] == 4 and spike["rose_first"] == [4] and spike["first_step"] == 8
+    assert spike["nonfinite_first"] == [] and spike["nonfinite_step"] is None
+    peak = expected[4][1][FIRE]
+    assert spike["answer"] == (f"spike at step {FIRE}: layer 4 rose most, {peak:.1f}x its median at step {FIRE}; "
+                               "first above 2x: layer 4 at step 8")
+    assert any(rise > 2 for rise in expected[1][1].values())  # layer 1 rose too, less
+
+
+def test_a_layer_gone_non_finite_is_named_before_the_largest_rise():
+    """Layer 1 is NaN from step 9, layer 3 inf at the fire, layer 4 50x at the fire: layer 1 is named, although its
+    rise cannot be measured and layer 4 rose most among the finite norms."""
+    nan, inf = float("nan"), float("inf")
+    fire = window_fire({(1, 9): nan, (1, FIRE): nan, (3, FIRE): inf, (4, FIRE): 50 * varying(4, FIRE)},
+                       reason="overflow")
+    spike = localise(fire)
+    assert spike["nonfinite_first"] == [1] and spike["nonfinite_step"] == 9
+    assert [spike["layers"][layer]["first_nonfinite"] for layer in range(LAYERS)] == [None, 9, None, FIRE, None, None]
+    assert spike["rose_most"] == 4  # still reported, in the table
+    assert spike["answer"] == (f"spike at step {FIRE} (overflow): layer 1 went non-finite first, at step 9 "
+                               f"(2 of {LAYERS} layers non-finite by the fire)")
+    assert math.isnan(spike["layers"][1]["rise_at_fire"]) and math.isinf(spike["layers"][3]["rise_at_fire"])
+    text = format_spikes([spike], shown=3)
+    assert [line.split(":")[0].strip() for line in text.splitlines()[1:4]] == ["layer 1", "layer 3", "layer 4"]
+    assert "non-finite from step 9" in text.splitlines()[1]
+
+
+def test_a_rise_from_a_zero_baseline_is_infinite():
+    """Layer 2's gradient was exactly zero before the fire (a frozen or unused layer) and is 0.01 at the fire: an
+    infinite rise, above layer 4's 30x; layer 5, zero throughout, did not rise."""
+    zeros = {(layer, step): 0.0 for layer in (2, 5) for step in WINDOW}
+    fire = window_fire({**zeros, (2, FIRE): 0.01, (4, FIRE): 30 * varying(4, FIRE)})
+    spike = localise(fire)
+    two, five = spike["layers"][2], spike["layers"][5]
+    assert two["baseline"] == 0 and math.isinf(two["peak_rise"]) and two["peak_step"] == FIRE
+    assert two["first_risen"] == FIRE and math.isinf(two["rise_at_fire"])
+    assert five["baseline"] == 0 and five["peak_rise"] == 1.0 and five["first_risen"] is None
+    assert spike["rose_most"] == 2 and spike["rose_first"] == [2, 4]
+    assert spike["answer"] == (f"spike at step {FIRE}: layer 2 rose most, from a zero median at step {FIRE}; "
+                               f"first above 2x: layer 2, layer 4 at step {FIRE}")
+
+
+@pytest.mark.parametrize("before", [0, 1, 2])
+def test_a_baseline_shorter_than_three_steps_is_refused(before):
+    """With ``before`` steps recorded before the fire, no layer is judged, and the answer says why."""
+    fire = window_fire({(4, FIRE): 40 * varying(4, FIRE)}, steps=range(FIRE - before, FIRE + 1))
+    spike = localise(fire)
+    assert spike["rose_most"] is None and spike["rose_first"] == [] and spike["first_step"] is None
+    assert all(math.isnan(rise["baseline"]) for rise in spike["layers"].values())
+    assert spike["answer"] == (f"spike at step {FIRE}: the baseline is too short: at most {before} finite norms of a "
+                               "layer before the fire, 3 needed (a longer trigger.history keeps more)")
+    text = format_spikes([spike])
+    assert f"baseline too short ({before} finite norms before the fire, 3 needed)" in text
+    judged = localise(window_fire({(4, FIRE): 40 * varying(4, FIRE)}, steps=range(FIRE - 3, FIRE + 1)))
+    assert judged["rose_most"] == 4  # three are enough
+
+
+def write_history_only(path: str, keys: List) -> None:
+    """A dump of the selected layers' live steps up to the fire, and the fire's recorded steps of ``keys`` only."""
+    dump = JsonlDump(path, max_bytes=10**7, backups=0)
+    for step in range(1, FIRE + 1):
+        dump.write(result(step, SELECTED))
+    for step in range(FIRE - 4, FIRE + 1):
+        dump.write({**result(step, keys, fired_at=FIRE), "history": True})
+
+
+def test_a_fire_without_layer_buckets_gets_a_clear_line(tmp_path, capsys):
+    """A fire whose recorded steps hold only a bucket outside the layers: the report and the figure say so."""
+    path = str(tmp_path / "dump.jsonl")
+    write_history_only(path, ["embed"])
+    main(["report", path, "--json"])
+    (spike,) = json.loads(capsys.readouterr().out)["spikes"]
+    expected = f"spike at step {FIRE} (grad norm 9 > 3.0 x median 1): no layer bucket was recorded"
+    assert spike["answer"].startswith(expected) and spike["layers"] == {} and spike["steps"] == []
+    main(["report", path])
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[-2:] == [f"spike: the trigger fired at step {FIRE}, no step recorded; pre-clip norm over each "
+                          "layer's median before it:", spike["answer"]]
+    output = str(tmp_path / "history.png")
+    main(["plot", path, "--history", "-o", output])
+    assert capsys.readouterr().out.strip() == f"figure: {output}" and os.path.getsize(output) > 0

@@ -15,9 +15,12 @@ import torch
 
 from megatron_integration.tiny_gpt import TinyGPT, TinyGPTConfig, synthetic_batch
 from reference import averaged_gradients, bucket_stats, reference_key_of
+from releases import STAGE0_LOSS_CARRIES_SCALE
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 FP16_INITIAL_SCALE_POWER = 8
+OVERFLOW_BLOW_UP = 1e30
+"""An overflow step's loss is multiplied by this: the fp16 loss and its gradient overflow."""
 # Set to the directory of a DeepSpeed with the upstream patch applied: the tests run against it,
 # without deepspeed_patch.
 UPSTREAM_ENV = "LAYER_GRAD_NORMS_UPSTREAM"
@@ -177,7 +180,7 @@ def train(case: Dict[str, Any], enabled: bool) -> Dict[str, Any]:
             loss = engine(batch)
             record["losses"].append(loss.item())
             if step == case["overflow_step"]:
-                loss = loss * 1e30
+                loss = loss * OVERFLOW_BLOW_UP
             engine.backward(loss)
             engine.step()
         after = full_weights(engine.module)
@@ -188,9 +191,13 @@ def train(case: Dict[str, Any], enabled: bool) -> Dict[str, Any]:
         record["measured"].append(engine.get_layer_grad_norms())
         record["global_norm"].append(engine.get_global_grad_norm())
         if rank == 0 and enabled:
-            scale = 2.0**FP16_INITIAL_SCALE_POWER if case["dtype"] == "fp16" else 1.0
+            # the loss scale the engine's backward multiplied the loss by: none without ZeRO from 0.18 on
+            # (releases.py), where the reference's small fp16 gradients then flush to zero as the engine's do
+            carries_scale = case["dtype"] == "fp16" and (case["stage"] > 0 or STAGE0_LOSS_CARRIES_SCALE)
+            scale = 2.0**FP16_INITIAL_SCALE_POWER if carries_scale else 1.0
             grads = averaged_gradients(before, model_config(case), DTYPES[case["dtype"]],
-                                       batches_of_step(case, step, world_size), case["frozen"], scale)
+                                       batches_of_step(case, step, world_size), case["frozen"], scale,
+                                       OVERFLOW_BLOW_UP if step == case["overflow_step"] else None)
             record["reference"].append(bucket_stats(grads, key_of))
             record["layer_reference"].append(bucket_stats(grads))
     record["final"] = full_weights(engine.module, dtype=None)

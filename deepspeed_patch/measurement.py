@@ -231,4 +231,3 @@ def step_result(stats: torch.Tensor, scales: StepScales, keys: Sequence[Hashable
     result.update(
         (kind, bucket_results(block, keys, selected, 1.0, extra)) for kind, block in zip(scales.kinds, blocks[1:]))
     return result
-

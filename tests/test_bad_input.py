@@ -105,7 +105,8 @@ def test_the_command_itself_prints_one_line_and_no_traceback(tmp_path):
 
 @pytest.mark.parametrize("block, message", [
     ({"trigger": {"grad_norm_factr": 2.0}},
-     "layer_grad_norms.trigger.grad_norm_factr=2.0: unknown key; known keys are ['capture_steps', 'cooldown', 'grad_norm_factor'"),
+     "layer_grad_norms.trigger.grad_norm_factr=2.0: unknown key; known keys are "
+     "['capture_steps', 'cooldown', 'grad_norm_factor'"),
     ({"dump": {"path": "x", "max_byte": 10}}, "layer_grad_norms.dump.max_byte=10: unknown key; known keys are"),
     ({"enabled": "yes"}, "layer_grad_norms.enabled='yes': expected true or false"),
     ({"enabled": 1}, "layer_grad_norms.enabled=1: expected true or false"),

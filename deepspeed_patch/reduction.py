@@ -7,13 +7,12 @@
 A table's first ``NUM_SUMMED`` columns add up across ranks (squared norm, non-finite count, L1, sum,
 zeros, element count), the others take the maximum (max, -min, -abs_min). So one SUM all-reduce of
 the summed columns and one MAX all-reduce of the others give every rank the statistics of the full
-gradient. Each rank sends and receives about ``2 * 72 * buckets`` bytes (ring algorithm), the same at
-2 ranks as at 16,384, where an all-gather of the tables brought ``72 * buckets * world_size`` to each
-rank. The all-gather is not kept for small worlds, although it is cheaper there while latency
-dominates (one collective of ``W - 1`` ring steps against two of ``2 (W - 1)``): by 6 to 60 us per
-measured step up to 64 ranks in NCCL's own latency model, where the new reduction saves 0.2 to 17 ms
-from 384 to 16,384 ranks (``benchmarks/results/reduction_cost.md``). A second path chosen by world
-size would save microseconds, make the bytes per rank depend on the world again, and need its own tests.
+gradient. Each rank sends and receives about ``2 * 72 * buckets`` bytes (ring algorithm), whatever the
+world size, where an all-gather of the tables brought ``72 * buckets * world_size`` to each rank. The
+all-gather is not kept for small worlds, although it is cheaper there while latency dominates (one
+collective of ``W - 1`` ring steps against two of ``2 (W - 1)``): a second path chosen by world size would
+make the bytes per rank depend on the world again and need its own tests, for a saving the cost model
+shows to be small (``benchmarks/results/reduction_cost.md`` has the figures).
 
 Every rank gets the same bits: an all-reduce leaves one result on all ranks (NCCL's ring and tree, and
 gloo's, compute each element's sum once and copy it), so no rank can see a different order of float64

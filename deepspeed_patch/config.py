@@ -82,8 +82,9 @@ def _compile(pattern: str) -> "re.Pattern[str]":
 class TriggerConfig(DeepSpeedConfigModel):
     """Capture every step, all layers, for ``capture_steps`` steps after a gradient-norm spike."""
 
-    grad_norm_factor: float = Field(3.0, gt=1.0)
-    """Fire when the global gradient norm exceeds this many times its running median."""
+    grad_norm_factor: Optional[float] = Field(3.0, gt=1.0)
+    """Fire when the global gradient norm exceeds this many times its running median; ``None``: the norm is not
+    watched, nor read (a trigger on a host loss alone then costs no host synchronisation)."""
     window: int = Field(50, ge=1)
     """Steps in the running median."""
     capture_steps: int = Field(20, ge=1)

@@ -59,7 +59,8 @@ class TriggerState:
         loss, self.loss = self.loss, None
         if self.trigger is None:
             return None
-        norm, loss = _on_host(global_norm, loss)
+        watched_norm = global_norm if self.trigger.factor is not None else None  # not read when not watched
+        norm, loss = _on_host(watched_norm, loss)
         fired = self.trigger.update(step, norm, bool(overflow), loss)
         if fired is not None and rank_of_process() == 0:  # the same fire on every rank: one line
             logger.warning("layer_grad_norms: trigger fired at step %d (%s); capturing every layer until step %d",

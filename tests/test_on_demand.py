@@ -199,3 +199,23 @@ def test_a_non_finite_norm_no_loss_scaler_skipped_fires_at_once():
     assert trigger.update(1, 1.0, False) is None
     assert trigger.update(2, math.nan, False)["reason"] == "grad norm nan"
     assert SpikeTrigger(3.0, 5, 2, True, overflow_steps=3).update(4, math.inf, False)["reason"] == "grad norm inf"
+
+
+def test_a_trigger_on_the_loss_alone_never_reads_the_global_norm():
+    """``grad_norm_factor: null`` with a ``loss_factor`` and a host loss: the trigger reads nothing from the
+    device (the norm is never converted), and a loss spike still fires."""
+    from deepspeed_patch.config import TriggerConfig
+    from deepspeed_patch.trigger import TriggerState
+
+    class Unreadable:
+
+        def __float__(self):
+            raise AssertionError("the global norm was read")
+
+    state = TriggerState(TriggerConfig(grad_norm_factor=None, loss_factor=2.0, window=5, capture_steps=1))
+    fired = []
+    for step, loss in enumerate([1.0, 1.1, 0.9, 1.0, 1.05, 1.0, 9.0], start=1):
+        state.report_loss(loss)
+        fired.append(state.after_step(step, Unreadable(), False))
+    assert fired[:-1] == [None] * 6
+    assert fired[-1]["fired_at"] == 7 and fired[-1]["reason"].startswith("loss 9")

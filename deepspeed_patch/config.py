@@ -202,14 +202,6 @@ class LayerGradNormsConfig(DeepSpeedConfigModel):
         return tuple(name for name in OPTIMIZER_STATISTICS if name in names)
 
     @model_validator(mode="after")
-    def _optimizer_statistics_not_recorded(self) -> "LayerGradNormsConfig":
-        if self.optimizer_statistics and self.trigger is not None and self.trigger.history:
-            raise ValueError(f"optimizer_statistics={list(self.optimizer_statistics)} with trigger.history="
-                             f"{self.trigger.history}: the flight recorder does not carry optimizer statistics "
-                             "yet; drop one of the two")
-        return self
-
-    @model_validator(mode="after")
     def _group_by_goes_with_its_granularity(self) -> "LayerGradNormsConfig":
         if (self.granularity == "group_by") != (self.group_by is not None):
             raise ValueError(f"granularity={self.granularity!r} with group_by={self.group_by!r}: "

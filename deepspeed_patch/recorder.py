@@ -5,11 +5,11 @@
 """The flight recorder: every optimizer step's local statistics, kept for the last K steps.
 
 A spike is seen only once its step is over, and the steps before it are often the ones worth seeing. With
-``trigger.history: K`` every step's measurement is pushed here unreduced: this rank's ``(buckets + 1, 9)``
-table (the status row last) stays on the device, in one preallocated ring of K tables written in place,
-beside the step's scales. A quiet step adds no collective and no host copy. When the trigger fires, every
-rank reduces the whole ring in one reduction (that of one measured step), and each recorded step becomes a
-result shaped like ``get_layer_grad_norms()``, every bucket.
+``trigger.history: K`` every step's measurement is pushed here unreduced: this rank's table (the gradient's
+buckets, a block of buckets per ``optimizer_statistics`` kind, the status row last) stays on the device, in one
+preallocated ring of K tables written in place, beside the step's scales. A quiet step adds no collective and no
+host copy. When the trigger fires, every rank reduces the whole ring in one reduction (that of one measured
+step), and each recorded step becomes a result shaped like ``get_layer_grad_norms()``, every bucket.
 """
 
 import math
@@ -18,7 +18,7 @@ from typing import Collection, Hashable, List, Optional, Sequence, Tuple
 
 import torch
 
-from .measurement import StepScales, host_copy, step_result
+from .measurement import StepScales, host_copy, step_result, table_rows
 from .reduction import reduce_stats
 from .statistics import MAX, NEG_MIN, NUM_COLUMNS, NUMEL, empty_stats
 
@@ -39,9 +39,11 @@ class Replay:
 class FlightRecorder:
     """A ring of the last ``capacity`` steps' local tables (on the device) and their scales."""
 
-    def __init__(self, capacity: int, num_rows: int, device) -> None:
-        """``num_rows``: the buckets of the layer map (the status row is added here)."""
-        self.tables = empty_stats(capacity * (num_rows + 1), device).view(capacity, num_rows + 1, NUM_COLUMNS)
+    def __init__(self, capacity: int, num_rows: int, device, kinds: Sequence[str] = ()) -> None:
+        """``num_rows``: the buckets of the layer map; ``kinds``: the optimizer statistics each step carries
+        (one block of buckets each; the status row is added here)."""
+        rows = table_rows(num_rows, kinds)
+        self.tables = empty_stats(capacity * rows, device).view(capacity, rows, NUM_COLUMNS)
         self.scales: List[Optional[StepScales]] = [None] * capacity
         self.norms = torch.zeros(capacity, dtype=torch.float64, device=device)
         """Each slot's copy of the optimizer's global norm, where its scales read one (``scale_of_norm``)."""
@@ -49,7 +51,7 @@ class FlightRecorder:
 
     @property
     def nbytes(self) -> int:
-        """The ring's device memory: capacity x (buckets + 1) x 9 float64."""
+        """The ring's device memory: capacity x (buckets x (1 + kinds) + 1) x 9 float64."""
         return self.tables.numel() * self.tables.element_size()
 
     def push(self, table: torch.Tensor, scales: StepScales) -> None:

@@ -27,8 +27,12 @@ def cpu_adam(params, **options) -> torch.optim.Optimizer:
 
 OPTIMIZERS = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam, "sgd": torch.optim.SGD, "cpu_adam": cpu_adam}
 DEFAULT = {
-    **DEFAULT_CASE, "layers": 2, "optimizer": "adamw", "kinds": KINDS, "lr": 1e-2, "weight_decay": 0.1, "options": {}
+    **DEFAULT_CASE, "layers": 2, "optimizer": "adamw", "kinds": KINDS, "lr": 1e-2, "weight_decay": 0.1, "options": {},
+    "recorded": None
 }
+SPIKE = 64.0
+"""``recorded`` cases multiply the last step's loss by this: the trigger fires there and the flight recorder
+hands back the steps before it."""
 
 
 def full_state(engine, trainable, moments: bool) -> Dict[str, Dict[str, torch.Tensor]]:
@@ -67,6 +71,8 @@ def train(case: Dict[str, Any], block: Dict[str, Any]) -> Dict[str, Any]:
             loss = engine(batch)
             if step == case["overflow_step"]:
                 loss = loss * 1e30
+            if case["recorded"] and step == case["steps"]:
+                loss = loss * SPIKE
             engine.backward(loss)
             with counting_collectives() as calls:
                 engine.step()
@@ -79,10 +85,19 @@ def train(case: Dict[str, Any], block: Dict[str, Any]) -> Dict[str, Any]:
         }
         record["reference"].append({kind: bucket_stats(values, key_of) for kind, values in named.items()})
         record["measured"].append(engine.get_layer_grad_norms())
+    record["fires"] = engine.get_layer_grad_norms_history("all") if case["recorded"] else None
     record["final"] = {name: param.detach().clone() for name, param in engine.module.named_parameters()}
     record["optimizer"] = type(engine.optimizer).__name__
     engine.destroy()
     return record
+
+
+def block_of(case: Dict[str, Any]) -> Dict[str, Any]:
+    """The block of a case: every step measured; or (``recorded``: a trigger block) none measured, every step
+    recorded, and a fire at the last."""
+    if case["recorded"]:
+        return {"enabled": False, "optimizer_statistics": case["kinds"], "trigger": case["recorded"]}
+    return {"enabled": True, "optimizer_statistics": case["kinds"]}
 
 
 def run_cases(cases: Dict[str, Dict[str, Any]]) -> Dict[str, Any]:
@@ -95,7 +110,7 @@ def run_cases(cases: Dict[str, Dict[str, Any]]) -> Dict[str, Any]:
     for name, overrides in cases.items():
         case = {**DEFAULT, **overrides}
         try:
-            results[name] = {"on": train(case, {"enabled": True, "optimizer_statistics": case["kinds"]})}
+            results[name] = {"on": train(case, block_of(case))}
             if case["compare_off"]:
                 results[name]["grad_only"] = train(case, {"enabled": True})
                 results[name]["off"] = train(case, None)

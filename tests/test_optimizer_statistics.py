@@ -20,6 +20,8 @@ UNEVEN = 5  # layers: partitions of unequal size at 3 ranks
 BF16_OPTIMIZER = {"dtype": "bf16", "grad_accum_dtype": "fp32"}  # at stage 1: BF16_Optimizer
 OFFLOAD = {"zero": {"offload_optimizer": {"device": "cpu"}}, "top": {"zero_force_ds_cpu_optimizer": False}}
 
+RECORDED = {"grad_norm_factor": 3.0, "window": 3, "capture_steps": 1, "history": 4}
+"""A trigger whose fire (at the spiked last step) hands back steps 2 to 5 from the flight recorder."""
 CASES = {
     1: {
         "z1_fp32_adamw_clip": {"stage": 1, "clip": 0.1, "compare_off": True},
@@ -34,6 +36,7 @@ CASES = {
         "z2_bf16_adamw_clip": {"stage": 2, "dtype": "bf16", "clip": 0.1},
         "z2_fp32_adam_l2": {"stage": 2, "optimizer": "adam"},
         "z2_fp16_overflow_update_zero": {"stage": 2, "dtype": "fp16", "overflow_step": 2},
+        "z2_recorded_fire": {"stage": 2, "clip": 0.1, "steps": 5, "recorded": RECORDED},
         "z1_bf16_optimizer_adamw_gas2_clip": {"stage": 1, **BF16_OPTIMIZER, "gas": 2, "clip": 0.1,
                                               "compare_off": True},
         "z2_offload_adamw_clip": {"stage": 2, **OFFLOAD, "clip": 0.1},
@@ -46,7 +49,8 @@ CASES = {
                                        "clip": 0.1},
     },
 }
-MEASURED = [(world, name) for world, cases in CASES.items() for name in cases if not name.startswith("refused")]
+MEASURED = [(world, name) for world, cases in CASES.items() for name in cases
+            if not name.startswith("refused") and "recorded" not in cases[name]]
 COMPARED = [(world, name) for world, name in MEASURED if CASES[world][name].get("compare_off")]
 
 
@@ -75,27 +79,47 @@ def close(measured: float, reference: float, scale: float) -> float:
 def test_each_kind_matches_the_full_fp32_state_per_bucket(world, name):
     """Every rank reports, for every step and every requested kind, each bucket's statistics of the gathered
     full fp32 weights (after the step), their change, and the moments."""
-    checked, worst = 0, 0.0
     case = CASES[world][name]
     kinds = case.get("kinds", KINDS)
+    checked = 0
     for record in result_of(world, name):
         on = record["on"]
         assert len(on["measured"]) == len(on["reference"]) > 0
-        for measured, reference in zip(on["measured"], on["reference"]):
-            assert set(kinds) <= set(measured) and set(measured) & set(KINDS) == set(kinds)
-            for kind in kinds:
-                assert measured[kind].keys() == reference[kind].keys() == measured["pre_clip"].keys()
-                for bucket, ref in reference[kind].items():
-                    got = measured[kind][bucket]
-                    assert got["nonfinite"] == ref["nonfinite"] == 0
-                    for stat in ("norm", "min", "max", "abs_max"):
-                        error = close(got[stat], ref[stat], abs(ref[stat]))
-                        worst = max(worst, error)
-                        assert error <= TOLERANCE, (kind, bucket, stat, got[stat], ref[stat])
-                    assert close(got["abs_min"], ref["abs_min"], ref["abs_max"]) <= TOLERANCE, (kind, bucket)
-                    checked += 1
-    assert checked == world * len(on["reference"]) * len(kinds) * len(reference["param"])
-    print(f"{name}: {checked} bucket statistics, worst relative error {worst:.2e}")
+        checked += check_steps(on["measured"], on["reference"], kinds)
+    assert checked == world * len(on["reference"]) * len(kinds) * len(on["reference"][0]["param"])
+
+
+def check_steps(measured_steps, reference_steps, kinds) -> int:
+    """Each step's statistics of each kind against its reference; the bucket statistics checked."""
+    checked, worst = 0, 0.0
+    for measured, reference in zip(measured_steps, reference_steps, strict=True):
+        assert set(kinds) <= set(measured) and set(measured) & set(KINDS) == set(kinds)
+        for kind in kinds:
+            assert measured[kind].keys() == reference[kind].keys() == measured["pre_clip"].keys()
+            for bucket, ref in reference[kind].items():
+                got = measured[kind][bucket]
+                assert got["nonfinite"] == ref["nonfinite"] == 0
+                for stat in ("norm", "min", "max", "abs_max"):
+                    error = close(got[stat], ref[stat], abs(ref[stat]))
+                    worst = max(worst, error)
+                    assert error <= TOLERANCE, (kind, bucket, stat, got[stat], ref[stat])
+                assert close(got["abs_min"], ref["abs_min"], ref["abs_max"]) <= TOLERANCE, (kind, bucket)
+                checked += 1
+    print(f"{checked} bucket statistics, worst relative error {worst:.2e}")
+    return checked
+
+
+def test_the_flight_recorder_carries_each_kind():
+    """A fire hands back the recorded steps with every kind of each, against the reference of those steps;
+    nothing measured on its own."""
+    checked = 0
+    for record in result_of(2, "z2_recorded_fire"):
+        on = record["on"]
+        assert all(step is None for step in on["measured"][:-1])
+        (fire, ), (steps, ) = on["fires"].keys(), on["fires"].values()
+        assert fire == 5 and [step["step"] for step in steps] == [2, 3, 4, 5]
+        checked += check_steps(steps, on["reference"][1:], KINDS)
+    assert checked == 2 * 4 * len(KINDS) * len(on["reference"][0]["param"])
 
 
 def test_the_cases_cover_zero_and_bf16_optimizer():
@@ -149,8 +173,8 @@ def test_kinds_are_validated_naming_key_and_value():
         with pytest.raises(LayerGradNormsConfigError, match="optimizer_statistics") as error:
             load_config({"layer_grad_norms": {"optimizer_statistics": value}})
         assert words in str(error.value)
-    with pytest.raises(LayerGradNormsConfigError, match="flight recorder"):
-        load_config({"layer_grad_norms": {"optimizer_statistics": ["param"], "trigger": {"history": 4}}})
+    assert load_config({"layer_grad_norms": {"optimizer_statistics": ["param"], "trigger": {"history": 4}}
+                        }).trigger.history == 4
 
 
 def test_update_rule_reconstructs_torch_adam_steps():

@@ -95,7 +95,7 @@ class LayerGradNormsAdapter:
         self.wants_loss = trigger is not None and trigger.loss_factor is not None
         """Whether ``report_loss`` is needed: a trigger watches the loss (``trigger.loss_factor``)."""
         history = trigger.history if trigger is not None else 0
-        self.recorder = FlightRecorder(history, self.layer_map.num_rows, device) if history else None
+        self.recorder = FlightRecorder(history, self.layer_map.num_rows, device, self.kinds) if history else None
 
     def begin_step(self) -> None:
         """Top of the engine's optimizer step: open a measurement if this step is measured or recorded."""

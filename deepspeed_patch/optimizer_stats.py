@@ -8,8 +8,9 @@ step, the Adam moments after it, and the update (after minus before).
 The fp32 master partition and its moments have the layout of the flat gradient partition, so the gradient's
 ``ChunkPlan`` reads each of them in one fused pass (``accumulate_partition``). The update is not read from a
 copy of the partition taken before the step: it is derived from the weights and moments after the step and the
-Adam family's rule (``AdamRule``), piece by piece into one bounded scratch buffer, each piece read with a chunk
-plan of its own window (``WindowPlans``).
+Adam family's rule (``AdamRule``): on the host by the C++ kernel, which reads each chunk of the weights and
+moments once and folds all requested kinds from it (``accumulate_fused``); elsewhere piece by piece into one
+bounded scratch buffer, each piece read with a chunk plan of its own window (``window_plans``).
 """
 
 import math
@@ -18,8 +19,9 @@ from typing import Callable, Dict, List, Optional
 
 import torch
 
+from .config import OPTIMIZER_STATISTICS
 from .partition_slices import PartitionSlices, slices_of_runs
-from .partition_stats import ChunkPlan, accumulate_partition, chunk_plan
+from .partition_stats import HOST, ChunkPlan, accumulate_partition, chunk_plan
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 NEEDS_ADAM = ("update", ) + MOMENTS
@@ -54,6 +56,14 @@ class AdamRule:
             decay = self.lr * self.weight_decay
             out.add_(param, alpha=decay).div_(1 - decay)
         return out.neg_()
+
+    def coefficients(self, step: float) -> List[float]:
+        """The host kernel's form of the rule at ``step``: step size ``lr / bc1``, ``sqrt(bc2)``, eps, the
+        decoupled decay ``lr * weight_decay`` (0: none) and ``1 - decay``."""
+        bc1 = 1 - self.beta1**step if self.bias_correction else 1.0
+        bc2 = 1 - self.beta2**step if self.bias_correction else 1.0
+        decay = self.lr * self.weight_decay if self.decoupled else 0.0
+        return [self.lr / bc1, math.sqrt(bc2), self.eps, decay, 1 - decay]
 
 
 def adam_rule(optimizer: torch.optim.Optimizer, group: dict) -> AdamRule:
@@ -118,6 +128,24 @@ class GroupState:
     def state(self) -> dict:
         return self.optimizer.state.get(self.partition, {})
 
+    def accumulate_fused(self, kind_stats: Dict[str, torch.Tensor], skipped: bool) -> bool:
+        """Every requested kind in one read of the weights and moments by the host kernel, where it applies (fp32
+        on the host, after a step of an Adam optimizer that was not skipped); whether it did."""
+        state = self.state()
+        if self.plan.kernel != HOST or skipped or "exp_avg_sq" not in state:
+            return False
+        tensors = (self.partition, state["exp_avg"], state["exp_avg_sq"])
+        if any(tensor.dtype != torch.float32 or not tensor.is_contiguous() for tensor in tensors):
+            return False
+        from .partition_stats_cpu import host_adam_kernel
+
+        rule = adam_rule(self.optimizer, self.optimizer.param_groups[self.index])
+        requested = [kind for kind in OPTIMIZER_STATISTICS if kind in kind_stats]
+        bits = sum(1 << OPTIMIZER_STATISTICS.index(kind) for kind in requested)  # the kernel's order
+        host_adam_kernel()([kind_stats[kind] for kind in requested], self.partition.detach(), *tensors[1:],
+                           self.plan.chunks, rule.coefficients(float(state["step"])), bits)
+        return True
+
     def accumulate(self, kind: str, stats: torch.Tensor, scratch: torch.Tensor, skipped: bool) -> None:
         """Fold ``kind`` of this group into ``stats`` (its block of the table)."""
         state = self.state()
@@ -177,6 +205,7 @@ class OptimizerStatistics:
     def accumulate(self, kind_stats: Dict[str, torch.Tensor], skipped: bool) -> None:
         """Fold every requested kind of every group into its block of the table; ``skipped``: the loss scaler
         skipped the step, so the update is zero."""
-        for kind in self.kinds:
-            for group in self.groups:
-                group.accumulate(kind, kind_stats[kind], self.scratch, skipped)
+        for group in self.groups:
+            if not group.accumulate_fused(kind_stats, skipped):
+                for kind in self.kinds:
+                    group.accumulate(kind, kind_stats[kind], self.scratch, skipped)

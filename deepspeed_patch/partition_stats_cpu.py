@@ -2,7 +2,8 @@
 # SPDX-License-Identifier: Apache-2.0
 
 # DeepSpeed Team
-"""The host kernel of the fused statistics (``csrc/partition_stats.cpp``), compiled on first use.
+"""The host kernels of the fused statistics (``csrc/partition_stats.cpp``), compiled on first use: a gradient
+partition's, and an fp32 master partition's with its Adam moments and update (``optimizer_stats``).
 
 ``torch.utils.cpp_extension`` builds it with the system's C++ compiler into the user's torch extensions
 cache (``TORCH_EXTENSIONS_DIR``, by default ``~/.cache/torch_extensions``), about ten seconds, once per
@@ -24,7 +25,7 @@ from deepspeed.utils import logger
 from deepspeed.utils.logging import log_dist
 
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc", "partition_stats.cpp")
-CFLAGS = ["-O3", "-fopenmp"]
+CFLAGS = ["-O3", "-fopenmp", "-fno-math-errno"]  # errno-free sqrt: the Adam update vectorises
 LDFLAGS = ["-fopenmp"]
 # A build another process has under way holds a lock file in the build directory, which torch waits for
 # without limit; a build that was killed leaves it behind. Wait this long for it, at most, then use the
@@ -71,6 +72,12 @@ def host_kernel() -> Optional[Callable[[torch.Tensor, torch.Tensor, torch.Tensor
             type(error).__name__,
             str(error).strip().splitlines()[-1] if str(error).strip() else "")
         return None
+
+
+def host_adam_kernel() -> Optional[Callable[..., None]]:
+    """The op ``accumulate_adam_chunks(stats, param, exp_avg, exp_avg_sq, chunks, rule, kinds)`` of the same
+    library (``optimizer_stats``: the weights, the update and the moments in one read), or None."""
+    return None if host_kernel() is None else torch.ops.layer_grad_norms.accumulate_adam_chunks
 
 
 def _announce_build(build_dir: str) -> None:

@@ -234,6 +234,41 @@ def test_the_update_in_small_windows_matches_the_step():
     assert checked == 2 * len(KINDS) * len(runs)
 
 
+@pytest.mark.parametrize("kinds", [tuple(KINDS), ("update", ), ("param", "exp_avg_sq")])
+def test_the_host_kernel_reads_every_kind_as_the_stock_operators_do(kinds):
+    """The C++ kernel's one read of the weights and moments (the update derived per element) against the stock
+    path's, every column of every bucket (abs_min, where the decoupled decay cancels, to the bucket's abs_max:
+    the two round the update differently), for AdamW, Adam with L2 and AdamW without bias correction."""
+    from deepspeed.ops.adam import FusedAdam
+
+    from deepspeed_patch.optimizer_stats import OptimizerStatistics
+    from deepspeed_patch.partition_slices import slices_of_runs
+    from deepspeed_patch.partition_stats import HOST, STOCK, chunk_plan
+    from deepspeed_patch.statistics import MAX, NEG_MIN, empty_stats
+
+    runs = [(0, 3000, 1), (3010, 200, 0), (3210, 70000, 2)]  # longer than a chunk, and a gap
+    checked = 0
+    for make in (lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.1), lambda p: torch.optim.Adam(
+            p, lr=1e-2, weight_decay=0.1), lambda p: FusedAdam(p, lr=1e-2, weight_decay=0.1, bias_correction=False)):
+        torch.manual_seed(0)
+        flat = torch.nn.Parameter(torch.randn(73210))
+        optimizer = make([flat])
+        for _ in range(2):
+            flat.grad = torch.randn(73210)
+            optimizer.step()
+        tables = {}
+        for kernel in (HOST, STOCK):
+            plan = chunk_plan(slices_of_runs(runs), "cpu", kernel=kernel)
+            tables[kernel] = {kind: empty_stats(3, "cpu") for kind in kinds}
+            OptimizerStatistics(optimizer, [flat], [plan], kinds).accumulate(tables[kernel], skipped=False)
+        for kind in kinds:
+            host, stock = tables[HOST][kind], tables[STOCK][kind]
+            abs_max = stock[:, [MAX, NEG_MIN]].abs().amax(1, keepdim=True)
+            assert ((host - stock).abs() <= 1e-6 * (stock.abs() + abs_max)).all(), kind
+            checked += 1
+    assert checked == 3 * len(kinds)
+
+
 def test_before_the_first_step_the_moments_and_update_are_zero():
     """A step the loss scaler skips before the optimizer ever stepped (fp16's first steps): no state yet, so
     zero moments and a zero update, over every element of each bucket; the weights as they are."""

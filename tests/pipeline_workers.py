@@ -21,7 +21,9 @@ from zero_workers import DTYPES, FP16_INITIAL_SCALE_POWER, MICRO_BATCH, force_fp
 
 DEFAULT_CASE: Dict[str, Any] = {"first_layer_index": 3, "dtype": "fp32", "gas": 2, "clip": 0.0, "steps": 3,
                                 "layers": 4, "tie": False, "stage": 1, "fused": False, "overflow_step": None,
-                                "compare_off": False}
+                                "compare_off": False, "kinds": ()}
+KIND_OPTIMIZER = functools.partial(torch.optim.AdamW, lr=1e-2, weight_decay=0.1)
+"""The optimizer of a case with ``kinds`` (``optimizer_statistics``: the update and moments need Adam)."""
 # An fp16 step's loss times this overflows: every gradient of the step is non-finite.
 OVERFLOW_FACTOR = 1e30
 
@@ -39,12 +41,14 @@ def plain_name(pipe_name: str, first_layer_index: int, num_layers: int) -> str:
     return f"{'final_layernorm' if index == first_layer_index + num_layers else 'head'}.{rest}"
 
 
-def full_weights(engine, case) -> Tuple[Dict[str, torch.Tensor], Dict[str, int]]:
-    """Every stage's weights, under TinyGPT names, on every rank, and the stage that holds each; the
-    first stage's copy of tied ones."""
+def full_weights(engine, case, value_of: Callable[[torch.nn.Parameter], torch.Tensor] = None
+                 ) -> Tuple[Dict[str, torch.Tensor], Dict[str, int]]:
+    """Every stage's weights (or ``value_of`` each parameter), under TinyGPT names, on every rank, and the stage
+    that holds each; the first stage's copy of tied ones."""
     import torch.distributed as dist  # deepspeed.comm has no all_gather_object before 0.15
 
-    local = {plain_name(name, case["first_layer_index"], case["layers"]): p.detach().float().clone()
+    value_of = value_of or (lambda param: param.detach().float().clone())
+    local = {plain_name(name, case["first_layer_index"], case["layers"]): value_of(p)
              for name, p in engine.module.named_parameters()}
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, local)
@@ -85,7 +89,7 @@ def ds_config(case: Dict[str, Any], enabled: bool) -> Dict[str, Any]:
         "steps_per_print": 10**9,
     }
     if enabled:
-        ds_config["layer_grad_norms"] = {"enabled": True}
+        ds_config["layer_grad_norms"] = {"enabled": True, "optimizer_statistics": list(case["kinds"])}
     if case["dtype"] == "bf16":
         ds_config["bf16"] = {"enabled": True}
         if case["stage"] > 0:
@@ -108,10 +112,12 @@ def train_pipe(case: Dict[str, Any], enabled: bool = True) -> Dict[str, Any]:
             param.copy_(plain[plain_name(name, case["first_layer_index"], case["layers"])])
     loss_factor = blow_up_loss(pipe)
     optimizer = functools.partial(fused_sgd if case["fused"] else torch.optim.SGD, lr=1.0)
+    if case["kinds"]:
+        optimizer = KIND_OPTIMIZER
     engine, *_ = deepspeed.initialize(model=pipe, model_parameters=[p for p in pipe.parameters()],
                                       optimizer=optimizer, config=ds_config(case, enabled))
     record = {"measured": [], "global_norm": [], "reference": [], "update": [], "loss_scales": [], "collectives": [],
-              "optimizer": type(engine.optimizer).__name__}
+              "kind_reference": [], "optimizer": type(engine.optimizer).__name__}
     for step in range(1, case["steps"] + 1):
         batches = [synthetic_batch(config, MICRO_BATCH, seed=100 * step + micro) for micro in range(case["gas"])]
         before, stage_of = full_weights(engine, case)
@@ -123,12 +129,27 @@ def train_pipe(case: Dict[str, Any], enabled: bool = True) -> Dict[str, Any]:
         record["loss_scales"].append((scale_before, loss_scale(engine.optimizer)))
         record["measured"].append(engine.get_layer_grad_norms())
         record["global_norm"].append(global_norm(engine))
-        record["update"].append(update_norm(before, full_weights(engine, case)[0]))
+        after = full_weights(engine, case)[0]
+        record["update"].append(update_norm(before, after))
+        if case["kinds"]:
+            record["kind_reference"].append(kind_reference(engine, case, before, after))
         grads = trained_gradients(before, stage_of, config, case, batches)
         record["reference"].append(bucket_stats(grads))
     record["final"] = full_weights(engine, case)[0]
     engine.destroy()
     return record
+
+
+def kind_reference(engine, case, before: Dict[str, torch.Tensor], after: Dict[str, torch.Tensor]) -> Dict[str, Any]:
+    """Per bucket, the statistics of the full fp32 weights after the step, of after minus before, and of the
+    moments after it, gathered from every stage (DeepSpeed's ``safe_get_full_optimizer_state``)."""
+    from deepspeed.utils import safe_get_full_optimizer_state
+
+    named = {"param": after, "update": {name: after[name] - before[name] for name in before}}
+    for moment in ("exp_avg", "exp_avg_sq"):
+        state_of = functools.partial(safe_get_full_optimizer_state, optim_state_key=moment)
+        named[moment] = full_weights(engine, case, state_of)[0]
+    return {kind: bucket_stats(values) for kind, values in named.items()}
 
 
 def blow_up_loss(pipe) -> list:

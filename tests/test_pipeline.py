@@ -13,12 +13,14 @@ from megatron_integration.cpu_launch import launch
 from pipeline_workers import DEFAULT_CASE, run_pipeline_cases
 from reference import TOLERANCE, assert_close_stats
 
+OPTIMIZER_KINDS = ("param", "update", "exp_avg", "exp_avg_sq")
 CASES = {
     "offset3_zero1_fp32_clip": {"first_layer_index": 3, "clip": 0.1},
     "offset2_zero1_fp32": {"first_layer_index": 2},
     "offset3_bf16_optimizer_clip": {"first_layer_index": 3, "dtype": "bf16", "clip": 0.1},
     "offset2_bf16_optimizer": {"first_layer_index": 2, "dtype": "bf16", "layers": 5},
     "offset3_tied_head_clip": {"first_layer_index": 3, "tie": True, "clip": 0.1},
+    "offset2_adamw_optimizer_statistics_clip": {"first_layer_index": 2, "clip": 0.1, "kinds": OPTIMIZER_KINDS},
 }
 
 
@@ -89,3 +91,19 @@ def test_bf16_cases_use_bf16_optimizer():
     for name, case in CASES.items():
         expected = "BF16_Optimizer" if case.get("dtype") == "bf16" else "DeepSpeedZeroOptimizer"
         assert records(name)[0]["optimizer"] == expected
+
+
+def test_optimizer_statistics_of_each_stage_match_the_full_state():
+    """``optimizer_statistics`` under pipeline parallelism: each layer's fp32 weights, update and moments, read on
+    the stage that holds it, against the full state gathered from both stages."""
+    name = "offset2_adamw_optimizer_statistics_clip"
+    checked = 0
+    for record in records(name):
+        assert len(record["kind_reference"]) == len(record["measured"]) == DEFAULT_CASE["steps"]
+        for measured, reference in zip(record["measured"], record["kind_reference"]):
+            for kind in OPTIMIZER_KINDS:
+                layers = {key: value for key, value in reference[kind].items() if isinstance(key, int)}
+                assert sorted(layers) == sorted(key for key in measured[kind] if isinstance(key, int))
+                assert_close_stats(measured[kind], layers, 1e-4)
+                checked += len(layers)
+    assert checked == 2 * DEFAULT_CASE["steps"] * len(OPTIMIZER_KINDS) * DEFAULT_CASE["layers"]

@@ -89,7 +89,7 @@ def ds_config(case: Dict[str, Any], enabled: bool) -> Dict[str, Any]:
         "steps_per_print": 10**9,
     }
     if enabled:
-        ds_config["layer_grad_norms"] = {"enabled": True, "optimizer_statistics": list(case["kinds"])}
+        ds_config["layer_grad_norms"] = {"enabled": True, "optimizer_statistics": list(case.get("kinds", ()))}
     if case["dtype"] == "bf16":
         ds_config["bf16"] = {"enabled": True}
         if case["stage"] > 0:

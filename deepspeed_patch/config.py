@@ -15,6 +15,7 @@ from typing import Any, List, Optional, Tuple, Union
 from pydantic import Field, StrictBool, ValidationError, field_validator, model_validator
 
 from .capabilities import DeepSpeedConfigModel
+from .tags import OPTIMIZER_KINDS
 
 CONFIG_KEY = "layer_grad_norms"
 
@@ -27,7 +28,7 @@ GRANULARITIES = ("layer", "param", "group_by")
 # Statistics beyond norm, min, max, abs_min, abs_max and nonfinite, which are always reported.
 EXTRA_STATISTICS = ("l1", "mean", "zeros", "numel")
 # What an optimizer step did, per bucket (``optimizer_stats``): fp32 master weights, update and Adam moments.
-OPTIMIZER_STATISTICS = ("param", "update", "exp_avg", "exp_avg_sq")
+OPTIMIZER_STATISTICS = OPTIMIZER_KINDS
 
 
 class LayerGradNormsConfigError(ValueError):

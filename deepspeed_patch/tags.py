@@ -28,13 +28,15 @@ and TensorBoard would purge every later point of those runs (``purge_orphaned_da
 written once, its steps in order, and its cards are apart from the live ones.
 """
 
+import math
 import re
 from typing import Dict, Hashable, Iterable, Optional, Tuple, Union
 
 __all__ = [
-    "TAG_ROOT", "OUTSIDE_LAYERS_ROOT", "VALUES", "LOGGED_PHASES", "LOGGED_STATISTICS", "LayerKey", "LayerId",
-    "is_layer", "layer_position", "bucket_label", "layer_of_label", "phase_label", "scalar_tag", "run_name",
-    "flat_scalars", "HISTORY_ROOT", "HISTORY_RUN", "history_root", "history_run_name"
+    "TAG_ROOT", "OUTSIDE_LAYERS_ROOT", "VALUES", "LOGGED_PHASES", "LOGGED_STATISTICS", "OPTIMIZER_KINDS",
+    "UPDATE_TO_WEIGHT", "ALL_PHASES", "update_to_weight", "logged_result", "LayerKey", "LayerId", "is_layer",
+    "layer_position", "bucket_label", "layer_of_label", "phase_label", "scalar_tag", "run_name", "flat_scalars",
+    "HISTORY_ROOT", "HISTORY_RUN", "history_root", "history_run_name"
 ]
 
 TAG_ROOT = "layer-grad-norms"
@@ -48,6 +50,14 @@ VALUES = "values"
 LOGGED_PHASES = ("pre_clip", "post_clip")
 LOGGED_STATISTICS = ("norm", "min", "max")
 """What goes to logs, of every selected bucket; the rest of the result stays in the result."""
+OPTIMIZER_KINDS = ("param", "update", "exp_avg", "exp_avg_sq")
+"""What an optimizer step did (``optimizer_statistics``): a result's keys beside the gradient's phases, logged
+as phases of their own (``layer-grad-norms/update``, ``layer-grad-norms/values/max/exp-avg-sq``)."""
+UPDATE_TO_WEIGHT = "update_to_weight"
+"""The phase derived for logs where a result holds both ``update`` and ``param``: per bucket, the norm of the
+update over the norm of the weights (``update_to_weight``)."""
+ALL_PHASES = LOGGED_PHASES + OPTIMIZER_KINDS + (UPDATE_TO_WEIGHT, )
+"""Every phase a log may hold, in the order the logs list them."""
 
 _LAYER_LABEL = re.compile(r"^(?:(.+)\.)?layer(\d+)$")
 HISTORY_RUN = re.compile(rf"(?:^|/){HISTORY_ROOT}/fire-(\d+)/([^/]+)$")
@@ -119,6 +129,27 @@ def scalar_tag(phase: str, statistic: str, bucket: Optional[Hashable] = None, ro
     path = phase_label(phase) if statistic == "norm" else f"{VALUES}/{statistic}/{phase_label(phase)}"
     tag = f"{root}/{path}"
     return tag if bucket is None else f"{tag}/{bucket_label(bucket)}"
+
+
+def update_to_weight(result: dict) -> Optional[dict]:
+    """Per bucket, ``{"norm": |update| / |param|}`` of a result holding both kinds, else ``None``. Over weights
+    of norm zero the ratio is infinite where the update is not zero, zero where it is."""
+    update, param = result.get("update"), result.get("param")
+    if not update or not param:
+        return None
+    return {bucket: {"norm": _ratio(update[bucket]["norm"], param[bucket]["norm"])} for bucket in update}
+
+
+def _ratio(numerator: float, denominator: float) -> float:
+    if denominator:
+        return numerator / denominator
+    return math.inf if numerator else 0.0
+
+
+def logged_result(result: dict) -> dict:
+    """A result as logs see it: ``result`` with the ``update_to_weight`` phase added where it can be derived."""
+    ratio = update_to_weight(result)
+    return result if ratio is None else {**result, UPDATE_TO_WEIGHT: ratio}
 
 
 def run_name(bucket: Hashable) -> str:

@@ -7,9 +7,9 @@ ZeRO-2 (fp32, AdamW, clipping 1.0, 2 CPU ranks of one thread), one launch builds
 after round: one with the gradient statistics alone, one with ``optimizer_statistics: [param, update, exp_avg,
 exp_avg_sq]``, both ``interval: 2``. Per iteration it adds up the seconds spent inside the call sites
 (``step_time.time_call_sites``) and, of those, inside the optimizer statistics' read
-(``OptimizerStatistics.accumulate``: the weights and moments read once each, the update derived window by
-window), as a share of the median unmeasured step; and the ratio of a measured step to its unmeasured
-neighbours. Writes ``results/optimizer_statistics_cost.md`` and ``.json``.
+(``OptimizerStatistics.accumulate``: the weights and moments read once by the host kernel, which derives the
+update per element), as a share of the median unmeasured step; and the ratio of a measured step to its
+unmeasured neighbours. Writes ``results/optimizer_statistics_cost.md`` and ``.json``.
 """
 
 import argparse

@@ -124,6 +124,15 @@ class GroupState:
         derived = any(kind != "param" for kind in kinds)
         self.windows = window_plans(plan.slices, plan.chunks.device, window) if derived else []
         """Per-window plans: the update's pieces, and zero moments before the optimizer's first step."""
+        self.reads_adam = any(kind in NEEDS_ADAM for kind in kinds)
+        self.rule: Optional[AdamRule] = None
+        """The step's rule, as the group stood when the step began (``begin_step``)."""
+
+    def begin_step(self) -> None:
+        """Keep the rule the step will apply: the engine steps its lr scheduler after the optimizer's step and
+        before the statistics read the state, so the group's hyper-parameters by then are the next step's."""
+        if self.reads_adam:
+            self.rule = adam_rule(self.optimizer, self.optimizer.param_groups[self.index])
 
     def state(self) -> dict:
         return self.optimizer.state.get(self.partition, {})
@@ -132,18 +141,17 @@ class GroupState:
         """Every requested kind in one read of the weights and moments by the host kernel, where it applies (fp32
         on the host, after a step of an Adam optimizer that was not skipped); whether it did."""
         state = self.state()
-        if self.plan.kernel != HOST or skipped or "exp_avg_sq" not in state:
+        if self.rule is None or self.plan.kernel != HOST or skipped or "exp_avg_sq" not in state:
             return False
         tensors = (self.partition, state["exp_avg"], state["exp_avg_sq"])
         if any(tensor.dtype != torch.float32 or not tensor.is_contiguous() for tensor in tensors):
             return False
         from .partition_stats_cpu import host_adam_kernel
 
-        rule = adam_rule(self.optimizer, self.optimizer.param_groups[self.index])
         requested = [kind for kind in OPTIMIZER_STATISTICS if kind in kind_stats]
         bits = sum(1 << OPTIMIZER_STATISTICS.index(kind) for kind in requested)  # the kernel's order
         host_adam_kernel()([kind_stats[kind] for kind in requested], self.partition.detach(), *tensors[1:],
-                           self.plan.chunks, rule.coefficients(float(state["step"])), bits)
+                           self.plan.chunks, self.rule.coefficients(float(state["step"])), bits)
         return True
 
     def accumulate(self, kind: str, stats: torch.Tensor, scratch: torch.Tensor, skipped: bool) -> None:
@@ -156,7 +164,7 @@ class GroupState:
         elif kind in MOMENTS or skipped or "exp_avg" not in state:  # no step yet, or a skipped one: zeros
             self._pieces(stats, scratch, lambda low, high, out: out.zero_())
         else:
-            rule = adam_rule(self.optimizer, self.optimizer.param_groups[self.index])
+            rule = self.rule
             step = float(state["step"])
             flat = self.partition.detach()
             self._pieces(
@@ -201,6 +209,11 @@ class OptimizerStatistics:
         self.scratch: Optional[torch.Tensor] = None
         if any(group.windows for group in self.groups):
             self.scratch = torch.empty(largest, dtype=torch.float32, device=partitions[0].device)
+
+    def begin_step(self) -> None:
+        """At the top of a step the statistics will read: keep each group's rule (``GroupState.begin_step``)."""
+        for group in self.groups:
+            group.begin_step()
 
     def accumulate(self, kind_stats: Dict[str, torch.Tensor], skipped: bool) -> None:
         """Fold every requested kind of every group into its block of the table; ``skipped``: the loss scaler

@@ -28,7 +28,7 @@ def cpu_adam(params, **options) -> torch.optim.Optimizer:
 OPTIMIZERS = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam, "sgd": torch.optim.SGD, "cpu_adam": cpu_adam}
 DEFAULT = {
     **DEFAULT_CASE, "layers": 2, "optimizer": "adamw", "kinds": KINDS, "lr": 1e-2, "weight_decay": 0.1, "options": {},
-    "recorded": None
+    "recorded": None, "scheduler": None
 }
 SPIKE = 64.0
 """``recorded`` cases multiply the last step's loss by this: the trigger fires there and the flight recorder
@@ -62,7 +62,8 @@ def train(case: Dict[str, Any], block: Dict[str, Any]) -> Dict[str, Any]:
     options = {"lr": case["lr"]} if case["optimizer"] == "sgd" else {"lr": case["lr"],
                                                                       "weight_decay": case["weight_decay"]}
     optimizer = OPTIMIZERS[case["optimizer"]]([param for _, param in trainable], **options, **case["options"])
-    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, 1, case["scheduler"]) if case["scheduler"] else None
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler, config=config)
     key_of = reference_key_of({})
     record = {"measured": [], "reference": [], "collectives": [], "final": None}
     for step in range(1, case["steps"] + 1):

@@ -24,7 +24,7 @@ RECORDED = {"grad_norm_factor": 3.0, "window": 3, "capture_steps": 1, "history":
 """A trigger whose fire (at the spiked last step) hands back steps 2 to 5 from the flight recorder."""
 CASES = {
     1: {
-        "z1_fp32_adamw_clip": {"stage": 1, "clip": 0.1, "compare_off": True},
+        "z1_fp32_adamw_clip_scheduled": {"stage": 1, "clip": 0.1, "scheduler": 0.5, "compare_off": True},
         "z2_bf16_adam_l2": {"stage": 2, "dtype": "bf16", "optimizer": "adam", "compare_off": True},
         "z2_sgd_param_only": {"stage": 2, "optimizer": "sgd", "kinds": ["param"]},
         "refused_sgd_moments": {"stage": 2, "optimizer": "sgd", "kinds": ["param", "exp_avg"]},
@@ -34,7 +34,7 @@ CASES = {
     2: {
         "z1_fp32_adamw_gas2_clip": {"stage": 1, "gas": 2, "clip": 0.1, "compare_off": True},
         "z2_bf16_adamw_clip": {"stage": 2, "dtype": "bf16", "clip": 0.1},
-        "z2_fp32_adam_l2": {"stage": 2, "optimizer": "adam"},
+        "z2_fp32_adam_l2_scheduled": {"stage": 2, "optimizer": "adam", "scheduler": 0.5},
         "z2_fp16_overflow_update_zero": {"stage": 2, "dtype": "fp16", "overflow_step": 2},
         "z2_recorded_fire": {"stage": 2, "clip": 0.1, "steps": 5, "recorded": RECORDED},
         "z1_bf16_optimizer_adamw_gas2_clip": {"stage": 1, **BF16_OPTIMIZER, "gas": 2, "clip": 0.1,
@@ -204,7 +204,8 @@ def test_update_rule_reconstructs_torch_adam_steps():
 
 def test_the_update_in_small_windows_matches_the_step():
     """A flat fp32 partition stepped by AdamW, read with windows far smaller than its runs and cutting them:
-    each bucket's update, weights and moments against plain torch on the actual after minus before."""
+    each bucket's update, weights and moments against plain torch on the actual after minus before. The lr
+    changes between the step and the read, as the engine's lr scheduler changes it: the step's lr counts."""
     from deepspeed_patch.optimizer_stats import OptimizerStatistics
     from deepspeed_patch.partition_slices import slices_of_runs
     from deepspeed_patch.partition_stats import STOCK, chunk_plan
@@ -221,7 +222,9 @@ def test_the_update_in_small_windows_matches_the_step():
         assert statistics.scratch.numel() == 97
         before = flat.detach().clone()
         flat.grad = torch.randn(1000)
+        statistics.begin_step()
         optimizer.step()
+        optimizer.param_groups[0]["lr"] *= 0.5  # the scheduler's step, before the engine's step ends
         tables = {kind: empty_stats(3, "cpu") for kind in KINDS}
         statistics.accumulate(tables, skipped=False)
         state = optimizer.state[flat]
@@ -253,14 +256,17 @@ def test_the_host_kernel_reads_every_kind_as_the_stock_operators_do(kinds):
         torch.manual_seed(0)
         flat = torch.nn.Parameter(torch.randn(73210))
         optimizer = make([flat])
+        plans = {kernel: chunk_plan(slices_of_runs(runs), "cpu", kernel=kernel) for kernel in (HOST, STOCK)}
+        readers = {kernel: OptimizerStatistics(optimizer, [flat], [plan], kinds) for kernel, plan in plans.items()}
         for _ in range(2):
             flat.grad = torch.randn(73210)
+            for reader in readers.values():
+                reader.begin_step()
             optimizer.step()
         tables = {}
-        for kernel in (HOST, STOCK):
-            plan = chunk_plan(slices_of_runs(runs), "cpu", kernel=kernel)
+        for kernel, reader in readers.items():
             tables[kernel] = {kind: empty_stats(3, "cpu") for kind in kinds}
-            OptimizerStatistics(optimizer, [flat], [plan], kinds).accumulate(tables[kernel], skipped=False)
+            reader.accumulate(tables[kernel], skipped=False)
         for kind in kinds:
             host, stock = tables[HOST][kind], tables[STOCK][kind]
             abs_max = stock[:, [MAX, NEG_MIN]].abs().amax(1, keepdim=True)

@@ -39,6 +39,7 @@ from ..clipping import zero_unscale_divisor
 from ..config import LayerGradNormsConfig
 from ..layer_map import LayerMap
 from ..measurement import Measurement, table_rows
+from ..optimizer_stats import OptimizerStatistics
 from ..partition_stats import ChunkPlan
 from ..publish import Publisher
 from ..recorder import FlightRecorder, Replay
@@ -84,6 +85,8 @@ class LayerGradNormsAdapter:
         self.group = setup.group
         self.extra = setup.config.statistics
         self.kinds = setup.config.optimizer_statistics
+        self.optimizer_statistics: Optional[OptimizerStatistics] = None
+        """The reader of ``kinds``, set by the families that have one (``refusals.check_optimizer_statistics``)."""
         self.num_groups = num_groups
         self.device = device
         self.measurement: Optional[Measurement] = None
@@ -112,6 +115,9 @@ class LayerGradNormsAdapter:
                                        kinds=self.kinds)
         with self.measurement.guarded("reading the gradients"):
             self.read_at_begin(self.measurement)
+        if self.optimizer_statistics is not None:
+            with self.measurement.guarded("reading the optimizer's hyper-parameters"):
+                self.optimizer_statistics.begin_step()
 
     def end_step(self) -> None:
         """End of the engine's optimizer step: record it, reduce and publish a measured step, feed the

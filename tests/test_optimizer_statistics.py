@@ -45,6 +45,7 @@ CASES = {
         "z1_bf16_adamw_uneven": {"stage": 1, "dtype": "bf16", "layers": UNEVEN, "clip": 0.1},
         "z2_fp32_adamw_gas2_uneven": {"stage": 2, "gas": 2, "layers": UNEVEN, "compare_off": True},
         "z1_bf16_optimizer_adam_l2_uneven": {"stage": 1, **BF16_OPTIMIZER, "optimizer": "adam", "layers": UNEVEN},
+        "z1_fp16_overflow_update_zero_uneven": {"stage": 1, "dtype": "fp16", "overflow_step": 2, "layers": UNEVEN},
         "z2_offload_cpu_adam_uneven": {"stage": 2, "zero": OFFLOAD["zero"], "optimizer": "cpu_adam", "layers": UNEVEN,
                                        "clip": 0.1},
     },
@@ -128,9 +129,11 @@ def test_the_cases_cover_zero_and_bf16_optimizer():
     assert families == {"DeepSpeedZeroOptimizer", "BF16_Optimizer"}
 
 
-def test_a_skipped_step_updates_nothing():
+@pytest.mark.parametrize("world, name", [world_param(2, "z2_fp16_overflow_update_zero"),
+                                         world_param(3, "z1_fp16_overflow_update_zero_uneven")])
+def test_a_skipped_step_updates_nothing(world, name):
     """The fp16 step the loss scaler skips reports a zero update in every bucket (and the reference agrees)."""
-    record = result_of(2, "z2_fp16_overflow_update_zero")[0]["on"]
+    record = result_of(world, name)[0]["on"]
     skipped = record["measured"][1]
     assert skipped["overflow"] is True
     assert len(skipped["update"]) == len(record["reference"][1]["update"]) > 0

@@ -35,7 +35,7 @@ OFFLOAD = {"offload_optimizer": {"device": "cpu"}}
 CASES = {
     2: {
         "z3_fp32_adamw_gas2_clip": zero3(gas=2, clip=0.1, compare_off=True),
-        "z3_bf16_adamw_clip": zero3(dtype="bf16", clip=0.1),
+        "z3_bf16_adamw_clip_scheduled": zero3(dtype="bf16", clip=0.1, scheduler=0.5),
         "z3_fp16_overflow_update_zero": zero3(dtype="fp16", overflow_step=2),
         "z3_offload_cpu_adam_clip": zero3(OFFLOAD, optimizer="cpu_adam", clip=0.1),
     },

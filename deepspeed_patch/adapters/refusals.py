@@ -15,7 +15,12 @@ import torch
 from ..config import CONFIG_KEY, LayerGradNormsConfig, UnsupportedSetupError
 from ..optimizer_stats import NEEDS_ADAM, adam_decoupling, adam_rule
 from .bf16 import BF16Adapter
+from .fused_fp16 import FusedFP16Adapter
+from .unfused_fp16 import UnfusedFP16Adapter
 from .zero import ZeroAdapter
+
+# The families that read optimizer_statistics; None: fp32 without ZeRO (ParamGradAdapter).
+OPTIMIZER_STATISTICS_FAMILIES = (ZeroAdapter, BF16Adapter, FusedFP16Adapter, UnfusedFP16Adapter, None)
 
 
 def check_param_grads(engine, config: LayerGradNormsConfig) -> None:
@@ -56,18 +61,20 @@ def check_supported(optimizer, family_refusals: List[str]) -> None:
 
 
 def check_optimizer_statistics(optimizer, family: Optional[type], config: LayerGradNormsConfig) -> None:
-    """``optimizer_statistics`` is read from the fp32 master partitions of ZeRO-1/2 (on the device or offloaded)
-    and BF16_Optimizer, and the update and moments from an optimizer of the Adam family
+    """``optimizer_statistics`` is read from the fp32 master partitions of ZeRO-1/2 (on the device or offloaded),
+    BF16_Optimizer and FP16_Optimizer, from the per-parameter fp32 copies of FP16_UnfusedOptimizer, and in fp32
+    without ZeRO (``family`` None) from the model's parameters, which ``optimizer`` (then the torch optimizer
+    itself) steps; the update and moments from an optimizer of the Adam family
     (``optimizer_stats.adam_decoupling``)."""
     kinds = config.optimizer_statistics
     if not kinds:
         return
     key = f"{CONFIG_KEY}.optimizer_statistics={list(kinds)}"
-    if family not in (ZeroAdapter, BF16Adapter):
-        raise UnsupportedSetupError(f"{key}: supported under ZeRO stage 1 or 2 and BF16_Optimizer only yet; this "
-                                    f"engine uses {type(optimizer).__name__}")
+    inner = optimizer if family is None else optimizer.optimizer
+    if family not in OPTIMIZER_STATISTICS_FAMILIES or not isinstance(inner, torch.optim.Optimizer):
+        raise UnsupportedSetupError(f"{key}: supported under ZeRO stage 0, 1 or 2 and BF16_Optimizer only yet; "
+                                    f"this engine uses {type(optimizer).__name__}")
     if set(kinds) & set(NEEDS_ADAM):
-        inner = optimizer.optimizer
         try:
             adam_decoupling(inner)
             for group in inner.param_groups:

@@ -10,7 +10,9 @@ The fp32 master partition and its moments have the layout of the flat gradient p
 copy of the partition taken before the step: it is derived from the weights and moments after the step and the
 Adam family's rule (``AdamRule``): on the host by the C++ kernel, which reads each chunk of the weights and
 moments once and folds all requested kinds from it (``accumulate_fused``); elsewhere piece by piece into one
-bounded scratch buffer, each piece read with a chunk plan of its own window (``window_plans``).
+bounded scratch buffer, each piece read with a chunk plan of its own window (``window_plans``). Optimizers whose
+state is keyed per parameter (no ZeRO) are read the same way, each parameter as a partition of one run
+(``parameter_statistics``).
 """
 
 import math
@@ -110,8 +112,22 @@ def window_plans(slices: PartitionSlices, device, window: int = WINDOW) -> List[
     return plans
 
 
+def step_counter(optimizer: torch.optim.Optimizer, index: int, param: torch.Tensor) -> torch.Tensor:
+    """The parameter whose state holds the step count the optimizer applied to ``param`` (of group ``index``):
+    its own, except under FusedAdam with several parameters in a group (fp32 without ZeRO), which counts the
+    group's steps in the state of the last parameter it steps only, and applies that count to all of them
+    (DeepSpeed's engine gives every trainable parameter a gradient)."""
+    from deepspeed.ops.adam import FusedAdam
+
+    params = optimizer.param_groups[index]["params"]
+    if not isinstance(optimizer, FusedAdam) or len(params) == 1:
+        return param
+    return [other for other in params if other.requires_grad][-1]
+
+
 class GroupState:
-    """One fp32 master partition, its optimizer state and hyper-parameters, and the plans that read them."""
+    """One parameter group's fp32 master partition (or one parameter: ``parameter_statistics``), its optimizer
+    state and hyper-parameters, and the plans that read them."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, group_id: int, partition: torch.Tensor, plan: ChunkPlan,
                  kinds: tuple, window: int) -> None:
@@ -127,6 +143,8 @@ class GroupState:
         self.reads_adam = any(kind in NEEDS_ADAM for kind in kinds)
         self.rule: Optional[AdamRule] = None
         """The step's rule, as the group stood when the step began (``begin_step``)."""
+        self.counter = step_counter(optimizer, group_id, partition) if self.reads_adam else partition
+        """The parameter whose state counts the steps the rule applies (``step_counter``)."""
 
     def begin_step(self) -> None:
         """Keep the rule the step will apply: the engine steps its lr scheduler after the optimizer's step and
@@ -136,6 +154,9 @@ class GroupState:
 
     def state(self) -> dict:
         return self.optimizer.state.get(self.partition, {})
+
+    def step(self) -> float:
+        return float(self.optimizer.state[self.counter]["step"])
 
     def accumulate_fused(self, kind_stats: Dict[str, torch.Tensor], skipped: bool) -> bool:
         """Every requested kind in one read of the weights and moments by the host kernel, where it applies (fp32
@@ -150,26 +171,25 @@ class GroupState:
 
         requested = [kind for kind in OPTIMIZER_STATISTICS if kind in kind_stats]
         bits = sum(1 << OPTIMIZER_STATISTICS.index(kind) for kind in requested)  # the kernel's order
-        host_adam_kernel()([kind_stats[kind] for kind in requested], self.partition.detach(), *tensors[1:],
-                           self.plan.chunks, self.rule.coefficients(float(state["step"])), bits)
+        host_adam_kernel()([kind_stats[kind] for kind in requested], *map(_flat, tensors), self.plan.chunks,
+                           self.rule.coefficients(self.step()), bits)
         return True
 
     def accumulate(self, kind: str, stats: torch.Tensor, scratch: torch.Tensor, skipped: bool) -> None:
         """Fold ``kind`` of this group into ``stats`` (its block of the table)."""
         state = self.state()
         if kind == "param":
-            accumulate_partition(stats, self.partition.detach(), self.plan)
+            accumulate_partition(stats, _flat(self.partition), self.plan)
         elif kind in MOMENTS and kind in state:
-            accumulate_partition(stats, state[kind], self.plan)
+            accumulate_partition(stats, _flat(state[kind]), self.plan)
         elif kind in MOMENTS or skipped or "exp_avg" not in state:  # no step yet, or a skipped one: zeros
             self._pieces(stats, scratch, lambda low, high, out: out.zero_())
         else:
-            rule = self.rule
-            step = float(state["step"])
-            flat = self.partition.detach()
+            rule, step = self.rule, self.step()
+            flat, exp_avg, exp_avg_sq = _flat(self.partition), _flat(state["exp_avg"]), _flat(state["exp_avg_sq"])
             self._pieces(
-                stats, scratch, lambda low, high, out: rule.update_into(out, flat[low:high], state["exp_avg"][
-                    low:high], state["exp_avg_sq"][low:high], step))
+                stats, scratch, lambda low, high, out: rule.update_into(out, flat[low:high], exp_avg[low:high],
+                                                                        exp_avg_sq[low:high], step))
 
     def _pieces(self, stats: torch.Tensor, scratch: torch.Tensor, fill) -> None:
         """A derived statistic, window by window: ``fill(low, high, out)`` writes elements ``[low, high)``
@@ -180,6 +200,11 @@ class GroupState:
             high = min(low + window, self.partition.numel())
             out = fill(low, high, scratch[:high - low])
             accumulate_partition(stats, out, plan)
+
+
+def _flat(tensor: torch.Tensor) -> torch.Tensor:
+    """A 1-D view of a partition, a parameter or its state: no copy (a tensor that has no such view fails)."""
+    return tensor.detach().view(-1)
 
 
 def optimizer_statistics(optimizer: torch.optim.Optimizer,
@@ -193,9 +218,30 @@ def optimizer_statistics(optimizer: torch.optim.Optimizer,
     return OptimizerStatistics(optimizer, partitions, plans, kinds, group_ids=group_ids) if kinds else None
 
 
+def parameter_statistics(optimizer: torch.optim.Optimizer, buckets: Sequence[Sequence[Optional[int]]],
+                         kinds: tuple) -> Optional["OptimizerStatistics"]:
+    """The reader of ``kinds`` for an optimizer whose state is keyed per parameter, each parameter read whole
+    as a partition of one run: FP16_UnfusedOptimizer's fp32 copies, or the model's own parameters that a torch
+    optimizer steps (fp32 without ZeRO). ``buckets[g][k]``: the bucket row of parameter ``k`` of
+    ``optimizer``'s group ``g`` (``None``: not counted on this rank). ``None`` without kinds."""
+    if not kinds:
+        return None
+    members = [(index, param, bucket) for index, group in enumerate(optimizer.param_groups)
+               for param, bucket in zip(group["params"], buckets[index], strict=True) if bucket is not None]
+    plans = [
+        chunk_plan(slices_of_runs([(0, param.numel(), bucket)], param.device), param.device)
+        for _, param, bucket in members
+    ]
+    return OptimizerStatistics(optimizer, [param for _, param, _ in members],
+                               plans,
+                               kinds,
+                               group_ids=[index for index, _, _ in members])
+
+
 class OptimizerStatistics:
-    """The requested optimizer statistics of a ZeRO-style optimizer: one ``GroupState`` per fp32 partition,
-    and one scratch buffer of at most ``WINDOW`` fp32 elements for the derived ones."""
+    """The requested optimizer statistics of an optimizer: one ``GroupState`` per parameter group's fp32 master
+    partition (or per parameter: ``parameter_statistics``), and one scratch buffer of at most ``WINDOW`` fp32
+    elements for the derived ones."""
 
     def __init__(self,
                  optimizer: torch.optim.Optimizer,
@@ -211,7 +257,7 @@ class OptimizerStatistics:
         group_ids = range(len(partitions)) if group_ids is None else group_ids
         self.groups = [
             GroupState(optimizer, group_id, partition, plan, kinds, window)
-            for group_id, partition, plan in zip(group_ids, partitions, plans)
+            for group_id, partition, plan in zip(group_ids, partitions, plans, strict=True)
         ]
         largest = min(window, max((partition.numel() for partition in partitions), default=0))
         self.scratch: Optional[torch.Tensor] = None

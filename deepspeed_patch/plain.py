@@ -37,6 +37,9 @@ class LayerGradNorms:
         if config.trigger is not None:
             raise LayerGradNormsConfigError(f"{CONFIG_KEY}.trigger={options['trigger']!r}: needs DeepSpeed's "
                                             "ZeRO-1/2, BF16 or fp16 optimizer, which report the global norm")
+        if config.optimizer_statistics:
+            raise LayerGradNormsConfigError(f"{CONFIG_KEY}.optimizer_statistics={options['optimizer_statistics']!r}: "
+                                            "read inside DeepSpeed's optimizers; not in plain PyTorch")
         module = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
         named = list(module.named_parameters())
         trainable = [(name, param) for name, param in named if param.requires_grad]

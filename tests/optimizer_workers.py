@@ -1,12 +1,14 @@
-"""What each rank runs for tests/test_optimizer_statistics.py and test_optimizer_statistics_zero3.py: train a
-TinyGPT under ZeRO-1/2/3 with Adam or AdamW and ``optimizer_statistics`` on, and record beside what it reports
-the plain-PyTorch reference of every step: per bucket, the statistics of the full fp32 weights after the step, of
-after minus before, and of the Adam moments after it, gathered with DeepSpeed's ``safe_get_full_fp32_param`` /
-``safe_get_full_optimizer_state`` (outside the step, on every rank; collectives at stage 3)."""
+"""What each rank runs for tests/test_optimizer_statistics.py, test_optimizer_statistics_zero3.py and
+test_optimizer_statistics_stage0.py: train a TinyGPT under ZeRO-1/2/3 or without ZeRO with Adam or AdamW and
+``optimizer_statistics`` on, and record beside what it reports the plain-PyTorch reference of every step: per
+bucket, the statistics of the full fp32 weights after the step, of after minus before, and of the Adam moments
+after it, gathered with DeepSpeed's ``safe_get_full_fp32_param`` / ``safe_get_full_optimizer_state`` (collectives
+at stage 3), or read directly from what the optimizer holds without ZeRO (``stage0_masters``), outside the step,
+on every rank."""
 
 import logging
 import traceback
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Tuple
 
 import torch
 
@@ -33,7 +35,18 @@ def cpu_adam(params, **options) -> torch.optim.Optimizer:
     return DeepSpeedCPUAdam(params, **options)
 
 
-OPTIMIZERS = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam, "sgd": torch.optim.SGD, "cpu_adam": cpu_adam}
+def fused_adam(params, **options) -> torch.optim.Optimizer:
+    """DeepSpeed's FusedAdam (AdamW mode): without ZeRO in fp16 or bf16, DeepSpeed wraps it in FP16_Optimizer."""
+    from deepspeed.ops.adam import FusedAdam
+
+    return FusedAdam(params, **options)
+
+
+OPTIMIZERS = {
+    "adamw": torch.optim.AdamW, "adam": torch.optim.Adam, "sgd": torch.optim.SGD, "cpu_adam": cpu_adam,
+    "fused_adam": fused_adam
+}
+MOMENTS = ("exp_avg", "exp_avg_sq")
 DEFAULT = {
     **DEFAULT_CASE, "layers": 2, "optimizer": "adamw", "kinds": KINDS, "lr": 1e-2, "weight_decay": 0.1, "options": {},
     "recorded": None, "scheduler": None, "layer_lr": None
@@ -44,16 +57,45 @@ SPIKE = 64.0
 hands back the steps before it."""
 
 
+def stage0_masters(engine) -> Dict[torch.nn.Parameter, Tuple[torch.Tensor, Dict[str, torch.Tensor]]]:
+    """Without ZeRO, where ``safe_get_full_*`` return None: each model parameter's fp32 master and its moments, as
+    the optimizer holds them: the parameter itself and the torch optimizer's state (fp32: ``engine.optimizer`` is
+    the torch optimizer), FP16_UnfusedOptimizer's fp32 copy and its state, or the parameter's slice of
+    FP16_Optimizer's flat fp32 group and of that group's state."""
+    optimizer = engine.optimizer
+    if isinstance(optimizer, torch.optim.Optimizer):
+        return {param: (param, optimizer.state.get(param, {})) for group in optimizer.param_groups
+                for param in group["params"]}
+    state, masters = optimizer.optimizer.state, {}
+    if not hasattr(optimizer, "fp32_groups_flat"):
+        for params, copies in zip(optimizer.fp16_groups, optimizer.fp32_groups):
+            masters.update({param: (copy, state.get(copy, {})) for param, copy in zip(params, copies)})
+        return masters
+    for params, flat in zip(optimizer.fp16_groups, optimizer.fp32_groups_flat):
+        offset = 0
+        for param in params:
+            piece = flat.narrow(0, offset, param.numel()).view_as(param)
+            moments = {moment: value.narrow(0, offset, param.numel()).view_as(param)
+                       for moment, value in state.get(flat, {}).items() if moment in MOMENTS}
+            masters[param] = (piece, moments)
+            offset += param.numel()
+    return masters
+
+
 def full_state(engine, trainable, moments: bool) -> Dict[str, Dict[str, torch.Tensor]]:
     """The full fp32 weights and, with ``moments`` once the optimizer has stepped, its moments, by name."""
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
-    state = {"param": {name: safe_get_full_fp32_param(param).clone() for name, param in trainable}}
-    inner = engine.optimizer.optimizer
+    fp32, moment_of = safe_get_full_fp32_param, safe_get_full_optimizer_state
+    if engine.zero_optimization_stage() == 0:
+        masters = stage0_masters(engine)
+        fp32, moment_of = (lambda param: masters[param][0]), (lambda param, moment: masters[param][1].get(moment))
+    state = {"param": {name: fp32(param).clone() for name, param in trainable}}
+    inner = engine.optimizer if isinstance(engine.optimizer, torch.optim.Optimizer) else engine.optimizer.optimizer
     if not (moments and inner.state and not isinstance(inner, torch.optim.SGD)):
         return state
-    for moment in ("exp_avg", "exp_avg_sq"):
-        values = {name: safe_get_full_optimizer_state(param, moment) for name, param in trainable}
+    for moment in MOMENTS:
+        values = {name: moment_of(param, moment) for name, param in trainable}
         if all(value is not None for value in values.values()):
             state[moment] = {name: value.clone() for name, value in values.items()}
     return state
@@ -91,7 +133,7 @@ def train(case: Dict[str, Any], block: Dict[str, Any]) -> Dict[str, Any]:
         named = {
             "param": after["param"],
             "update": {name: after["param"][name] - before[name] for name in before},
-            **{moment: after[moment] for moment in ("exp_avg", "exp_avg_sq") if moment in after},
+            **{moment: after[moment] for moment in MOMENTS if moment in after},
         }
         record["reference"].append({kind: bucket_stats(values, key_of) for kind, values in named.items()})
         record["measured"].append(engine.get_layer_grad_norms())

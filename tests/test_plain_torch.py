@@ -73,6 +73,8 @@ def test_bad_options_name_the_key_and_value():
         LayerGradNorms(TinyGPT(TinyGPTConfig()), layers=[0, 9])
     with pytest.raises(LayerGradNormsConfigError, match=r"layer_grad_norms.trigger=\{\}: needs DeepSpeed"):
         LayerGradNorms(TinyGPT(TinyGPTConfig()), trigger={})
+    with pytest.raises(LayerGradNormsConfigError, match=r"optimizer_statistics=\['update'\]: read inside DeepSpeed"):
+        LayerGradNorms(TinyGPT(TinyGPTConfig()), optimizer_statistics=["update"])
 
 
 def test_ddp_two_ranks_match_the_averaged_gradient_without_any_collective():

@@ -95,7 +95,8 @@ def _param_grad_adapter(engine, config: LayerGradNormsConfig) -> ParamGradAdapte
     return ParamGradAdapter(params,
                             _setup(engine, config, params, group),
                             max_norm=engine.gradient_clipping,
-                            clip_square=clip_square)
+                            clip_square=clip_square,
+                            optimizer=engine.optimizer)
 
 
 def _engine_clip_square(module: torch.nn.Module, mpu):

@@ -185,8 +185,10 @@ class LayerGradNormsAdapter:
 
     def read_optimizer_state(self, measurement: Measurement, overflow: bool) -> None:
         """After the optimizer step, on a measured step with ``optimizer_statistics``: fold the requested
-        kinds into ``measurement.kind_stats`` (families that can, see ``refusals.check_optimizer_statistics``)."""
-        raise NotImplementedError(f"{type(self).__name__} has no optimizer statistics")
+        kinds into ``measurement.kind_stats``, a skipped step's update as zero. Every family that has a reader
+        sets ``optimizer_statistics``; the others are refused at initialize
+        (``refusals.check_optimizer_statistics``)."""
+        self.optimizer_statistics.accumulate(measurement.kind_stats, skipped=overflow)
 
     def applied_scale(self, combined_scale) -> None:
         """On what an optimizer's ``unscale_and_clip_grads`` returns, where it returns the one factor it
@@ -244,10 +246,6 @@ class OptimizerAdapter(LayerGradNormsAdapter):
 
     def overflow(self) -> bool:
         return bool(self.optimizer.overflow)
-
-    def read_optimizer_state(self, measurement: Measurement, overflow: bool) -> None:
-        """The families with fp32 master partitions (ZeRO-1/2, BF16_Optimizer) set ``optimizer_statistics``."""
-        self.optimizer_statistics.accumulate(measurement.kind_stats, skipped=overflow)
 
     def global_norm(self) -> Optional[float]:
         return self.optimizer._global_grad_norm

@@ -19,6 +19,7 @@ from typing import List
 
 import torch
 
+from ..optimizer_stats import optimizer_statistics
 from ..partition_slices import back_to_back_ranges, partition_runs, slices_of_runs
 from ..partition_stats import chunk_plan
 from .base import OptimizerAdapter, Setup, group_of, observe_chunks
@@ -35,6 +36,8 @@ class FusedFP16Adapter(OptimizerAdapter):
                 device) for params, flat in zip(optimizer.fp16_groups, optimizer.fp32_groups_flat)
         ]
         super().__init__(optimizer, setup, len(self.plans), device)
+        self.optimizer_statistics = optimizer_statistics(optimizer.optimizer, optimizer.fp32_groups_flat, self.plans,
+                                                         self.kinds)
 
     @staticmethod
     def handles(optimizer) -> bool:

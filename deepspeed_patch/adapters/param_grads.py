@@ -18,6 +18,7 @@ from typing import Callable, List, Optional
 import torch
 
 from ..measurement import Measurement
+from ..optimizer_stats import parameter_statistics
 from ..statistics import SUMSQ
 from .base import LayerGradNormsAdapter, Setup
 
@@ -29,12 +30,14 @@ class ParamGradAdapter(LayerGradNormsAdapter):
                  params: List[torch.nn.Parameter],
                  setup: Setup,
                  max_norm: Optional[Callable[[], float]] = None,
-                 clip_square: Optional[Callable[[], torch.Tensor]] = None) -> None:
+                 clip_square: Optional[Callable[[], torch.Tensor]] = None,
+                 optimizer: Optional[torch.optim.Optimizer] = None) -> None:
         """``max_norm()``: the norm the caller clips to after the measurement (0: no clipping); the
         post-clip statistics follow ``torch.nn.utils.clip_grad_norm_``. Without it, the caller sets the
         measurement's applied scale itself. ``clip_square()``: this rank's share of the square of the
         global norm the caller clips by, where that is not the statistics' own total norm (DeepSpeed's rule
-        under pipeline or tensor parallelism)."""
+        under pipeline or tensor parallelism). ``optimizer``: the torch optimizer that steps ``params``, whose
+        state the ``optimizer_statistics`` read (DeepSpeed's ``engine.optimizer`` without ZeRO in fp32)."""
         self.measured = [param for param in params if setup.bucket_of(param) is not None]
         self.bucket_of = setup.bucket_of
         self.max_norm = max_norm
@@ -43,6 +46,10 @@ class ParamGradAdapter(LayerGradNormsAdapter):
         self._buckets_of: List[torch.nn.Parameter] = []
         self._bucket_rows = torch.zeros(0, dtype=torch.int64)
         super().__init__(setup, 1, params[0].device)
+        if optimizer is not None:
+            rows = {param: setup.bucket_of(param) for param in self.measured}
+            buckets = [[rows.get(param) for param in group["params"]] for group in optimizer.param_groups]
+            self.optimizer_statistics = parameter_statistics(optimizer, buckets, self.kinds)
 
     def read_at_begin(self, measurement: Measurement) -> None:
         with_grad = [param for param in self.measured if param.grad is not None]

@@ -15,8 +15,13 @@ import torch
 from ..config import CONFIG_KEY, LayerGradNormsConfig, UnsupportedSetupError
 from ..optimizer_stats import NEEDS_ADAM, adam_decoupling, adam_rule
 from .bf16 import BF16Adapter
+from .fused_fp16 import FusedFP16Adapter
+from .unfused_fp16 import UnfusedFP16Adapter
 from .zero import ZeroAdapter
 from .zero3 import Zero3Adapter
+
+# The families that read optimizer_statistics; None: fp32 without ZeRO (ParamGradAdapter).
+OPTIMIZER_STATISTICS_FAMILIES = (ZeroAdapter, Zero3Adapter, BF16Adapter, FusedFP16Adapter, UnfusedFP16Adapter, None)
 
 
 def check_param_grads(engine, config: LayerGradNormsConfig) -> None:
@@ -58,22 +63,24 @@ def check_supported(optimizer, family_refusals: List[str]) -> None:
 
 def check_optimizer_statistics(optimizer, family: Optional[type], config: LayerGradNormsConfig) -> None:
     """``optimizer_statistics`` is read from the fp32 master partitions of ZeRO-1/2/3 (on the device or offloaded
-    to the CPU) and BF16_Optimizer, and the update and moments from an optimizer of the Adam family
+    to the CPU), BF16_Optimizer and FP16_Optimizer, from the per-parameter fp32 copies of FP16_UnfusedOptimizer,
+    and in fp32 without ZeRO (``family`` None) from the model's parameters, which ``optimizer`` (then the torch
+    optimizer itself) steps; the update and moments from an optimizer of the Adam family
     (``optimizer_stats.adam_decoupling``); under ZeRO-3, only where that state is all in this process's memory
     (``Zero3Adapter.state_elsewhere``)."""
     kinds = config.optimizer_statistics
     if not kinds:
         return
     key = f"{CONFIG_KEY}.optimizer_statistics={list(kinds)}"
-    if family not in (ZeroAdapter, Zero3Adapter, BF16Adapter):
-        raise UnsupportedSetupError(f"{key}: supported under ZeRO stage 1, 2 or 3 and BF16_Optimizer only yet; "
+    inner = optimizer if family is None else optimizer.optimizer
+    if family not in OPTIMIZER_STATISTICS_FAMILIES or not isinstance(inner, torch.optim.Optimizer):
+        raise UnsupportedSetupError(f"{key}: supported under ZeRO stage 0, 1, 2 or 3 and BF16_Optimizer only yet; "
                                     f"this engine uses {type(optimizer).__name__}")
     elsewhere = Zero3Adapter.state_elsewhere(optimizer) if family is Zero3Adapter else []
     if elsewhere:
         raise UnsupportedSetupError(f"{key}: under ZeRO stage 3 they are read from the inner optimizer's fp32 "
                                     f"state in this process's memory; not supported with {'; '.join(elsewhere)}")
     if set(kinds) & set(NEEDS_ADAM):
-        inner = optimizer.optimizer
         try:
             adam_decoupling(inner)
             for group in inner.param_groups:

@@ -15,6 +15,7 @@ from typing import List, Tuple
 
 import torch
 
+from ..optimizer_stats import parameter_statistics
 from .base import OptimizerAdapter, Setup
 from .fused_fp16 import grad_or_zeros
 
@@ -31,6 +32,9 @@ class UnfusedFP16Adapter(OptimizerAdapter):
             buckets = [setup.bucket_of(params[index]) for index in measured]
             self.members.append((measured, torch.tensor(buckets, dtype=torch.int64, device=device)))
         super().__init__(optimizer, setup, len(self.members), device)
+        # the inner optimizer steps the fp32 copies, in the order of the fp16 parameters
+        buckets = [[setup.bucket_of(param) for param in params] for params in optimizer.fp16_groups]
+        self.optimizer_statistics = parameter_statistics(optimizer.optimizer, buckets, self.kinds)
 
     @staticmethod
     def handles(optimizer) -> bool:

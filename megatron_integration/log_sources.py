@@ -5,7 +5,7 @@
   Trainer's integration (``train/layer-grad-norms/...``, under ``OUTPUT_DIR/runs/...``); a tag is read
   whatever prefix a writer puts before ``layer-grad-norms/``;
 - DeepSpeed's CSV monitor: files ``Train_Samples_layer-grad-norms_pre-clip_layer00.csv`` (the tag with
-  ``/`` made ``_``), one, or a directory holding them;
+  ``/`` made ``_``; ``..._update_layer00.csv`` for an optimizer kind), one, or a directory holding them;
 - the Hugging Face Trainer's ``trainer_state.json`` (its ``log_history``), given as the file, or found in
   the output directory or its newest ``checkpoint-N/`` when the directory holds no per-layer scalars;
 - the JSONL dump (``layer_grad_norms.dump``), with its rotated files (``dump.jsonl.1``, ...: read oldest
@@ -22,14 +22,16 @@ import os
 import re
 from typing import Dict, Iterator, List, Optional, Tuple
 
-from deepspeed_patch.tags import TAG_ROOT, scalar_tag
+from deepspeed_patch.tags import ALL_PHASES, TAG_ROOT, phase_label, scalar_tag
 
 Points = List[Tuple[int, float]]
 Series = Tuple[str, str, Points]
 """``(run, tag, points)``: the points in the order they were written."""
 
 TRAINER_STATE = "trainer_state.json"
-_CSV_NAME = re.compile(rf"(?:^|_){TAG_ROOT}_(?:(pre-clip|post-clip)|values_([a-z0-9]+)_(pre-clip|post-clip))_(.+)$")
+PHASE_PATTERN = "(" + "|".join(re.escape(phase_label(phase)) for phase in ALL_PHASES) + ")"
+"""A phase as tags name it (``pre-clip``, ``exp-avg-sq``, ``update-to-weight``), one regex group."""
+_CSV_NAME = re.compile(rf"(?:^|_){TAG_ROOT}_(?:{PHASE_PATTERN}|values_([a-z0-9]+)_{PHASE_PATTERN})_(.+)$")
 _EVENTS_FILE = "tfevents"
 _SNIFF_BYTES = 4096
 READABLE = ("a TensorBoard directory or events file, a JSONL dump (layer_grad_norms.dump), a trainer_state.json, "

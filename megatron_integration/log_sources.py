@@ -34,6 +34,7 @@ PHASE_PATTERN = "(" + "|".join(re.escape(phase_label(phase)) for phase in ALL_PH
 _CSV_NAME = re.compile(rf"(?:^|_){TAG_ROOT}_(?:{PHASE_PATTERN}|values_([a-z0-9]+)_{PHASE_PATTERN})_(.+)$")
 _EVENTS_FILE = "tfevents"
 _SNIFF_BYTES = 4096
+_MAX_LINE = 1 << 24
 READABLE = ("a TensorBoard directory or events file, a JSONL dump (layer_grad_norms.dump), a trainer_state.json, "
             "or DeepSpeed's CSV monitor output")
 
@@ -77,10 +78,10 @@ def _kind(path: str) -> str:
         raise LogSourceError(f"{path}: no such file or directory")
     if _EVENTS_FILE in os.path.basename(path):
         return "events"
-    head = _text_head(path)
+    _refuse_binary(path)
     if path.endswith(".csv"):
         return "csv"
-    first = next((line for line in head.splitlines() if line.strip()), "")
+    first = _first_line(path)
     try:
         record = json.loads(first)
     except ValueError:
@@ -92,8 +93,8 @@ def _kind(path: str) -> str:
     raise LogSourceError(f"{path}: not a log read here (expected {READABLE})")
 
 
-def _text_head(path: str) -> str:
-    """The first bytes of ``path`` as text; a binary file is a ``LogSourceError``."""
+def _refuse_binary(path: str) -> None:
+    """A ``LogSourceError`` for a binary file, judged by its first bytes."""
     with open(path, "rb") as log:
         head = log.read(_SNIFF_BYTES)
     try:
@@ -103,7 +104,16 @@ def _text_head(path: str) -> str:
         text = head[:err.start].decode("utf-8") if cut_short else "\0"
     if "\0" in text:
         raise LogSourceError(f"{path}: a binary file, not a log read here (expected {READABLE})")
-    return text
+
+
+def _first_line(path: str) -> str:
+    """The first line of a text file that is not blank, read whole (up to ``_MAX_LINE``): a dump's line outgrows
+    any sniffed head (every layer's statistics, the optimizer kinds)."""
+    with open(path, encoding="utf-8", errors="replace") as log:
+        for line in iter(lambda: log.readline(_MAX_LINE), ""):
+            if line.strip():
+                return line
+    return ""
 
 
 def _trainer_state(path: str) -> Optional[dict]:

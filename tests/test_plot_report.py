@@ -357,3 +357,12 @@ def test_per_parameter_kinds_are_combined_into_layers_and_the_ratio_derived_from
     assert series.layers() == [0, 1]
     assert series.series("param", "norm", 1) == [(1, pytest.approx(5.0)), (2, pytest.approx(10.0))]
     assert series.series("update-to-weight", "norm", 0) == [(1, pytest.approx(0.006)), (2, pytest.approx(0.006))]
+
+
+def test_a_dump_whose_lines_outgrow_the_sniffed_head_is_read(tmp_path):
+    """Every layer's statistics and the optimizer kinds make lines of many kilobytes."""
+    path = str(tmp_path / "dump.jsonl")
+    layers = {layer: known_norm(layer, 1) for layer in range(100)}
+    JsonlDump(path, max_bytes=10**7, backups=0).write(with_kinds(result(1, layers, 1.0)))
+    assert os.path.getsize(path) > 3 * 4096
+    assert read_layer_series(path).series("update", "norm", 99) == [(1, pytest.approx(known_norm(99, 1) * 1e-3))]

@@ -28,7 +28,7 @@ from transformers.trainer_utils import IntervalStrategy
 
 from .clipping import torch_clip_divisor
 from .config import CONFIG_KEY
-from .tags import LOGGED_PHASES, LOGGED_STATISTICS, flat_scalars
+from .tags import ALL_PHASES, LOGGED_STATISTICS, flat_scalars
 
 __all__ = ["LayerGradNormsCallback"]
 
@@ -36,8 +36,11 @@ __all__ = ["LayerGradNormsCallback"]
 class LayerGradNormsCallback(TrainerCallback):
     """Adds each selected bucket's gradient statistics to the Trainer's logs at its logging steps.
 
-    ``statistics``: any of ``"norm"``, ``"min"``, ``"max"`` (the norm by default); ``phases``: ``"pre_clip"``
-    and/or ``"post_clip"``. Under DeepSpeed the buckets, layers and interval come from the ``layer_grad_norms``
+    ``statistics``: any of ``"norm"``, ``"min"``, ``"max"`` (the norm by default); ``phases``: any of
+    ``tags.ALL_PHASES`` (all by default): ``"pre_clip"``, ``"post_clip"``, the block's ``optimizer_statistics``
+    kinds ``"param"``, ``"update"``, ``"exp_avg"``, ``"exp_avg_sq"`` (under DeepSpeed) and ``"update_to_weight"``
+    (the norm of the update over that of the weights, with both kinds on); a phase a step's result lacks is
+    not logged. Under DeepSpeed the buckets, layers and interval come from the ``layer_grad_norms``
     block of the DeepSpeed config given to the Trainer (``TrainingArguments(deepspeed=...)``), which needs
     ``enabled: true``; a logging step the block's ``interval`` does not measure logs no statistics (a
     warning at the start of training says so when ``logging_steps`` is not a multiple of it). Without
@@ -53,10 +56,10 @@ class LayerGradNormsCallback(TrainerCallback):
 
     def __init__(self,
                  statistics: Sequence[str] = ("norm", ),
-                 phases: Sequence[str] = LOGGED_PHASES,
+                 phases: Sequence[str] = ALL_PHASES,
                  **options: Any) -> None:
         self.statistics = _checked("statistics", statistics, LOGGED_STATISTICS)
-        self.phases = _checked("phases", phases, LOGGED_PHASES)
+        self.phases = _checked("phases", phases, ALL_PHASES)
         self.options = options
         self._optimizer = None  # under DeepSpeed: its optimizer, which holds the engine's result
         self._plain = None  # without DeepSpeed: a plain.LayerGradNorms

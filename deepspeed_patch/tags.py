@@ -34,9 +34,9 @@ from typing import Dict, Hashable, Iterable, Optional, Tuple, Union
 
 __all__ = [
     "TAG_ROOT", "OUTSIDE_LAYERS_ROOT", "VALUES", "LOGGED_PHASES", "LOGGED_STATISTICS", "OPTIMIZER_KINDS",
-    "UPDATE_TO_WEIGHT", "ALL_PHASES", "update_to_weight", "logged_result", "LayerKey", "LayerId", "is_layer",
-    "layer_position", "bucket_label", "layer_of_label", "phase_label", "scalar_tag", "run_name", "flat_scalars",
-    "HISTORY_ROOT", "HISTORY_RUN", "history_root", "history_run_name"
+    "UPDATE_TO_WEIGHT", "ALL_PHASES", "update_to_weight", "norm_ratio", "logged_result", "LayerKey", "LayerId",
+    "is_layer", "layer_position", "bucket_label", "layer_of_label", "phase_label", "phase_statistics", "scalar_tag",
+    "run_name", "flat_scalars", "HISTORY_ROOT", "HISTORY_RUN", "history_root", "history_run_name"
 ]
 
 TAG_ROOT = "layer-grad-norms"
@@ -122,6 +122,11 @@ def phase_label(phase: str) -> str:
     return phase.replace("_", "-")
 
 
+def phase_statistics(phase: str) -> Tuple[str, ...]:
+    """The statistics logged of a phase: ``LOGGED_STATISTICS``, the norm alone of the ``update_to_weight`` ratio."""
+    return ("norm", ) if phase == UPDATE_TO_WEIGHT else LOGGED_STATISTICS
+
+
 def scalar_tag(phase: str, statistic: str, bucket: Optional[Hashable] = None, root: str = TAG_ROOT) -> str:
     """The tag of one statistic: ``layer-grad-norms/pre-clip`` for the norm,
     ``layer-grad-norms/values/max/pre-clip`` for another, with ``/{bucket_label(bucket)}`` appended
@@ -137,10 +142,11 @@ def update_to_weight(result: dict) -> Optional[dict]:
     update, param = result.get("update"), result.get("param")
     if not update or not param:
         return None
-    return {bucket: {"norm": _ratio(update[bucket]["norm"], param[bucket]["norm"])} for bucket in update}
+    return {bucket: {"norm": norm_ratio(update[bucket]["norm"], param[bucket]["norm"])} for bucket in update}
 
 
-def _ratio(numerator: float, denominator: float) -> float:
+def norm_ratio(numerator: float, denominator: float) -> float:
+    """``numerator / denominator`` of two norms: infinite over a zero denominator, zero where both are zero."""
     if denominator:
         return numerator / denominator
     return math.inf if numerator else 0.0
@@ -158,16 +164,18 @@ def run_name(bucket: Hashable) -> str:
 
 
 def flat_scalars(result: dict,
-                 phases: Iterable[str] = LOGGED_PHASES,
+                 phases: Iterable[str] = ALL_PHASES,
                  statistics: Iterable[str] = LOGGED_STATISTICS) -> Dict[str, float]:
-    """Every selected bucket's ``statistics`` of a ``get_layer_grad_norms()`` result, by flat tag
-    (``layer-grad-norms/pre-clip/layer00``); a phase the result lacks (post-clip on an overflow step) is
-    left out."""
+    """Every selected bucket's ``statistics`` of a ``get_layer_grad_norms()`` result as logs see it
+    (``logged_result``), by flat tag (``layer-grad-norms/pre-clip/layer00``, ``layer-grad-norms/update/layer00``);
+    a phase the result lacks (post-clip on an overflow step, a kind not requested) is left out, and so is a
+    statistic a phase lacks (the ``update_to_weight`` ratio has only its norm)."""
+    logged = logged_result(result)
     return {
         scalar_tag(phase, name, key): values[name]
         for phase in phases
-        for key, values in (result[phase] or {}).items()
-        for name in statistics
+        for key, values in (logged.get(phase) or {}).items()
+        for name in statistics if name in values
     }
 
 

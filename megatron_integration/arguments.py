@@ -9,10 +9,11 @@ import argparse
 import copy
 import json
 import logging
-from typing import Any, Dict, Optional, Union
+from typing import Any, Dict, List, Optional, Union
 
 import deepspeed_patch
 from deepspeed_patch.config import CONFIG_KEY, parse_layer_spec
+from deepspeed_patch.tags import OPTIMIZER_KINDS
 
 logger = logging.getLogger(__name__)
 
@@ -39,6 +40,11 @@ def add_layer_grad_norms_args(parser: argparse.ArgumentParser) -> argparse.Argum
     group.add_argument("--layer-grad-norms-history", type=int, default=None, metavar="K",
                        help="Record every layer's statistics of the last K steps, reduced when the trigger "
                        "fires (trigger.history; with the default trigger unless --layer-grad-norms-trigger).")
+    group.add_argument("--layer-grad-norms-optimizer-statistics", type=str, default=None, metavar="KINDS",
+                       help=f"Also log what each measured optimizer step did to each layer: a comma-separated "
+                       f"list of {','.join(OPTIMIZER_KINDS)} (the fp32 weights, the step's update, the Adam "
+                       "moments; with param and update, their norms' ratio update-to-weight too); the ds_config's "
+                       "optimizer_statistics.")
     return parser
 
 
@@ -61,7 +67,23 @@ def layer_grad_norms_block(args: argparse.Namespace) -> Optional[Dict[str, Any]]
     trigger = _trigger_block(args)
     if trigger is not None:
         block["trigger"] = trigger
+    kinds = _optimizer_statistics(args)
+    if kinds:
+        block["optimizer_statistics"] = kinds
     return block
+
+
+def _optimizer_statistics(args: argparse.Namespace) -> List[str]:
+    """The kinds ``--layer-grad-norms-optimizer-statistics`` lists, checked; none without the flag."""
+    flag = getattr(args, "layer_grad_norms_optimizer_statistics", None)
+    if flag is None:
+        return []
+    kinds = [kind.strip() for kind in flag.split(",")]
+    unknown = [kind for kind in kinds if kind not in OPTIMIZER_KINDS]
+    if unknown:
+        raise ValueError(f"--layer-grad-norms-optimizer-statistics={flag!r}: {unknown[0]!r} is not a kind; choose "
+                         f"from {', '.join(OPTIMIZER_KINDS)}")
+    return kinds
 
 
 def _trigger_block(args: argparse.Namespace) -> Optional[Dict[str, Any]]:

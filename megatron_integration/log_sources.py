@@ -5,7 +5,7 @@
   Trainer's integration (``train/layer-grad-norms/...``, under ``OUTPUT_DIR/runs/...``); a tag is read
   whatever prefix a writer puts before ``layer-grad-norms/``;
 - DeepSpeed's CSV monitor: files ``Train_Samples_layer-grad-norms_pre-clip_layer00.csv`` (the tag with
-  ``/`` made ``_``), one, or a directory holding them;
+  ``/`` made ``_``; ``..._update_layer00.csv`` for an optimizer kind), one, or a directory holding them;
 - the Hugging Face Trainer's ``trainer_state.json`` (its ``log_history``), given as the file, or found in
   the output directory or its newest ``checkpoint-N/`` when the directory holds no per-layer scalars;
 - the JSONL dump (``layer_grad_norms.dump``), with its rotated files (``dump.jsonl.1``, ...: read oldest
@@ -22,16 +22,19 @@ import os
 import re
 from typing import Dict, Iterator, List, Optional, Tuple
 
-from deepspeed_patch.tags import TAG_ROOT, scalar_tag
+from deepspeed_patch.tags import ALL_PHASES, TAG_ROOT, phase_label, scalar_tag
 
 Points = List[Tuple[int, float]]
 Series = Tuple[str, str, Points]
 """``(run, tag, points)``: the points in the order they were written."""
 
 TRAINER_STATE = "trainer_state.json"
-_CSV_NAME = re.compile(rf"(?:^|_){TAG_ROOT}_(?:(pre-clip|post-clip)|values_([a-z0-9]+)_(pre-clip|post-clip))_(.+)$")
+PHASE_PATTERN = "(" + "|".join(re.escape(phase_label(phase)) for phase in ALL_PHASES) + ")"
+"""A phase as tags name it (``pre-clip``, ``exp-avg-sq``, ``update-to-weight``), one regex group."""
+_CSV_NAME = re.compile(rf"(?:^|_){TAG_ROOT}_(?:{PHASE_PATTERN}|values_([a-z0-9]+)_{PHASE_PATTERN})_(.+)$")
 _EVENTS_FILE = "tfevents"
 _SNIFF_BYTES = 4096
+_MAX_LINE = 1 << 24
 READABLE = ("a TensorBoard directory or events file, a JSONL dump (layer_grad_norms.dump), a trainer_state.json, "
             "or DeepSpeed's CSV monitor output")
 
@@ -75,10 +78,10 @@ def _kind(path: str) -> str:
         raise LogSourceError(f"{path}: no such file or directory")
     if _EVENTS_FILE in os.path.basename(path):
         return "events"
-    head = _text_head(path)
+    _refuse_binary(path)
     if path.endswith(".csv"):
         return "csv"
-    first = next((line for line in head.splitlines() if line.strip()), "")
+    first = _first_line(path)
     try:
         record = json.loads(first)
     except ValueError:
@@ -90,8 +93,8 @@ def _kind(path: str) -> str:
     raise LogSourceError(f"{path}: not a log read here (expected {READABLE})")
 
 
-def _text_head(path: str) -> str:
-    """The first bytes of ``path`` as text; a binary file is a ``LogSourceError``."""
+def _refuse_binary(path: str) -> None:
+    """A ``LogSourceError`` for a binary file, judged by its first bytes."""
     with open(path, "rb") as log:
         head = log.read(_SNIFF_BYTES)
     try:
@@ -101,7 +104,16 @@ def _text_head(path: str) -> str:
         text = head[:err.start].decode("utf-8") if cut_short else "\0"
     if "\0" in text:
         raise LogSourceError(f"{path}: a binary file, not a log read here (expected {READABLE})")
-    return text
+
+
+def _first_line(path: str) -> str:
+    """The first line of a text file that is not blank, read whole (up to ``_MAX_LINE``): a dump's line outgrows
+    any sniffed head (every layer's statistics, the optimizer kinds)."""
+    with open(path, encoding="utf-8", errors="replace") as log:
+        for line in iter(lambda: log.readline(_MAX_LINE), ""):
+            if line.strip():
+                return line
+    return ""
 
 
 def _trainer_state(path: str) -> Optional[dict]:

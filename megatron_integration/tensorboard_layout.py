@@ -1,9 +1,9 @@
 """Where each bucket's statistics go in TensorBoard: its run and its tags, and the Custom Scalars layout.
 
 One run per layer (``layer-grad-norms/layer00``, ``layer-grad-norms/encoder.layer00`` in a model of several
-layer stacks), each holding one tag per phase and statistic
-(``layer-grad-norms/pre-clip``), so that TensorBoard draws one card per statistic with one coloured,
-named line per layer. The names themselves are in ``deepspeed_patch.tags``.
+layer stacks), each holding one tag per phase and statistic (``layer-grad-norms/pre-clip``,
+``layer-grad-norms/update``), so that TensorBoard draws one card per statistic with one coloured, named line
+per layer. The names themselves are in ``deepspeed_patch.tags``.
 """
 
 import re
@@ -13,12 +13,12 @@ from typing import Dict, Hashable, Iterable, List, Optional, Tuple
 
 from deepspeed_patch.tags import (
     LOGGED_PHASES,
-    LOGGED_STATISTICS,
     OUTSIDE_LAYERS_ROOT,
     TAG_ROOT,
     LayerId,
     is_layer,
     phase_label,
+    phase_statistics,
     run_name,
     scalar_tag,
 )
@@ -70,14 +70,16 @@ def placements(keys: Iterable[Hashable]) -> Dict[Hashable, Placement]:
     return placed
 
 
-def custom_scalars_layout(keys: Iterable[Hashable] = ()) -> Dict[str, Dict[str, List]]:
-    """For the Custom Scalars tab: one multi-line chart per phase and statistic, the selected layers
-    together (NormFormer's figure); one more per part of a layer with finer buckets, and per phase for
-    the buckets outside the layers."""
+def custom_scalars_layout(keys: Iterable[Hashable] = (),
+                          phases: Iterable[str] = LOGGED_PHASES) -> Dict[str, Dict[str, List]]:
+    """For the Custom Scalars tab: a category per phase (the gradient's, and any optimizer kind and the
+    update-to-weight ratio in ``phases``) of one multi-line chart per statistic, the selected layers together
+    (NormFormer's figure); one more per part of a layer with finer buckets, and per phase for the buckets
+    outside the layers."""
     placed = placements(keys).values()
     names = sorted({place.name for place in placed if place.name is not None})
     layout = {}
-    for phase in LOGGED_PHASES:
+    for phase in phases:
         title = f"{TAG_ROOT} {phase_label(phase)}"
         layout[title] = _charts(phase, None, TAG_ROOT)
         for name in names:
@@ -90,5 +92,5 @@ def custom_scalars_layout(keys: Iterable[Hashable] = ()) -> Dict[str, Dict[str, 
 def _charts(phase: str, name: Optional[str], root: str) -> Dict[str, List]:
     return {
         statistic: ["Multiline", [f"^{re.escape(scalar_tag(phase, statistic, name, root=root))}$"]]
-        for statistic in LOGGED_STATISTICS
+        for statistic in phase_statistics(phase)
     }

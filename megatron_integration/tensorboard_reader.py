@@ -15,6 +15,11 @@ writer adds (``train/``, ``Train/Samples/``):
 Scalars are read whether written as simple values or as tensors (the bigscience fork's writer adds
 ``new_style=True``).
 
+The gradient's phases are read, and as phases of their own the ``optimizer_statistics`` kinds and the
+update-to-weight ratio (``layer-grad-norms/update``, ``layer-grad-norms/update-to-weight``; the dump's
+ratio derived from its lines' ``update`` and ``param``, as its writers derive it): ``series("update", "norm",
+layer)``.
+
 A step written more than once (a run resumed or rolled back into the same directory or dump, the demo
 run twice into the same ``--out``) is read once: the value written last wins, and the later steps of the run
 it replaced are dropped (``latest_per_step``), as in TensorBoard's data server; TensorBoard's Python
@@ -38,28 +43,31 @@ from dataclasses import dataclass, field
 from typing import Dict, Hashable, Iterable, List, Optional, Tuple
 
 from deepspeed_patch.tags import (
+    ALL_PHASES,
     HISTORY_ROOT,
     HISTORY_RUN,
-    LOGGED_PHASES,
-    LOGGED_STATISTICS,
     TAG_ROOT,
+    UPDATE_TO_WEIGHT,
     VALUES,
     LayerId,
     LayerKey,
     is_layer,
     layer_of_label,
     layer_position,
+    logged_result,
+    norm_ratio,
     phase_label,
+    phase_statistics,
 )
 
-from .log_sources import LogSourceError, dump_records, is_dump, scalar_series
+from .log_sources import PHASE_PATTERN, LogSourceError, dump_records, is_dump, scalar_series
 from .tensorboard_layout import layer_and_family
 
 Points = List[Tuple[int, float]]
 
-_PHASE = "(pre-clip|post-clip)"
-_RELEASE_TAG = re.compile(rf"^{TAG_ROOT}/{_PHASE}/(norm|min|max)/([^/]+)$")
-_TAG = re.compile(rf"^{TAG_ROOT}/(?:{_PHASE}|{VALUES}/([^/]+)/{_PHASE})(?:/([^/]+))?$")
+_RELEASE_TAG = re.compile(rf"^{TAG_ROOT}/(pre-clip|post-clip)/(norm|min|max)/([^/]+)$")
+_TAG = re.compile(rf"^{TAG_ROOT}/(?:{PHASE_PATTERN}|{VALUES}/([^/]+)/{PHASE_PATTERN})(?:/([^/]+))?$")
+_RATIO = phase_label(UPDATE_TO_WEIGHT)
 _BUCKET_RUN = re.compile(rf"(?:^|/){TAG_ROOT}/([^/]+)$")
 _STACK_LAYER_KEY = re.compile(r"^(.+)\.(\d+)$")
 _AXIS_COPY = re.compile(r" vs (?:samples|tokens)$")
@@ -227,12 +235,13 @@ def _collect_jsonl(path: str, collector: _Collector) -> None:
     """The dump's results (its rotated files first), in the order written."""
     series: Dict[Tuple[str, str, Hashable], Points] = {}
     for record in dump_records(path):
-        for phase in LOGGED_PHASES:
-            buckets = record.get(phase) or {}
+        logged = logged_result(record)
+        for phase in ALL_PHASES:
+            buckets = logged.get(phase) or {}
             stacked = not any(key.isdigit() for key in buckets)
             for key, values in buckets.items():
                 bucket = json_bucket(key, stacked)  # JSON keys are strings
-                for statistic in LOGGED_STATISTICS:
+                for statistic in phase_statistics(phase):
                     series.setdefault((phase_label(phase), statistic, bucket), []).append(
                         (record["step"], values[statistic]))
     for (phase, statistic, bucket), points in series.items():
@@ -241,12 +250,26 @@ def _collect_jsonl(path: str, collector: _Collector) -> None:
 
 def _combine_into_layers(finer: Dict[Tuple[str, str, LayerId], List[Points]]) -> LayerSeries:
     """Per-layer series from per-parameter ones (``granularity: param``): the norm is the root of the
-    summed squares, min and max the extremes, step by step."""
+    summed squares, min and max the extremes, step by step; the update-to-weight ratio, which does not add
+    up so, is the layer's update norm over its weights' norm."""
     combine = {"norm": lambda values: math.sqrt(sum(v * v for v in values)), "min": min, "max": max}
     result = LayerSeries()
     for (phase, statistic, layer), series in finer.items():
+        if phase == _RATIO:
+            continue
         steps = sorted(set.intersection(*(set(step for step, _ in points) for points in series)))
         by_step = [dict(points) for points in series]
         combined = [(step, combine[statistic]([values[step] for values in by_step])) for step in steps]
         result.values.setdefault((phase, statistic), {})[layer] = combined
+    _derive_ratio(result)
     return result
+
+
+def _derive_ratio(series: LayerSeries) -> None:
+    """Each layer's update-to-weight ratio, at the steps holding both its update and its weights' norms."""
+    weights = series.values.get(("param", "norm"), {})
+    for layer, updates in series.values.get(("update", "norm"), {}).items():
+        param = dict(weights.get(layer, []))
+        ratio = [(step, norm_ratio(update, param[step])) for step, update in updates if step in param]
+        if ratio:
+            series.values.setdefault((_RATIO, "norm"), {})[layer] = ratio

@@ -4,9 +4,9 @@
 result not yet logged (a step on the interval, a step a trigger captured, a step a ds_config block
 measures on an interval of its own) it writes, on the rank that owns the TensorBoard writer, one run per
 layer (``layer-grad-norms/layer00``, beside the writer's own run) holding one scalar per phase
-(pre-/post-clip) and statistic, against the step the result belongs to (names in
-``deepspeed_patch.tags``); and it returns a compact field for the stdout log line. Otherwise it returns
-at once: no collective, no work.
+(pre-/post-clip; the ``optimizer_statistics`` kinds and the update-to-weight ratio where the result holds
+them) and statistic, against the step the result belongs to (names in ``deepspeed_patch.tags``); and it
+returns a compact field for the stdout log line. Otherwise it returns at once: no collective, no work.
 
 When the trigger fires with a flight recorder (``trigger.history``), the recorded steps of every bucket go,
 once per fire, to runs of their own (``layer-grad-norms-history/fire-000123/layer00``): written into the
@@ -24,12 +24,13 @@ from dataclasses import replace
 from typing import Dict, Hashable, List
 
 from deepspeed_patch.tags import (
+    ALL_PHASES,
     HISTORY_ROOT,
-    LOGGED_PHASES,
-    LOGGED_STATISTICS,
     history_root,
     history_run_name,
     is_layer,
+    logged_result,
+    phase_statistics,
 )
 
 from .bucket_runs import BucketRuns, bucket_runs
@@ -48,7 +49,7 @@ def write_tensorboard(writer, stats: Dict) -> None:
     runs, iteration = bucket_runs(writer), stats["step"]
     placed = placements(stats["pre_clip"])
     if not runs.layout_written:
-        writer.add_custom_scalars(custom_scalars_layout(stats["pre_clip"]))
+        writer.add_custom_scalars(custom_scalars_layout(stats["pre_clip"], _logged_phases(stats)))
         runs.layout_written = True
     for place in sorted(placed.values(), key=lambda place: place.layer is None):
         runs.writer(place.run)  # layers first, in the result's order: TensorBoard colours runs in the order they start
@@ -57,12 +58,18 @@ def write_tensorboard(writer, stats: Dict) -> None:
     runs.flush()
 
 
+def _logged_phases(stats: Dict) -> List[str]:
+    """The phases of a result its logs hold: the gradient's, and the kinds and ratio it carries."""
+    return [phase for phase in ALL_PHASES if phase in logged_result(stats)]
+
+
 def _write_scalars(runs: BucketRuns, placed: Dict[Hashable, Placement], stats: Dict) -> None:
     """Each bucket's statistics of one result into its run, against the result's step."""
-    for phase in LOGGED_PHASES:
-        for key, values in (stats[phase] or {}).items():
+    logged = logged_result(stats)
+    for phase in ALL_PHASES:
+        for key, values in (logged.get(phase) or {}).items():
             place = placed[key]
-            for statistic in LOGGED_STATISTICS:
+            for statistic in phase_statistics(phase):
                 runs.writer(place.run).add_scalar(place.tag(phase, statistic), drawable(values[statistic]),
                                                   stats["step"])
 

@@ -166,12 +166,12 @@ def run_deepspeed_cases(cases: Dict[str, dict]) -> Dict[str, Any]:
 def run_with_every_log(output_dir: str, monitors: str) -> Dict[str, Any]:
     """A ZeRO-2 Trainer run leaving every log ``plot`` and ``report`` read: the Trainer's TensorBoard
     (``report_to``) and ``trainer_state.json``, DeepSpeed's TensorBoard and CSV monitors (in ``monitors``), and
-    the JSONL dump, rotated at every line. Returns the Trainer's ``log_history``."""
+    the JSONL dump, rotated at every line; every optimizer kind on. Returns the Trainer's ``log_history``."""
     from deepspeed_patch.hf import LayerGradNormsCallback
 
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
-    config = ds_config(2, {"enabled": True, "dump": {"path": os.path.join(output_dir, "dump.jsonl"),
-                                                     "max_bytes": 1024, "backups": 10}})
+    config = ds_config(2, {"enabled": True, "optimizer_statistics": ["param", "update", "exp_avg", "exp_avg_sq"],
+                           "dump": {"path": os.path.join(output_dir, "dump.jsonl"), "max_bytes": 1024, "backups": 10}})
     config.update(tensorboard={"enabled": True, "output_path": monitors, "job_name": "tb"},
                   csv_monitor={"enabled": True, "output_path": monitors, "job_name": "csv"})
     args = TrainingArguments(output_dir=output_dir, per_device_train_batch_size=2, max_steps=EVERY_LOG_STEPS,

@@ -15,6 +15,7 @@ import pytest
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
+from deepspeed_patch.hf import LayerGradNormsCallback  # noqa: E402
 from deepspeed_patch.tags import flat_scalars, scalar_tag  # noqa: E402
 from hf_workers import MAX_GRAD_NORM, STEPS, run, run_deepspeed_cases  # noqa: E402
 from megatron_integration.cpu_launch import launch  # noqa: E402
@@ -29,6 +30,8 @@ DEEPSPEED_CASES = {
     # the zero2 case's callback again, in a second Trainer: it must not read the first run's engine
     "zero2_without_block": {"stage": 2, "block": None, "reuse": "zero2"},
     "zero2_interval_2": {"stage": 2, "block": {"enabled": True, "interval": 2}},
+    "zero2_kinds_selected": {"stage": 2, "block": {"enabled": True, "optimizer_statistics": ["param", "update"]},
+                             "options": {"phases": ("update", "update_to_weight"), "statistics": ("norm", "max")}},
 }
 TOLERANCE = 1e-5
 
@@ -129,6 +132,19 @@ def test_logging_steps_not_a_multiple_of_the_interval_warns_once():
     expected = flat_scalars(record["engine_results"][1], statistics=("norm", ))  # the callback's default
     assert {tag: logged[0][tag] for tag in expected} == expected
     assert sum(tag.startswith("layer-grad-norms/") for tag in logged[0]) == len(expected)
+
+
+def test_selected_optimizer_phases_are_logged_alone():
+    """``phases``: the update's norm and max and the update-to-weight ratio, the engine's of each step."""
+    record = deepspeed_record("zero2_kinds_selected")
+    for entry, result in zip(training_logs(record), record["engine_results"]):
+        logged = {tag: value for tag, value in entry.items() if tag.startswith("layer-grad-norms/")}
+        assert logged == flat_scalars(result, ("update", "update_to_weight"), ("norm", "max"))
+        assert len(logged) == 3 * len(BUCKETS)
+        assert logged["layer-grad-norms/update-to-weight/layer01"] == pytest.approx(
+            result["update"][1]["norm"] / result["param"][1]["norm"])
+    with pytest.raises(ValueError, match=r"phases=\('momentum',\)\): choose from pre_clip, post_clip, param, update"):
+        LayerGradNormsCallback(phases=("momentum", ))
 
 
 def test_plain_logs_every_layer_adding_up_to_grad_norm():

@@ -82,6 +82,20 @@ def test_every_log_gives_the_trainer_s_values_and_report_and_plot_run_on_it(run_
     assert checked == 6
 
 
+@pytest.mark.parametrize("phase", ["param", "update", "exp-avg", "exp-avg-sq", "update-to-weight"])
+def test_every_log_gives_the_trainer_s_optimizer_kinds_and_ratio(run_dir, phase):
+    """The callback logs each kind's norm and the update-to-weight ratio (its default phases); every log gives
+    them back as phases of each layer (the dump's ratio derived from its lines' update and param)."""
+    output_dir, record = run_dir
+    entries = [entry for entry in record["log_history"] if "grad_norm" in entry]
+    for name, source in sources(output_dir).items():
+        series = read_layer_series(source)
+        for layer in range(LAYERS):
+            logged = [entry[f"layer-grad-norms/{phase}/layer{layer:02d}"] for entry in entries]
+            assert [value for _, value in series.series(phase, "norm", layer)] == pytest.approx(logged, rel=1e-6), name
+            assert all(value > 0 for value in logged)
+
+
 def test_a_directory_holding_two_writers_logs_is_refused_naming_them(run_dir, tmp_path):
     """The Trainer's ``train/`` tags and DeepSpeed's monitor ``Train/Samples/`` (against samples) are not one log."""
     output_dir, _ = run_dir

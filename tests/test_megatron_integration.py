@@ -11,7 +11,8 @@ from typing import Dict, Tuple
 
 import pytest
 
-from deepspeed_patch.tags import LayerKey
+from deepspeed_patch.config import load_config
+from deepspeed_patch.tags import OPTIMIZER_KINDS, LayerKey
 from megatron_integration import layer_grad_norms_ds_config
 from megatron_integration.cpu_launch import launch
 from megatron_integration.tensorboard_layout import custom_scalars_layout, placements
@@ -54,9 +55,21 @@ def test_block_in_the_ds_config_wins_with_a_warning(caplog):
     assert "wins over the command-line flags" in caplog.text
 
 
+def test_optimizer_statistics_flag_fills_the_block_s_kinds():
+    args = megatron_args(FLAGS + ["--layer-grad-norms-optimizer-statistics", "update,param, exp_avg_sq"])
+    block = layer_grad_norms_ds_config(args, {})["layer_grad_norms"]
+    assert block["optimizer_statistics"] == ["update", "param", "exp_avg_sq"]
+    assert load_config({"layer_grad_norms": block}).optimizer_statistics == ("param", "update", "exp_avg_sq")
+    assert "optimizer_statistics" not in layer_grad_norms_ds_config(megatron_args(FLAGS), {})["layer_grad_norms"]
+
+
 @pytest.mark.parametrize("flags,message", [
     (["--layer-grad-norms-layers", "0,last"], "--layer-grad-norms-layers='0,last': 'last' is not a layer index"),
     (["--layer-grad-norms-interval", "0"], "--layer-grad-norms-interval=0: must be 1 or more"),
+    (["--layer-grad-norms-optimizer-statistics", "param,momentum"],
+     "--layer-grad-norms-optimizer-statistics='param,momentum': 'momentum' is not a kind; choose from param, update, "
+     "exp_avg, exp_avg_sq"),
+    (["--layer-grad-norms-optimizer-statistics", ""], "--layer-grad-norms-optimizer-statistics='': '' is not a kind"),
 ])
 def test_bad_flags_name_the_flag_and_value(flags, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
@@ -113,16 +126,21 @@ def test_tensorboard_holds_every_logged_layer_statistic_one_run_per_bucket(run):
     assert len(tags) == 12 and not any(" vs " in tag for tag in tags)  # one per phase and statistic, twice
 
 
-def test_tensorboard_has_the_custom_scalars_layout(run):
+def written_layout(tensorboard_dir: str) -> Dict[str, Dict[str, list]]:
+    """The Custom Scalars layout written into the writer's own run: ``{category: {chart: [tag regex]}}``."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     from tensorboard.plugins.custom_scalar import layout_pb2, metadata
 
-    tensorboard_dir, _ = run
     events = EventAccumulator(tensorboard_dir, size_guidance={"tensors": 0})
     events.Reload()
     written = layout_pb2.Layout.FromString(events.Tensors(metadata.CONFIG_SUMMARY_TAG)[0].tensor_proto.string_val[0])
-    layout = {category.title: {chart.title: list(chart.multiline.tag) for chart in category.chart}
-              for category in written.category}
+    return {category.title: {chart.title: list(chart.multiline.tag) for chart in category.chart}
+            for category in written.category}
+
+
+def test_tensorboard_has_the_custom_scalars_layout(run):
+    tensorboard_dir, _ = run
+    layout = written_layout(tensorboard_dir)
     assert set(layout) == {"layer-grad-norms pre-clip", "layer-grad-norms post-clip", "non-layer-grad-norms pre-clip",
                            "non-layer-grad-norms post-clip"}
     logged_tags = {(run, tag) for run, tag in scalars(tensorboard_dir)}
@@ -171,14 +189,22 @@ class LastMeasurement:
 
     def __init__(self) -> None:
         self.stats = None
+        self.history = None
 
     def get_layer_grad_norms(self):
         return self.stats
 
+    def get_layer_grad_norms_history(self):
+        return self.history
 
-def measurement(step: int, keys, overflowed=None):
+
+KIND_FACTORS = {"param": 40.0, "update": 0.02, "exp_avg": 0.3, "exp_avg_sq": 0.004}
+"""The ``optimizer_statistics`` kinds of ``measurement``: the gradient's statistics times these."""
+
+
+def measurement(step: int, keys, overflowed=None, kinds=()):
     """A result as the engine reports it; ``overflowed``: the bucket whose pre-clip statistics are infinite (the
-    step is then an fp16 overflow, without post-clip statistics)."""
+    step is then an fp16 overflow, without post-clip statistics); ``kinds``: the optimizer statistics it holds."""
 
     def statistics(key, factor: float):
         norm = math.inf if key == overflowed else (3.0 - key if isinstance(key, int) else 0.5) * (1 + step / 1000)
@@ -186,10 +212,12 @@ def measurement(step: int, keys, overflowed=None):
                 "abs_max": norm * factor / 10, "nonfinite": int(key == overflowed)}
 
     pre_clip = {key: statistics(key, 1.0) for key in keys}
+    optimizer = {kind: {key: statistics(key, KIND_FACTORS[kind]) for key in keys} for kind in kinds}
     if overflowed is not None:
-        return {"step": step, "overflow": True, "clip_coef": None, "pre_clip": pre_clip, "post_clip": None}
+        return {"step": step, "overflow": True, "clip_coef": None, "pre_clip": pre_clip, "post_clip": None,
+                **optimizer}
     return {"step": step, "overflow": False, "clip_coef": 0.5, "pre_clip": pre_clip,
-            "post_clip": {key: statistics(key, 0.5) for key in keys}}
+            "post_clip": {key: statistics(key, 0.5) for key in keys}, **optimizer}
 
 
 def event_files(logdir) -> int:
@@ -315,3 +343,48 @@ def test_parts_of_a_layer_with_the_same_name_keep_their_whole_names():
         "encoder.layers.1.mlp.weight": ("layer-grad-norms/layer01", whole("encoder.layers.1.mlp.weight")),
         "encoder.layers.1.attn.weight": ("layer-grad-norms/layer01", whole("attn.weight")),
     }
+
+
+def test_optimizer_kinds_and_the_ratio_are_written_as_pre_clip_is_live_and_in_history_runs(tmp_path):
+    """Each kind and the update-to-weight ratio: a tag of its own in each bucket's run, a Custom Scalars category,
+    the fire's runs; read back as phases (the ratio has its norm only)."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    args, engine, keys = megatron_args(["--log-layer-grad-norms"]), LastMeasurement(), [0, 1, "embed"]
+    with SummaryWriter(str(tmp_path)) as writer:
+        for iteration in range(1, 5):
+            engine.stats = measurement(iteration, keys, kinds=OPTIMIZER_KINDS)
+            log_layer_grad_norms(engine, iteration, writer, args)
+        engine.history = [{**measurement(step, keys, kinds=OPTIMIZER_KINDS), "trigger": {"fired_at": 4}}
+                          for step in (3, 4)]
+        log_layer_grad_norms(engine, 5, writer, args)
+    logged = scalars(str(tmp_path))
+    expected = measurement(2, keys, kinds=OPTIMIZER_KINDS)
+    for run, root, key in (("layer-grad-norms/layer01", "layer-grad-norms", 1),
+                           ("layer-grad-norms/embed", "non-layer-grad-norms", "embed")):
+        assert logged[run, f"{root}/update"][2] == pytest.approx(expected["update"][key]["norm"])
+        assert logged[run, f"{root}/values/max/exp-avg-sq"][2] == pytest.approx(expected["exp_avg_sq"][key]["max"])
+        assert logged[run, f"{root}/update-to-weight"][2] == pytest.approx(KIND_FACTORS["update"] /
+                                                                           KIND_FACTORS["param"])
+    assert {tag for _, tag in logged if "update-to-weight" in tag} == {  # a norm only
+        f"{root}{history}/update-to-weight" for root in ("layer-grad-norms", "non-layer-grad-norms")
+        for history in ("", "-history")}
+    fire = "layer-grad-norms-history/fire-000004/layer00"
+    assert sorted(logged[fire, "layer-grad-norms-history/update"]) == [3, 4]
+    assert logged[fire, "layer-grad-norms-history/values/min/exp-avg"][3] == pytest.approx(
+        expected["exp_avg"][0]["min"] * 1.003 / 1.002)
+    assert sorted(logged[fire, "layer-grad-norms-history/update-to-weight"]) == [3, 4]
+
+    layout = written_layout(str(tmp_path))
+    assert list(layout) == [f"{root} {phase}" for phase in ("pre-clip", "post-clip", "param", "update", "exp-avg",
+                                                             "exp-avg-sq", "update-to-weight")
+                            for root in ("layer-grad-norms", "non-layer-grad-norms")]
+    assert list(layout["layer-grad-norms update-to-weight"]) == ["norm"]
+    assert re.match(layout["layer-grad-norms update"]["max"][0], "layer-grad-norms/values/max/update")
+
+    series = read_layer_series(str(tmp_path))
+    assert series.layers() == [0, 1]
+    assert series.series("update", "norm", 1) == [(step, pytest.approx(measurement(step, keys, kinds=("update", ))[
+        "update"][1]["norm"])) for step in range(1, 5)]
+    assert [value for _, value in series.series("update-to-weight", "norm", 0)] == pytest.approx([0.0005] * 4)
+    assert len(series.series("exp-avg-sq", "max", 0)) == 4

@@ -16,7 +16,7 @@ import pytest
 from torch.utils.tensorboard import SummaryWriter
 
 from deepspeed_patch.on_demand import JsonlDump
-from deepspeed_patch.tags import LayerKey, bucket_label, phase_label, scalar_tag
+from deepspeed_patch.tags import LayerKey, bucket_label, flat_scalars, phase_label, scalar_tag
 from megatron_integration.cli import main
 from megatron_integration.plot import plot_layer_norms
 from megatron_integration.tensorboard_reader import NoLayerDataError, latest_per_step, read_layer_series
@@ -279,3 +279,90 @@ def test_plot_draws_each_stack_in_a_style_and_a_band_of_its_own(stacked_source, 
     assert [tick.get_text() for tick in depth_axis.get_yticklabels()] == [
         f"{stack} {index}" for stack, layers in STACKS.items() for index in range(layers)]
     assert len(depth_axis.get_lines()) == 1  # the line between the stacks
+
+
+KIND_FACTORS = {"param": 10.0, "update": 1e-3, "exp_avg": 0.1, "exp_avg_sq": 1e-4}
+"""The optimizer kinds of ``with_kinds``: the pre-clip gradient's statistics times these."""
+KIND_SOURCES = ["dump", "one run per bucket", "DeepSpeed monitor", "CSV", "trainer_state.json"]
+
+
+def with_kinds(stats: Dict) -> Dict:
+    """``stats`` with every ``optimizer_statistics`` kind; its update-to-weight ratio is 1e-4."""
+    kinds = {kind: {key: {name: value * factor for name, value in values.items()} for key, values in
+                    stats["pre_clip"].items()} for kind, factor in KIND_FACTORS.items()}
+    return {**stats, "overflow": False, **kinds}
+
+
+def write_source(path: str, results: List[Dict], source: str) -> str:
+    """``results`` as ``source`` holds them, under ``path``; returns the path a user gives ``report``."""
+    if source == "dump":
+        dump = JsonlDump(os.path.join(path, "dump.jsonl"), max_bytes=10**6, backups=0)
+        for stats in results:
+            dump.write(stats)
+        return os.path.join(path, "dump.jsonl")
+    if source == "one run per bucket":
+        write_log(path, results, source)
+        return path
+    if source == "DeepSpeed monitor":
+        with SummaryWriter(path) as writer:
+            for stats in results:
+                for tag, value in flat_scalars(stats).items():
+                    writer.add_scalar(f"Train/Samples/{tag}", value, stats["step"])
+        return path
+    if source == "CSV":
+        for tag in flat_scalars(results[0]):
+            with open(os.path.join(path, f"Train_Samples_{tag.replace('/', '_')}.csv"), "w") as rows:
+                rows.write("step,value\n" + "".join(f"{stats['step']},{flat_scalars(stats)[tag]}\n"
+                                                    for stats in results))
+        return path
+    with open(os.path.join(path, "trainer_state.json"), "w") as state:
+        json.dump({"log_history": [{"loss": 1.0, "step": stats["step"], **flat_scalars(stats)} for stats in results]},
+                  state)
+    return os.path.join(path, "trainer_state.json")
+
+
+@pytest.mark.parametrize("source", KIND_SOURCES)
+def test_optimizer_kinds_and_the_ratio_are_read_as_phases_and_leave_the_report_as_it_was(tmp_path, capsys, source):
+    plain = [result(step, {layer: known_norm(layer, step) for layer in range(LAYERS)}, 0.5 if step in (3, 7) else 1.0)
+             for step in range(1, STEPS + 1)]
+    series = read_layer_series(write_source(str(tmp_path), [with_kinds(stats) for stats in plain], source))
+    for layer in range(LAYERS):
+        for kind, factor in KIND_FACTORS.items():
+            for statistic in ("norm", "min", "max"):
+                assert series.series(phase_label(kind), statistic, layer) == [
+                    (stats["step"], pytest.approx(stats["pre_clip"][layer][statistic] * factor)) for stats in plain]
+        assert series.series("update-to-weight", "norm", layer) == [(step, pytest.approx(1e-4))
+                                                                      for step in range(1, STEPS + 1)]
+        assert series.series("update-to-weight", "max", layer) == []
+    reports = []
+    for name, results in (("kinds", [with_kinds(stats) for stats in plain]), ("plain", plain)):
+        os.makedirs(tmp_path / name)
+        main(["report", write_source(str(tmp_path / name), results, source), "--json"])
+        reports.append(json.loads(capsys.readouterr().out))
+    assert reports[0] == reports[1]
+
+
+def test_per_parameter_kinds_are_combined_into_layers_and_the_ratio_derived_from_them(tmp_path):
+    """The ratio does not add up over a layer's parameters: it is the layer's update norm over its weights'."""
+    parts = {"mlp.fc2.weight": (3.0, 0.03), "mlp.fc2.bias": (4.0, 0.0)}  # (weights' norm, update's norm)
+    results = []
+    for step in (1, 2):
+        stats = {f"layers.{layer}.{part}": {"norm": 1.0, "min": -0.1, "max": 0.1} for layer in range(2)
+                 for part in parts}
+        kinds = {kind: {key: {"norm": parts[key.split(".", 2)[2]][index] * step, "min": 0.0, "max": 1.0}
+                        for key in stats} for index, kind in enumerate(("param", "update"))}
+        results.append({"step": step, "pre_clip": stats, "post_clip": stats, **kinds})
+    write_source(str(tmp_path), results, "DeepSpeed monitor")
+    series = read_layer_series(str(tmp_path))
+    assert series.layers() == [0, 1]
+    assert series.series("param", "norm", 1) == [(1, pytest.approx(5.0)), (2, pytest.approx(10.0))]
+    assert series.series("update-to-weight", "norm", 0) == [(1, pytest.approx(0.006)), (2, pytest.approx(0.006))]
+
+
+def test_a_dump_whose_lines_outgrow_the_sniffed_head_is_read(tmp_path):
+    """Every layer's statistics and the optimizer kinds make lines of many kilobytes."""
+    path = str(tmp_path / "dump.jsonl")
+    layers = {layer: known_norm(layer, 1) for layer in range(100)}
+    JsonlDump(path, max_bytes=10**7, backups=0).write(with_kinds(result(1, layers, 1.0)))
+    assert os.path.getsize(path) > 3 * 4096
+    assert read_layer_series(path).series("update", "norm", 99) == [(1, pytest.approx(known_norm(99, 1) * 1e-3))]

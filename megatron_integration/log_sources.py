@@ -32,6 +32,8 @@ TRAINER_STATE = "trainer_state.json"
 _CSV_NAME = re.compile(rf"(?:^|_){TAG_ROOT}_(?:(pre-clip|post-clip)|values_([a-z0-9]+)_(pre-clip|post-clip))_(.+)$")
 _EVENTS_FILE = "tfevents"
 _SNIFF_BYTES = 4096
+_LINE_BYTES = 2**26
+"""The longest first line of a dump read to recognise it."""
 READABLE = ("a TensorBoard directory or events file, a JSONL dump (layer_grad_norms.dump), a trainer_state.json, "
             "or DeepSpeed's CSV monitor output")
 
@@ -75,10 +77,10 @@ def _kind(path: str) -> str:
         raise LogSourceError(f"{path}: no such file or directory")
     if _EVENTS_FILE in os.path.basename(path):
         return "events"
-    head = _text_head(path)
+    _text_head(path)
     if path.endswith(".csv"):
         return "csv"
-    first = next((line for line in head.splitlines() if line.strip()), "")
+    first = _first_line(path)
     try:
         record = json.loads(first)
     except ValueError:
@@ -102,6 +104,16 @@ def _text_head(path: str) -> str:
     if "\0" in text:
         raise LogSourceError(f"{path}: a binary file, not a log read here (expected {READABLE})")
     return text
+
+
+def _first_line(path: str) -> str:
+    """The first non-blank line of a text file, whole up to ``_LINE_BYTES``: a dump's line holding every layer and
+    the optimizer's statistics runs far past the sniffed head."""
+    with open(path, "rb") as log:
+        for line in iter(lambda: log.readline(_LINE_BYTES), b""):
+            if line.strip():
+                return line.decode("utf-8", errors="replace")
+    return ""
 
 
 def _trainer_state(path: str) -> Optional[dict]:

@@ -15,7 +15,7 @@ bounded scratch buffer, each piece read with a chunk plan of its own window (``w
 
 import math
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 
@@ -111,13 +111,13 @@ def window_plans(slices: PartitionSlices, device, window: int = WINDOW) -> List[
 
 
 class GroupState:
-    """One parameter group's fp32 master partition, its optimizer state and hyper-parameters, and the plans
-    that read them."""
+    """One fp32 master partition, its optimizer state and hyper-parameters, and the plans that read them."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, index: int, partition: torch.Tensor, plan: ChunkPlan,
+    def __init__(self, optimizer: torch.optim.Optimizer, group_id: int, partition: torch.Tensor, plan: ChunkPlan,
                  kinds: tuple, window: int) -> None:
+        """``group_id``: the parameter group of ``optimizer`` that steps ``partition`` (its hyper-parameters)."""
         self.optimizer = optimizer
-        self.index = index
+        self.group_id = group_id
         self.partition = partition
         self.plan = plan
         self.window = window
@@ -132,7 +132,7 @@ class GroupState:
         """Keep the rule the step will apply: the engine steps its lr scheduler after the optimizer's step and
         before the statistics read the state, so the group's hyper-parameters by then are the next step's."""
         if self.reads_adam:
-            self.rule = adam_rule(self.optimizer, self.optimizer.param_groups[self.index])
+            self.rule = adam_rule(self.optimizer, self.optimizer.param_groups[self.group_id])
 
     def state(self) -> dict:
         return self.optimizer.state.get(self.partition, {})
@@ -182,15 +182,19 @@ class GroupState:
             accumulate_partition(stats, out, plan)
 
 
-def optimizer_statistics(optimizer: torch.optim.Optimizer, partitions: List[torch.Tensor], plans: List[ChunkPlan],
-                         kinds: tuple) -> Optional["OptimizerStatistics"]:
+def optimizer_statistics(optimizer: torch.optim.Optimizer,
+                         partitions: List[torch.Tensor],
+                         plans: List[ChunkPlan],
+                         kinds: tuple,
+                         group_ids: Optional[Sequence[int]] = None) -> Optional["OptimizerStatistics"]:
     """The reader of ``kinds`` for the fp32 master ``partitions`` that ``optimizer`` (the inner torch
-    optimizer) steps, laid out as their gradients' ``plans``; ``None`` without kinds."""
-    return OptimizerStatistics(optimizer, partitions, plans, kinds) if kinds else None
+    optimizer) steps, laid out as their gradients' ``plans``; ``None`` without kinds. ``group_ids``: the
+    parameter group of ``optimizer`` that steps each partition (default: partition ``i`` is group ``i``)."""
+    return OptimizerStatistics(optimizer, partitions, plans, kinds, group_ids=group_ids) if kinds else None
 
 
 class OptimizerStatistics:
-    """The requested optimizer statistics of a ZeRO-style optimizer: one ``GroupState`` per parameter group,
+    """The requested optimizer statistics of a ZeRO-style optimizer: one ``GroupState`` per fp32 partition,
     and one scratch buffer of at most ``WINDOW`` fp32 elements for the derived ones."""
 
     def __init__(self,
@@ -198,12 +202,16 @@ class OptimizerStatistics:
                  partitions: List[torch.Tensor],
                  plans: List[ChunkPlan],
                  kinds: tuple,
-                 window: int = WINDOW) -> None:
-        """``window``: the scratch buffer's elements (tests make it small)."""
+                 window: int = WINDOW,
+                 group_ids: Optional[Sequence[int]] = None) -> None:
+        """``window``: the scratch buffer's elements (tests make it small); ``group_ids``: the parameter group
+        of each partition, where it is not the partition's index (ZeRO-3's sub-groups split a group in several
+        partitions)."""
         self.kinds = kinds
+        group_ids = range(len(partitions)) if group_ids is None else group_ids
         self.groups = [
-            GroupState(optimizer, index, partition, plan, kinds, window)
-            for index, (partition, plan) in enumerate(zip(partitions, plans))
+            GroupState(optimizer, group_id, partition, plan, kinds, window)
+            for group_id, partition, plan in zip(group_ids, partitions, plans)
         ]
         largest = min(window, max((partition.numel() for partition in partitions), default=0))
         self.scratch: Optional[torch.Tensor] = None

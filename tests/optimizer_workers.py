@@ -1,19 +1,27 @@
-"""What each rank runs for tests/test_optimizer_statistics.py: train a TinyGPT under ZeRO-1/2 with Adam or
-AdamW and ``optimizer_statistics`` on, and record beside what it reports the plain-PyTorch reference of every
-step: per bucket, the statistics of the full fp32 weights after the step, of after minus before, and of the
-Adam moments after it, gathered with DeepSpeed's ``safe_get_full_fp32_param`` / ``safe_get_full_optimizer_state``
-(outside the step, on every rank)."""
+"""What each rank runs for tests/test_optimizer_statistics.py and test_optimizer_statistics_zero3.py: train a
+TinyGPT under ZeRO-1/2/3 with Adam or AdamW and ``optimizer_statistics`` on, and record beside what it reports
+the plain-PyTorch reference of every step: per bucket, the statistics of the full fp32 weights after the step, of
+after minus before, and of the Adam moments after it, gathered with DeepSpeed's ``safe_get_full_fp32_param`` /
+``safe_get_full_optimizer_state`` (outside the step, on every rank; collectives at stage 3)."""
 
 import logging
 import traceback
-from typing import Any, Dict
+from typing import Any, Dict, Optional
 
 import torch
 
 from megatron_integration.tiny_gpt import TinyGPT
 from reference import bucket_stats, reference_key_of
 from setup_workers import counting_collectives
-from zero_workers import DEFAULT_CASE, batches_of_step, ds_config, force_fp16_on_cpu, install_feature, model_config
+from zero_workers import (
+    DEFAULT_CASE,
+    batches_of_step,
+    ds_config,
+    force_fp16_on_cpu,
+    full_weights,
+    install_feature,
+    model_config,
+)
 
 KINDS = ["param", "update", "exp_avg", "exp_avg_sq"]
 
@@ -28,8 +36,9 @@ def cpu_adam(params, **options) -> torch.optim.Optimizer:
 OPTIMIZERS = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam, "sgd": torch.optim.SGD, "cpu_adam": cpu_adam}
 DEFAULT = {
     **DEFAULT_CASE, "layers": 2, "optimizer": "adamw", "kinds": KINDS, "lr": 1e-2, "weight_decay": 0.1, "options": {},
-    "recorded": None, "scheduler": None
+    "recorded": None, "scheduler": None, "layer_lr": None
 }
+"""``layer_lr``: the transformer layers' parameters in a second parameter group, at this lr."""
 SPIKE = 64.0
 """``recorded`` cases multiply the last step's loss by this: the trigger fires there and the flight recorder
 hands back the steps before it."""
@@ -61,7 +70,7 @@ def train(case: Dict[str, Any], block: Dict[str, Any]) -> Dict[str, Any]:
     trainable = list(model.named_parameters())
     options = {"lr": case["lr"]} if case["optimizer"] == "sgd" else {"lr": case["lr"],
                                                                       "weight_decay": case["weight_decay"]}
-    optimizer = OPTIMIZERS[case["optimizer"]]([param for _, param in trainable], **options, **case["options"])
+    optimizer = OPTIMIZERS[case["optimizer"]](param_groups(trainable, case["layer_lr"]), **options, **case["options"])
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, 1, case["scheduler"]) if case["scheduler"] else None
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler, config=config)
     key_of = reference_key_of({})
@@ -87,10 +96,19 @@ def train(case: Dict[str, Any], block: Dict[str, Any]) -> Dict[str, Any]:
         record["reference"].append({kind: bucket_stats(values, key_of) for kind, values in named.items()})
         record["measured"].append(engine.get_layer_grad_norms())
     record["fires"] = engine.get_layer_grad_norms_history("all") if case["recorded"] else None
-    record["final"] = {name: param.detach().clone() for name, param in engine.module.named_parameters()}
+    record["final"] = full_weights(engine.module, dtype=None)
     record["optimizer"] = type(engine.optimizer).__name__
+    record["sub_group_to_group_id"] = getattr(engine.optimizer, "sub_group_to_group_id", None)  # ZeRO-3
     engine.destroy()
     return record
+
+
+def param_groups(trainable, layer_lr: Optional[float]) -> list:
+    """All parameters in one group; with ``layer_lr``, the transformer layers' in a second group at that lr."""
+    if layer_lr is None:
+        return [param for _, param in trainable]
+    return [{"params": [param for name, param in trainable if not name.startswith("layers.")]},
+            {"params": [param for name, param in trainable if name.startswith("layers.")], "lr": layer_lr}]
 
 
 def block_of(case: Dict[str, Any]) -> Dict[str, Any]:

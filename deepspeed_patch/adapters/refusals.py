@@ -16,6 +16,7 @@ from ..config import CONFIG_KEY, LayerGradNormsConfig, UnsupportedSetupError
 from ..optimizer_stats import NEEDS_ADAM, adam_decoupling, adam_rule
 from .bf16 import BF16Adapter
 from .zero import ZeroAdapter
+from .zero3 import Zero3Adapter
 
 
 def check_param_grads(engine, config: LayerGradNormsConfig) -> None:
@@ -56,16 +57,21 @@ def check_supported(optimizer, family_refusals: List[str]) -> None:
 
 
 def check_optimizer_statistics(optimizer, family: Optional[type], config: LayerGradNormsConfig) -> None:
-    """``optimizer_statistics`` is read from the fp32 master partitions of ZeRO-1/2 (on the device or offloaded)
-    and BF16_Optimizer, and the update and moments from an optimizer of the Adam family
-    (``optimizer_stats.adam_decoupling``)."""
+    """``optimizer_statistics`` is read from the fp32 master partitions of ZeRO-1/2/3 (on the device or offloaded
+    to the CPU) and BF16_Optimizer, and the update and moments from an optimizer of the Adam family
+    (``optimizer_stats.adam_decoupling``); under ZeRO-3, only where that state is all in this process's memory
+    (``Zero3Adapter.state_elsewhere``)."""
     kinds = config.optimizer_statistics
     if not kinds:
         return
     key = f"{CONFIG_KEY}.optimizer_statistics={list(kinds)}"
-    if family not in (ZeroAdapter, BF16Adapter):
-        raise UnsupportedSetupError(f"{key}: supported under ZeRO stage 1 or 2 and BF16_Optimizer only yet; this "
-                                    f"engine uses {type(optimizer).__name__}")
+    if family not in (ZeroAdapter, Zero3Adapter, BF16Adapter):
+        raise UnsupportedSetupError(f"{key}: supported under ZeRO stage 1, 2 or 3 and BF16_Optimizer only yet; "
+                                    f"this engine uses {type(optimizer).__name__}")
+    elsewhere = Zero3Adapter.state_elsewhere(optimizer) if family is Zero3Adapter else []
+    if elsewhere:
+        raise UnsupportedSetupError(f"{key}: under ZeRO stage 3 they are read from the inner optimizer's fp32 "
+                                    f"state in this process's memory; not supported with {'; '.join(elsewhere)}")
     if set(kinds) & set(NEEDS_ADAM):
         inner = optimizer.optimizer
         try:

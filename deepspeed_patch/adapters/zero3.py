@@ -12,6 +12,10 @@ and micro-steps and still multiplied by the loss scale, and hands it to ``unscal
 that is where it is read, once per sub-group, padding left out. On a step the loss scaler skips, the
 flat gradient is never built: the per-parameter partitions (or, with the optimizer offloaded, the flat
 CPU gradient) are read in ``_update_scale``, before they are dropped.
+
+The fp32 master weights of a sub-group (``fp32_partitioned_groups_flat``) have the layout of its flat gradient,
+and the inner optimizer keeps their state under that flat tensor; it steps them with the hyper-parameters of the
+parameter group the sub-group was cut from (``sub_group_to_group_id``).
 """
 
 from typing import Dict, List, Optional
@@ -20,6 +24,7 @@ import torch
 from deepspeed import comm as dist
 
 from ..capabilities import Capabilities
+from ..optimizer_stats import optimizer_statistics
 from ..partition_slices import PartitionSlices, partition_runs, slices_of_runs
 from ..partition_stats import ChunkPlan, chunk_plan
 from .base import BucketOf, Setup, ZeroPartitionsAdapter, observe_chunks
@@ -36,6 +41,12 @@ class Zero3Adapter(ZeroPartitionsAdapter):
             for params in optimizer.fp16_groups
         ]
         super().__init__(optimizer, setup, len(self.plans), device)
+        self.optimizer_statistics = optimizer_statistics(
+            optimizer.optimizer,
+            optimizer.fp32_partitioned_groups_flat,
+            self.plans,
+            self.kinds,
+            group_ids=[optimizer.sub_group_to_group_id[index] for index in range(len(self.plans))])
 
     @staticmethod
     def handles(optimizer) -> bool:
@@ -70,6 +81,24 @@ class Zero3Adapter(ZeroPartitionsAdapter):
             bool(optimizer.params_in_nvme_and_cpu),
             f"partial optimizer offload (offload_optimizer.ratio={optimizer.partial_offload})":
             bool(optimizer.offload_optimizer) and optimizer.partial_offload != 1.0,
+        }
+        return [what for what, present in refusals.items() if present]
+
+    @staticmethod
+    def state_elsewhere(optimizer) -> List[str]:
+        """Set-ups whose optimizer state is not all in this process's memory under the inner optimizer, keyed
+        by each sub-group's fp32 partition, between steps (``refusals.check_optimizer_statistics``)."""
+        dtype = getattr(optimizer, "master_weights_and_grads_dtype", torch.float32)  # older releases: always fp32
+        offload = "zero_optimization.offload_optimizer"
+        refusals = {
+            f"{offload}.device=nvme (the state is swapped out to NVMe between sub-group steps)":
+            bool(optimizer.swap_optimizer),
+            f"{offload}.super_offload=true (the state is SuperOffload's CPU worker's)":
+            _is_super_offload(optimizer),
+            f"{offload}.ratio={optimizer.partial_offload} (a second optimizer steps the sub-groups on the device)":
+            bool(optimizer.offload_optimizer) and optimizer.partial_offload != 1.0,
+            f"master weights in {dtype} (fp16.fp16_master_weights_and_grads, bf16.bf16_master_weights_and_grads)":
+            dtype != torch.float32,
         }
         return [what for what, present in refusals.items() if present]
 
@@ -111,6 +140,14 @@ def _is_mics(optimizer) -> bool:
     from deepspeed.runtime.zero.mics import MiCS_Optimizer
 
     return isinstance(optimizer, MiCS_Optimizer)
+
+
+def _is_super_offload(optimizer) -> bool:
+    try:
+        from deepspeed.runtime.superoffload.superoffload_stage3 import SuperOffloadOptimizer_Stage3
+    except ImportError:  # a release without SuperOffload
+        return False
+    return isinstance(optimizer, SuperOffloadOptimizer_Stage3)
 
 
 def _same_ranks(group: Optional[object], other: Optional[object]) -> bool:

@@ -24,13 +24,14 @@ with contextlib.redirect_stdout(sys.stderr):
     from deepspeed_patch.upstream.apply import COMMANDS, run_patch_command
 
     from .arguments import LAYER_FLAG_FORMS
-    from .demo import SPIKE_HISTORY, DemoOptions, run_demo
+    from .demo import LR_SPIKE, SPIKE_HISTORY, DemoOptions, run_demo
+    from .fires import read_fires
     from .fork_e2e.run import E2EOptions, run_e2e, summary_markdown
     from .fork_e2e.setups import SETUPS
     from .log_sources import READABLE, LogSourceError
     from .plot import plot_run, plot_spike_history
     from .report import format_report, summarize_source
-    from .spike import localise, read_fires
+    from .spike import localise
 
 
 class _Parser(argparse.ArgumentParser):
@@ -83,7 +84,12 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--out", default=defaults.out, help="directory for TensorBoard, the figure and the report")
     demo.add_argument("--spike", type=_spike, metavar="STEP:LAYER",
                       help="inject a gradient spike into transformer layer LAYER at optimizer step STEP, with a "
-                      f"flight recorder of {SPIKE_HISTORY} steps; the report and spike_history.png localise it")
+                      f"flight recorder of {SPIKE_HISTORY} steps and the optimizer's statistics; the report and "
+                      "spike_history.png localise it and name the gradient as the signal that moved first")
+    demo.add_argument("--lr-spike", type=_positive, metavar="STEP",
+                      help=f"multiply the learning rate by {LR_SPIKE:g} at optimizer step STEP only, with a flight "
+                      f"recorder of {SPIKE_HISTORY} steps and the optimizer's statistics: the spike starts in the "
+                      "update, and the report names it")
     logdir_help = (f"{READABLE}: a TensorBoard directory written by log_layer_grad_norms, DeepSpeed's monitor or "
                    "the Hugging Face Trainer (its output directory or one run), its trainer_state.json, a JSONL dump "
                    "with its rotated files, or a directory of CSV monitor files")
@@ -92,7 +98,8 @@ def build_parser() -> argparse.ArgumentParser:
     plot.add_argument("-o", "--output", help="PNG or SVG file (default: layer_grad_norms.png, or spike_history.png "
                       "with --history, in LOGDIR or beside the dump)")
     plot.add_argument("--history", action="store_true",
-                      help="draw instead the flight recorder's steps of each fire of the trigger, every layer")
+                      help="draw instead the flight recorder's steps of each fire of the trigger, every layer: the "
+                      "gradient, the update-to-weight ratio where the log holds it, and each layer's rise")
     report = commands.add_parser("report", help="per-layer medians, early/late ratio, clipping, overflow")
     report.add_argument("logdir", help=logdir_help)
     report.add_argument("--json", action="store_true", help="print the report as JSON")
@@ -215,6 +222,9 @@ def run_demo_command(parser: argparse.ArgumentParser, args: argparse.Namespace) 
                          f"{WARM_UP} steps) to --steps {args.steps}")
         if layer >= args.num_layers:
             parser.error(f"--spike {step}:{layer}: the layer must be below --num-layers {args.num_layers}")
+    if args.lr_spike is not None and not WARM_UP <= args.lr_spike < args.steps:
+        parser.error(f"--lr-spike {args.lr_spike}: the step must be from {WARM_UP} to --steps {args.steps} - 1 (its "
+                     f"gradient spike comes at the next step, and the trigger judges after {WARM_UP} steps)")
     selection = parse_layer_spec(args.layers)
     try:
         layers = set(resolve_layers(selection, args.num_layers)) if selection else set(range(args.num_layers))
@@ -225,7 +235,7 @@ def run_demo_command(parser: argparse.ArgumentParser, args: argparse.Namespace) 
                      "select at least 2 layers")
     options = DemoOptions(steps=args.steps, num_layers=args.num_layers, hidden=args.hidden,
                           zero_stage=args.zero_stage, world_size=args.world_size, arch=args.arch,
-                          layers=args.layers, out=args.out, spike=args.spike)
+                          layers=args.layers, out=args.out, spike=args.spike, lr_spike=args.lr_spike)
     print(run_demo(options))
 
 

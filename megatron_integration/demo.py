@@ -8,9 +8,16 @@ With a spike (``--spike STEP:LAYER``) the run records every layer's last ``SPIKE
 (``trigger.history``), and at step STEP a loss term on one layer's parameters multiplies that layer's
 gradient, and so the global gradient norm, far past the trigger's factor: the trigger fires, the hook writes
 the recorded steps, and the report and a second figure show which layer rose, and when.
+
+With a learning-rate spike (``--lr-spike STEP``) the learning rate is ``LR_SPIKE`` times larger at step STEP
+only: every layer's update leaves its median there, and the next step's gradients rise from the weights it moved.
+Either spike turns on the optimizer's statistics (``optimizer_statistics``: weights, update, moments) and the
+JSONL dump, and the report says which signal of which layer left its median first: the gradient for ``--spike``,
+the update for ``--lr-spike``.
 """
 
 import argparse
+import contextlib
 import math
 import os
 import shutil
@@ -21,11 +28,16 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
+from deepspeed_patch.config import CONFIG_KEY
+from deepspeed_patch.tags import OPTIMIZER_KINDS
+
 from .arguments import DEFAULT_LAYERS, layer_grad_norms_ds_config
 from .cpu_launch import launch
+from .fires import read_fires
+from .log_sources import dump_files
 from .plot import plot_layer_norms, plot_spike_history
 from .report import format_report, summarize
-from .spike import localise, read_fires, spiked_layers
+from .spike import localise, spiked_layers
 from .tensorboard_reader import read_layer_series
 from .tiny_gpt import TinyGPT, TinyGPTConfig, synthetic_batch
 from .training_log import log_layer_grad_norms
@@ -44,6 +56,13 @@ class DemoOptions:
     out: str = "runs/demo"
     spike: Optional[Tuple[int, int]] = None
     """``(step, layer)``: inject a gradient spike into that layer at that step, with a flight recorder on."""
+    lr_spike: Optional[int] = None
+    """A step whose learning rate is ``LR_SPIKE`` x the others', with a flight recorder on."""
+
+    @property
+    def recording(self) -> bool:
+        """Whether a spike is injected: the run records its last steps, with the optimizer's statistics."""
+        return self.spike is not None or self.lr_spike is not None
 
 
 SPIKE_HISTORY = 8
@@ -51,6 +70,12 @@ SPIKE_HISTORY = 8
 SPIKE_SIZE = 30.0
 """The injected gradient's norm, in multiples of the previous step's global gradient norm: far past the
 trigger's factor (3 by default)."""
+LR_SPIKE = 3000.0
+"""The learning rate's factor at ``--lr-spike``'s step: every layer's update leaves its median at that step, and
+the weights it moves raise the next step's gradient past the trigger's factor."""
+DUMP = "layer_grad_norms.jsonl"
+"""The JSONL dump of a run with a spike, in ``--out``: every measured step's full result, and the recorded steps
+of each fire with the optimizer's statistics of every layer."""
 
 
 def megatron_style_args(options: DemoOptions) -> argparse.Namespace:
@@ -58,7 +83,7 @@ def megatron_style_args(options: DemoOptions) -> argparse.Namespace:
     ``--layer-grad-norms-history`` with a spike)."""
     return argparse.Namespace(log_layer_grad_norms=True, layer_grad_norms_layers=options.layers,
                               layer_grad_norms_interval=1, tensorboard_log_interval=1,
-                              layer_grad_norms_history=SPIKE_HISTORY if options.spike else None,
+                              layer_grad_norms_history=SPIKE_HISTORY if options.recording else None,
                               log_interval=max(1, options.steps // 10), consumed_train_samples=0)
 
 
@@ -78,6 +103,35 @@ def injected_spike(engine, options: DemoOptions, step: int) -> torch.Tensor:
     return spike_term(engine.module.layers[options.spike[1]], SPIKE_SIZE * float(last_norm or 1.0))
 
 
+def demo_ds_config(options: DemoOptions, args: argparse.Namespace) -> dict:
+    """The ds_config of the demo's engine: its ``layer_grad_norms`` block from ``args``, and with a spike the
+    optimizer's statistics of every kind and the dump (``DUMP``)."""
+    config = layer_grad_norms_ds_config(args, {
+        "train_micro_batch_size_per_gpu": options.micro_batch,
+        "gradient_clipping": 1.0,
+        "zero_optimization": {"stage": options.zero_stage},
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 10**9,
+    })
+    if options.recording:
+        config[CONFIG_KEY].update(optimizer_statistics=list(OPTIMIZER_KINDS),
+                                  dump={"path": os.path.join(options.out, DUMP)})
+    return config
+
+
+@contextlib.contextmanager
+def learning_rate_times(optimizer, factor: float):
+    """Every parameter group's learning rate ``factor`` times its own inside the block, restored after it."""
+    saved = [group["lr"] for group in optimizer.param_groups]
+    for group in optimizer.param_groups:
+        group["lr"] *= factor
+    try:
+        yield
+    finally:
+        for group, lr in zip(optimizer.param_groups, saved):
+            group["lr"] = lr
+
+
 def train_rank(options: DemoOptions) -> None:
     """One rank's training loop; the last rank writes TensorBoard and prints the progress lines."""
     import deepspeed
@@ -93,22 +147,16 @@ def train_rank(options: DemoOptions) -> None:
     torch.manual_seed(0)
     model = TinyGPT(model_config)
     args = megatron_style_args(options)
-    ds_config = layer_grad_norms_ds_config(args, {
-        "train_micro_batch_size_per_gpu": options.micro_batch,
-        "gradient_clipping": 1.0,
-        "zero_optimization": {"stage": options.zero_stage},
-        "zero_allow_untested_optimizer": True,
-        "steps_per_print": 10**9,
-    })
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=demo_ds_config(options, args))
     last_rank = rank == world_size - 1
     writer = SummaryWriter(os.path.join(options.out, "tensorboard")) if last_rank else None
     progress = tqdm(total=options.steps, desc="demo", unit="step", disable=not last_rank)
     for step in range(1, options.steps + 1):
         loss = engine(synthetic_batch(model_config, options.micro_batch, seed=step * world_size + rank))
         engine.backward(loss + injected_spike(engine, options, step))
-        engine.step()
+        with learning_rate_times(engine.optimizer, LR_SPIKE if step == options.lr_spike else 1.0):
+            engine.step()
         args.consumed_train_samples += options.micro_batch * world_size
         field = log_layer_grad_norms(engine, step, writer, args)
         progress.update()
@@ -124,26 +172,32 @@ def train_rank(options: DemoOptions) -> None:
 def run_demo(options: DemoOptions) -> str:
     """Train, then write the figure and the report into ``options.out``; returns the report and paths.
 
-    A previous demo's TensorBoard directory in ``options.out`` is removed first: TensorBoard would draw
-    both runs, each line going from the last step back to step 1.
+    A previous demo's TensorBoard directory and dump in ``options.out`` are removed first: TensorBoard would draw
+    both runs, each line going from the last step back to step 1, and the dump would append to the old lines.
+    With a spike, the fires are read from the dump: it holds every layer's optimizer statistics of the recorded
+    steps, and the update-to-weight ratio ``plot --history`` draws.
     """
-    tensorboard_dir = os.path.join(options.out, "tensorboard")
+    tensorboard_dir, dump = os.path.join(options.out, "tensorboard"), os.path.join(options.out, DUMP)
     if os.path.isdir(tensorboard_dir):
         shutil.rmtree(tensorboard_dir)
+    for stale in dump_files(dump):
+        if os.path.exists(stale):
+            os.remove(stale)
+    os.makedirs(options.out, exist_ok=True)  # the dump's directory, before rank 0 writes its first line
     launch(train_rank, options.world_size, options)
-    series, fires = read_layer_series(tensorboard_dir), read_fires(tensorboard_dir)
+    series, fires = read_layer_series(tensorboard_dir), read_fires(dump) if options.recording else []
     summary = summarize(series)
     summary["spikes"] = [localise(fire) for fire in fires]
     figure = os.path.join(options.out, "layer_grad_norms.png")
     plot_layer_norms(series, figure, spiked_layers(summary["spikes"]))
-    figures = f"figure: {figure}\n"
+    paths = f"dump: {dump}\nfigure: {figure}\n" if options.recording else f"figure: {figure}\n"
     if fires:
         history_figure = os.path.join(options.out, "spike_history.png")
         plot_spike_history(fires, summary["spikes"], history_figure)
-        figures += f"spike history: {history_figure}\n"
+        paths += f"spike history: {history_figure}\n"
     report = format_report(summary)
     with open(os.path.join(options.out, "report.txt"), "w") as out:
         out.write(report + "\n")
     return (f"{report}\n\n({options.arch}, {options.num_layers} layers, hidden {options.hidden}, "
             f"ZeRO-{options.zero_stage}, {options.world_size} ranks)\n"
-            f"TensorBoard: {tensorboard_dir}\n{figures}report: {os.path.join(options.out, 'report.txt')}")
+            f"TensorBoard: {tensorboard_dir}\n{paths}report: {os.path.join(options.out, 'report.txt')}")

@@ -7,15 +7,17 @@ log10 of the pre-clip norm for every logged layer
 against step, as a heatmap. In a model of several layer stacks (an encoder's and a decoder's) each
 stack gets its five lines, in a line style of its own, and its band of the depth profile.
 
-``plot --history``: the flight recorder's steps of each fire (``plot_spike_history``), every layer.
+``plot --history``: the flight recorder's steps of each fire (``plot_spike_history``), every layer: the gradient,
+the update-to-weight ratio where the log holds it, and each layer's rise.
 """
 
 import math
 from typing import Dict, Iterable, List
 
-from deepspeed_patch.tags import LayerId, layer_position
+from deepspeed_patch.tags import UPDATE_TO_WEIGHT, LayerId, layer_position
 
-from .spike import Fire, localise, read_fires, spiked_layers
+from .fires import Fire, read_fires
+from .spike import localise, spiked_layers
 from .tensorboard_reader import LayerSeries, layer_title, read_layer_series
 
 LINE_STYLES = ("-", "--", ":", "-.")
@@ -103,41 +105,62 @@ def _depth_profile(axis, series: LayerSeries, figure) -> None:
 
 
 def plot_spike_history(fires: List[Fire], spikes: List[Dict], out: str):
-    """One row per fire (``spike.read_fires``, with their ``spike.localise``): left, every layer's pre-clip
-    norm over the recorded steps, the layer that rose most drawn thick and named; right, each layer's rise,
-    log10 of its norm over its median before the fire, layer against step. Returns the matplotlib Figure."""
+    """One row per fire (``fires.read_fires``, with their ``spike.localise``): left, every layer's pre-clip
+    norm over the recorded steps, the layer that rose most drawn thick and named; beside it, where the log holds
+    the update-to-weight ratio (``optimizer_statistics`` with ``update`` and ``param``), every layer's ratio,
+    the layer whose signal left its median first drawn thick; right, each layer's rise, log10 of its norm over
+    its median before the fire, layer against step. Returns the matplotlib Figure."""
     import matplotlib
 
     matplotlib.use("Agg")
     from matplotlib import pyplot as plt
 
-    figure, axes = plt.subplots(len(fires), 2, figsize=(13, 4.2 * len(fires)), squeeze=False)
-    for (norm_axis, rise_axis), fire, spike in zip(axes, fires, spikes):
-        _recorded_norms(norm_axis, fire, spike)
-        _rise_map(rise_axis, fire, spike, figure)
+    ratios = any(fire.series.get(UPDATE_TO_WEIGHT) for fire in fires)
+    columns = 3 if ratios else 2
+    figure, axes = plt.subplots(len(fires), columns, figsize=(6.5 * columns, 4.2 * len(fires)), squeeze=False)
+    for row, fire, spike in zip(axes, fires, spikes):
+        _recorded_lines(row[0], fire.norms, spike["layers"], spike["rose_most"], fire.fired_at)
+        row[0].set_ylabel("pre-clip gradient L2 norm")
+        row[0].set_title(f"recorded steps of the fire at step {fire.fired_at}, every layer")
+        if ratios:
+            _update_to_weight(row[1], fire, spike)
+        _rise_map(row[-1], fire, spike, figure)
     figure.tight_layout()
     figure.savefig(out)
     return figure
 
 
-def _recorded_norms(axis, fire: Fire, spike: Dict) -> None:
+def _recorded_lines(axis, series: Dict, layers: Iterable[LayerId], marked, fired_at: int) -> None:
+    """Each of ``layers``' ``series`` over the recorded steps, on a log scale, the ``marked`` layer thick and red,
+    the others from the depth colour map."""
     from matplotlib import colormaps
 
-    layers = list(spike["layers"])
+    layers = [layer for layer in layers if series.get(layer)]
     colours = colormaps["viridis"]
     for position, layer in enumerate(layers):
-        points = fire.norms[layer]
-        most = layer == spike["rose_most"]
+        points = series[layer]
+        thick = layer == marked
         axis.plot([step for step, _ in points], [value for _, value in points], marker=".",
-                  color="tab:red" if most else colours(position / max(len(layers) - 1, 1)),
-                  linewidth=2.5 if most else 1, zorder=3 if most else 2,
-                  label=layer_title(layer) if most or position in (0, len(layers) - 1) else None)
-    axis.axvline(fire.fired_at, color="grey", linestyle="--", linewidth=1, label=f"fire, step {fire.fired_at}")
+                  color=SPIKED if thick else colours(position / max(len(layers) - 1, 1)),
+                  linewidth=2.5 if thick else 1, zorder=3 if thick else 2,
+                  label=layer_title(layer) if thick or position in (0, len(layers) - 1) else None)
+    axis.axvline(fired_at, color="grey", linestyle="--", linewidth=1, label=f"fire, step {fired_at}")
     axis.set_yscale("log")
     axis.set_xlabel("step")
-    axis.set_ylabel("pre-clip gradient L2 norm")
-    axis.set_title(f"recorded steps of the fire at step {fire.fired_at}, every layer")
     axis.legend(fontsize="small")
+
+
+def _update_to_weight(axis, fire: Fire, spike: Dict) -> None:
+    """Every layer's update-to-weight ratio over the recorded steps, the layer whose signal moved first marked."""
+    ratios = fire.series.get(UPDATE_TO_WEIGHT, {})
+    if not ratios:
+        axis.set_title("update/weight: not recorded at this fire")
+        return
+    first = (spike["attribution"] or {}).get("first")
+    _recorded_lines(axis, ratios, ratios, first["layer"] if first else None, fire.fired_at)
+    axis.set_ylabel("|update| / |weights|")
+    axis.set_title("update-to-weight ratio, every layer" + (f"; first to move: {layer_title(first['layer'])}"
+                                                             if first else ""))
 
 
 def _rise_map(axis, fire: Fire, spike: Dict, figure) -> None:

@@ -67,6 +67,8 @@ def test_plot_refuses_an_output_it_cannot_write_before_reading(output, message, 
     (["--layers", "3"], "select at least 2 layers"),
     (["--layers", '[0, 1, "mid"]'], "expected \"all\" or a comma-separated list such as 0,1,mid,-2,-1"),
     (["--num-layers", "4", "--spike", "8:4"], "--spike 8:4: the layer must be below --num-layers 4"),
+    (["--steps", "20", "--lr-spike", "4"], "--lr-spike 4: the step must be from 5 to --steps 20 - 1"),
+    (["--steps", "20", "--lr-spike", "20"], "--lr-spike 20: the step must be from 5 to --steps 20 - 1"),
     (["--hidden", "30"], "--hidden 30: must be a multiple of 4"),
     (["--steps", "0"], "'0' is not a positive integer"),
 ])

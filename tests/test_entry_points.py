@@ -11,6 +11,7 @@ import pytest
 
 from megatron_integration.cli import main
 from megatron_integration.cpu_launch import run_script
+from megatron_integration.fires import read_fires
 from megatron_integration.plot import plot_run
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -20,7 +21,8 @@ def test_demo_end_to_end(tmp_path, capsys):
     """Into an ``--out`` that holds a longer demo's log: the demo starts its TensorBoard directory afresh. With a
     spike injected into layer 2 at step 6 (the first the trigger judges), a layer the default selection (0, 1, mid,
     -2, -1 of 6: 0, 1, 3, 4, 5) leaves out: the recorder catches it, the report's one-line answer names the layer and
-    the step, its median says over which steps it was taken, and the main figure draws it."""
+    the step, and the gradient as the signal that moved first (the optimizer's statistics are on), its median says
+    over which steps it was taken, and the main figure draws it."""
     from torch.utils.tensorboard import SummaryWriter
 
     from megatron_integration.training_log import write_tensorboard
@@ -40,15 +42,39 @@ def test_demo_end_to_end(tmp_path, capsys):
     assert summary["steps"] == [1, 8]  # not 1 to 200
     assert list(summary["median_norm"]) == ["0", "1", "2", "3", "4", "5"]  # 2: recorded and captured at the fire
     assert summary["median_steps"]["2"] == [5, 8, 4] and summary["median_steps"]["3"] == [5, 8, 4]
-    (spike,) = summary["spikes"]
+    main(["report", str(tmp_path / "layer_grad_norms.jsonl"), "--json"])  # the recorded steps, every kind
+    (spike,) = json.loads(capsys.readouterr().out)["spikes"]
     assert (spike["fired_at"], spike["steps"], spike["rose_most"]) == (6, [1, 6], 2)
-    assert spike["answer"].startswith("spike at step 6: layer 2 rose most, ")
+    assert spike["attribution"]["answer"].startswith("gradient of layer 2 rose first (step 6)")
+    assert ": gradient of layer 2 rose first (step 6)" in spike["answer"]
+    assert "; layer 2 rose most, " in spike["answer"]
     assert spike["answer"] in output.splitlines()
     assert (tmp_path / "spike_history.png").read_bytes()[:4] == b"\x89PNG"
     figure = plot_run(str(tmp_path / "tensorboard"), str(tmp_path / "again.png"))
     for axis in figure.axes[:2]:  # pre- and post-clip: the default five and the spiked layer
         labels = [line.get_label() for line in axis.get_lines()]
         assert labels == ["layer 0", "layer 1", "layer 2", "layer 3", "layer 4", "layer 5"], labels
+
+
+@pytest.mark.extended
+def test_demo_with_a_learning_rate_spike_names_the_update_first(tmp_path, capsys):
+    """The learning rate 3000x at step 6 only: every layer's update leaves its median there, and the weights it
+    moved raise every layer's gradient at step 7, where the trigger fires. The report, on the demo's dump, says
+    the update moved first and the gradient followed; the dump holds every layer's update-to-weight ratio, which the
+    spike figure draws."""
+    main(["demo", "--steps", "7", "--num-layers", "6", "--hidden", "16", "--out", str(tmp_path), "--lr-spike", "6"])
+    output = capsys.readouterr().out
+    main(["report", str(tmp_path / "layer_grad_norms.jsonl"), "--json"])
+    (spike,) = json.loads(capsys.readouterr().out)["spikes"]
+    attribution = spike["attribution"]
+    assert spike["fired_at"] == 7 and attribution["first"]["signal"] == "update" and attribution["first"]["step"] == 6
+    assert attribution["answer"].startswith(f"update of layer {attribution['first']['layer']} rose first (step 6), "
+                                            "gradient followed (step 7)")
+    assert [judged["first"] for judged in attribution["layers"].values()] == ["update"] * 6
+    assert spike["answer"] in output.splitlines()
+    (fire,) = read_fires(str(tmp_path / "layer_grad_norms.jsonl"))
+    assert sorted(fire.series["update_to_weight"]) == list(range(6))
+    assert (tmp_path / "spike_history.png").read_bytes()[:4] == b"\x89PNG"
 
 
 def test_demo_rejects_a_spike_the_trigger_cannot_judge(capsys):

@@ -10,11 +10,20 @@ import numpy as np
 import pytest
 
 from deepspeed_patch.on_demand import JsonlDump
-from deepspeed_patch.tags import history_run_name, run_name
+from deepspeed_patch.tags import (
+    ALL_PHASES,
+    HISTORY_ROOT,
+    UPDATE_TO_WEIGHT,
+    history_run_name,
+    logged_result,
+    run_name,
+    scalar_tag,
+)
 from megatron_integration.arguments import add_layer_grad_norms_args
 from megatron_integration.cli import main
+from megatron_integration.fires import Fire, read_fires
 from megatron_integration.plot import plot_spike_history
-from megatron_integration.spike import Fire, format_spikes, localise, read_fires
+from megatron_integration.spike import format_spikes, localise
 from megatron_integration.tensorboard_reader import read_layer_series
 from megatron_integration.training_log import log_layer_grad_norms
 
@@ -204,8 +213,8 @@ def varying(layer: int, step: int) -> float:
 
 def window_fire(norms: Dict, steps=WINDOW, reason: str = None) -> Fire:
     """A fire at ``FIRE`` whose window holds ``steps``; ``norms[(layer, step)]`` replaces the varying norm."""
-    return Fire(FIRE, reason, {layer: [(step, norms.get((layer, step), varying(layer, step))) for step in steps]
-                               for layer in range(LAYERS)})
+    return Fire(FIRE, reason, {"pre_clip": {layer: [(step, norms.get((layer, step), varying(layer, step)))
+                                                    for step in steps] for layer in range(LAYERS)}})
 
 
 def expected_rises(fire: Fire) -> Dict:
@@ -314,3 +323,201 @@ def test_a_fire_without_layer_buckets_gets_a_clear_line(tmp_path, capsys):
     output = str(tmp_path / "history.png")
     main(["plot", path, "--history", "-o", output])
     assert capsys.readouterr().out.strip() == f"figure: {output}" and os.path.getsize(output) > 0
+
+
+# Which signal moved first: results with the optimizer's statistics (``optimizer_statistics``), each signal of each
+# layer at its own constant level, times a factor at the steps a scenario moves it.
+KIND_LEVELS = {"param": 10.0, "update": 1e-3, "exp_avg": 1e-2, "exp_avg_sq": 1e-4}
+TIE_ORDER = ["pre_clip", "exp_avg", "exp_avg_sq", "update"]
+"""The order that breaks a tie at one step, as the issue asks: the gradient, the moments, the update."""
+FALLEN = {("exp_avg_sq", 1, step): 0.3 for step in range(7, FIRE + 1)}
+SCENARIOS = {
+    "update_first": ({("update", 2, 8): 5.0, ("pre_clip", 2, 9): 4.0, ("pre_clip", 2, 10): 10.0,
+                      ("exp_avg", 2, 10): 3.0},
+                     "update of layer 2 rose first (step 8), gradient followed (step 9), then exp_avg (step 10)"),
+    "gradient_first": ({("pre_clip", 4, 8): 3.0, ("pre_clip", 4, 9): 6.0, ("update", 4, 9): 2.5,
+                        ("update", 1, 10): 4.0},
+                       "gradient of layer 4 rose first (step 8), update followed (step 9)"),
+    "exp_avg_sq_falls": ({**FALLEN, ("update", 1, 9): 3.0, ("pre_clip", 1, 10): 5.0},
+                         "exp_avg_sq of layer 1 fell first (step 7), update followed (step 9), then gradient "
+                         "(step 10)"),
+    "tie": ({("update", 3, 9): 8.0, ("exp_avg_sq", 0, 9): 2.5, ("pre_clip", 5, 9): 2.2, ("pre_clip", 2, 9): 3.0},
+            "gradient of layer 2 rose first (step 9), exp_avg_sq followed (step 9), then update (step 9)"),
+}
+"""``(moves, answer)``: ``moves[(signal, layer, step)]`` multiplies that signal of that layer at that step. In the
+tie, four signals of four layers leave their median at step 9: the gradient wins, of the layer that rose more."""
+
+
+def all_statistics(norm: float) -> Dict[str, float]:
+    """A bucket's statistics as the engine gives them: all six, which makes a dump's lines long."""
+    return {"norm": norm, "min": -norm / 8, "max": norm / 8, "abs_min": norm / 1e4, "abs_max": norm / 8,
+            "nonfinite": 0}
+
+
+def kinds_result(step: int, keys: List, moves: Dict, fired_at: int = None) -> Dict:
+    """``result`` with every optimizer kind of every key, each moved by ``moves`` at this step."""
+    gradient = {(layer, at): factor for (signal, layer, at), factor in moves.items() if signal == "pre_clip"}
+    entry = result(step, keys, gradient, fired_at)
+    for kind, level in KIND_LEVELS.items():
+        entry[kind] = {key: all_statistics(level * (1 + 0.1 * (key if isinstance(key, int) else LAYERS)) *
+                                           moves.get((kind, key, step), 1.0)) for key in keys}
+    entry["pre_clip"] = {key: {**all_statistics(values["norm"]), **values}
+                         for key, values in entry["pre_clip"].items()}
+    return entry
+
+
+def write_kinds_dump(path: str, moves: Dict) -> None:
+    """Live lines of every bucket (``layers: all``) up to the fire, then the fire's recorded steps 3-10."""
+    dump = JsonlDump(path, max_bytes=10**7, backups=0)
+    for step in range(1, FIRE + 1):
+        dump.write(kinds_result(step, list(range(LAYERS)) + ["embed"], moves))
+    for step in WINDOW:
+        dump.write({**kinds_result(step, list(range(LAYERS)) + ["embed"], moves, FIRE), "history": True})
+
+
+def write_kinds_tensorboard(logdir: str, moves: Dict) -> None:
+    """The live runs as the hook writes them, and the fire's runs holding every signal's norm as the recorder's
+    writer names them: run ``layer-grad-norms-history/fire-000010/layer02``, tag ``layer-grad-norms-history/update``
+    (``update-to-weight`` for the ratio)."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    from megatron_integration.training_log import write_tensorboard
+
+    with SummaryWriter(logdir) as writer:
+        for step in range(1, FIRE + 1):
+            write_tensorboard(writer, kinds_result(step, SELECTED, moves))
+    entries = [logged_result(kinds_result(step, list(range(LAYERS)), moves, FIRE)) for step in WINDOW]
+    for layer in range(LAYERS):
+        with SummaryWriter(os.path.join(logdir, history_run_name(FIRE, layer))) as writer:
+            for entry in entries:
+                for signal in ALL_PHASES:
+                    writer.add_scalar(scalar_tag(signal, "norm", root=HISTORY_ROOT), entry[signal][layer]["norm"],
+                                      entry["step"])
+
+
+@pytest.fixture(params=["dump", "tensorboard"])
+def kinds_source(request, tmp_path):
+    """``(source, moves, answer)`` of each scenario, written to each log."""
+    def write(scenario: str):
+        moves, answer = SCENARIOS[scenario]
+        if request.param == "dump":
+            write_kinds_dump(str(tmp_path / "dump.jsonl"), moves)
+            return str(tmp_path / "dump.jsonl"), moves, answer
+        write_kinds_tensorboard(str(tmp_path), moves)
+        return str(tmp_path), moves, answer
+
+    return write
+
+
+def expected_departures(moves: Dict) -> Dict:
+    """Per layer and signal, the first step the scenario moves it: every move is past 2x, or below 1/2x."""
+    first = {}
+    for (signal, layer, step), factor in sorted(moves.items(), key=lambda move: move[0][2]):
+        first.setdefault(layer, {}).setdefault(signal, (step, "fell" if factor < 1 else "rose", factor))
+    return first
+
+
+@pytest.mark.parametrize("scenario", sorted(SCENARIOS))
+def test_report_names_the_signal_and_layer_that_left_its_median_first(kinds_source, scenario, capsys):
+    source, moves, answer = kinds_source(scenario)
+    main(["report", source, "--json"])
+    (spike,) = json.loads(capsys.readouterr().out)["spikes"]
+    attribution = spike["attribution"]
+    assert attribution["signals"] == TIE_ORDER
+    assert attribution["answer"] == answer
+    assert spike["answer"].startswith(f"spike at step {FIRE}") and f": {answer}; " in spike["answer"]
+    expected = expected_departures(moves)
+    checked = 0
+    for layer in range(LAYERS):
+        judged = attribution["layers"][str(layer)]
+        found = {signal: (move["step"], move["way"], pytest.approx(move["factor"]))
+                 for signal, move in judged["departures"].items() if move}
+        assert found == {signal: (step, way, pytest.approx(factor if factor > 1 else 1 / factor))
+                         for signal, (step, way, factor) in expected.get(layer, {}).items()}
+        moved = expected.get(layer, {})
+        assert judged["first"] == min(moved, key=lambda signal: (moved[signal][0], TIE_ORDER.index(signal),
+                                                                 -max(moved[signal][2], 1 / moved[signal][2])),
+                                      default=None)
+        checked += 1
+    assert checked == LAYERS
+    main(["report", source])
+    text = capsys.readouterr().out.splitlines()
+    assert text[-1] == spike["answer"]
+    heading = "which signal left its own median first (above 2x, exp_avg_sq also below 1/2x), per layer:"
+    first = attribution["first"]
+    row = text[text.index(heading) + 1]
+    assert row.startswith(f"{'layer ' + str(first['layer']):>18}: {answer.split(' of ')[0]} {first['way']} at step "
+                          f"{first['step']} (gradient ")
+
+
+def test_the_first_long_dump_line_is_still_a_dump(tmp_path):
+    """A dump line with every kind of every bucket runs past the first 4 KiB that tell a log's kind."""
+    path = str(tmp_path / "dump.jsonl")
+    write_kinds_dump(path, SCENARIOS["update_first"][0])
+    with open(path) as dump:
+        assert len(dump.readline()) > 4096
+    assert [fire.fired_at for fire in read_fires(path)] == [FIRE]
+
+
+def test_fires_hold_every_signal_of_every_layer(kinds_source):
+    """``Fire.series[signal][layer]``: each phase of the logs, the update-to-weight ratio derived in the dump."""
+    source, moves, _ = kinds_source("update_first")
+    (fire,) = read_fires(source)
+    assert list(fire.series) == list(ALL_PHASES)
+    assert fire.norms is fire.series["pre_clip"]
+    for signal in ("update", UPDATE_TO_WEIGHT):
+        assert list(fire.series[signal]) == list(range(LAYERS))
+    entries = {step: kinds_result(step, list(range(LAYERS)), moves) for step in WINDOW}
+    ratio = [(step, pytest.approx(entries[step]["update"][2]["norm"] / entries[step]["param"][2]["norm"], rel=1e-6))
+             for step in WINDOW]
+    assert fire.series[UPDATE_TO_WEIGHT][2] == ratio
+
+
+def moved_fire(moves: Dict, signals=TIE_ORDER, steps=WINDOW, levels: Dict = None) -> Fire:
+    """A fire of ``signals`` only, each layer's at ``levels[(signal, layer, step)]`` or 1, times its move."""
+    return Fire(FIRE, None, {signal: {layer: [(step, (levels or {}).get((signal, layer, step), 1.0) *
+                                               moves.get((signal, layer, step), 1.0)) for step in steps]
+                                      for layer in range(LAYERS)} for signal in signals})
+
+
+def test_a_signal_that_starts_outside_its_bounds_has_not_left_its_median():
+    """A window from step 1: every layer's second moment grows from zero (below half its median at steps 1 and 2)
+    and its gradient shrinks from 5x its later size. Neither left its median; the update did, at step 9."""
+    levels = {("exp_avg_sq", layer, step): float(step) for layer in range(LAYERS) for step in range(1, FIRE + 1)}
+    levels.update({("pre_clip", layer, 1): 5.0 for layer in range(LAYERS)})
+    spike = localise(moved_fire({("update", 3, 9): 3.0}, steps=range(1, FIRE + 1), levels=levels))
+    assert spike["layers"][0]["first_risen"] == 1  # the gradient's own rise, as before
+    assert spike["attribution"]["answer"] == "update of layer 3 rose first (step 9), no other signal left its median"
+    assert [spike["attribution"]["layers"][layer]["first"] for layer in range(LAYERS)] == [None] * 3 + ["update"] + [
+        None] * 2
+
+
+def test_a_non_finite_gradient_has_left_its_median():
+    spike = localise(moved_fire({("pre_clip", 3, 9): math.inf, ("exp_avg_sq", 3, FIRE): math.nan}))
+    assert spike["attribution"]["answer"] == ("gradient of layer 3 went non-finite first (step 9), exp_avg_sq "
+                                              f"followed (step {FIRE})")
+
+
+@pytest.mark.parametrize("signals", [["pre_clip"], ["pre_clip", "param"]])
+def test_without_the_update_or_a_moment_the_spike_section_is_unchanged(signals):
+    """Only the gradient (no ``optimizer_statistics``), or with the weights alone: nothing to attribute, and the
+    section is as before (``test_localise_judges_each_layer_against_its_own_varying_median``)."""
+    moves = {("pre_clip", 4, 8): 3.0, ("param", 2, 7): 9.0}
+    spike = localise(moved_fire(moves, signals=signals))
+    assert spike["attribution"] is None
+    assert spike["answer"] == f"spike at step {FIRE}: layer 4 rose most, 3.0x its median at step 8"
+    assert "which signal" not in format_spikes([spike])
+
+
+def test_plot_history_draws_the_update_to_weight_ratio_beside_the_gradient(kinds_source, tmp_path):
+    source, _, _ = kinds_source("update_first")
+    fires = read_fires(source)
+    figure = plot_spike_history(fires, [localise(fire) for fire in fires], str(tmp_path / "history.png"))
+    norm_axis, ratio_axis, rise_axis = figure.axes[:3]
+    assert ratio_axis.get_ylabel() == "|update| / |weights|"
+    lines = ratio_axis.get_lines()
+    assert len(lines) == LAYERS + 1  # every layer, and the fire's mark
+    assert [line.get_label() for line in lines if line.get_linewidth() > 2] == ["layer 2"]  # the first to move
+    thick = next(line for line in lines if line.get_linewidth() > 2)
+    assert list(thick.get_xdata()) == list(WINDOW)
+    assert len(norm_axis.get_lines()) == LAYERS + 1 and rise_axis.images[0].get_array().shape == (LAYERS, 8)

@@ -140,17 +140,11 @@ class GroupState:
         derived = any(kind != "param" for kind in kinds)
         self.windows = window_plans(plan.slices, plan.chunks.device, window) if derived else []
         """Per-window plans: the update's pieces, and zero moments before the optimizer's first step."""
-        self.reads_adam = any(kind in NEEDS_ADAM for kind in kinds)
+        reads_adam = any(kind in NEEDS_ADAM for kind in kinds)
         self.rule: Optional[AdamRule] = None
-        """The step's rule, as the group stood when the step began (``begin_step``)."""
-        self.counter = step_counter(optimizer, group_id, partition) if self.reads_adam else partition
+        """The step's rule, as its parameter group stood when the step began (``OptimizerStatistics.begin_step``)."""
+        self.counter = step_counter(optimizer, group_id, partition) if reads_adam else partition
         """The parameter whose state counts the steps the rule applies (``step_counter``)."""
-
-    def begin_step(self) -> None:
-        """Keep the rule the step will apply: the engine steps its lr scheduler after the optimizer's step and
-        before the statistics read the state, so the group's hyper-parameters by then are the next step's."""
-        if self.reads_adam:
-            self.rule = adam_rule(self.optimizer, self.optimizer.param_groups[self.group_id])
 
     def state(self) -> dict:
         return self.optimizer.state.get(self.partition, {})
@@ -254,7 +248,11 @@ class OptimizerStatistics:
         of each partition, where it is not the partition's index (ZeRO-3's sub-groups split a group in several
         partitions)."""
         self.kinds = kinds
+        self.optimizer = optimizer
+        self.reads_adam = any(kind in NEEDS_ADAM for kind in kinds)
         group_ids = range(len(partitions)) if group_ids is None else group_ids
+        self.group_ids = sorted(set(group_ids))
+        """The parameter groups of ``optimizer`` that the partitions belong to, each once."""
         self.groups = [
             GroupState(optimizer, group_id, partition, plan, kinds, window)
             for group_id, partition, plan in zip(group_ids, partitions, plans, strict=True)
@@ -265,9 +263,16 @@ class OptimizerStatistics:
             self.scratch = torch.empty(largest, dtype=torch.float32, device=partitions[0].device)
 
     def begin_step(self) -> None:
-        """At the top of a step the statistics will read: keep each group's rule (``GroupState.begin_step``)."""
+        """At the top of a step the statistics will read, keep the rule the step will apply, once per parameter
+        group (partitions and parameters share their group's): the engine steps its lr scheduler after the
+        optimizer's step and before the statistics read the state, so the groups' hyper-parameters by then are
+        the next step's."""
+        if not self.reads_adam:
+            return
+        param_groups = self.optimizer.param_groups
+        rules = {group_id: adam_rule(self.optimizer, param_groups[group_id]) for group_id in self.group_ids}
         for group in self.groups:
-            group.begin_step()
+            group.rule = rules[group.group_id]
 
     def accumulate(self, kind_stats: Dict[str, torch.Tensor], skipped: bool) -> None:
         """Fold every requested kind of every group into its block of the table; ``skipped``: the loss scaler

@@ -14,7 +14,13 @@ from functools import lru_cache
 import pytest
 import torch
 from optimizer_workers import KINDS, run_cases
-from test_optimizer_statistics import TOLERANCE, check_skipped_second_step, check_steps, check_unchanged
+from test_optimizer_statistics import (
+    TOLERANCE,
+    check_each_kind,
+    check_skipped_second_step,
+    check_unchanged,
+    rank_records,
+)
 
 from megatron_integration.cpu_launch import launch
 
@@ -47,10 +53,7 @@ def results_of(world_size: int):
 
 
 def result_of(world_size: int, name: str):
-    by_rank = [ranks[name] for ranks in results_of(world_size)]
-    if "error" in by_rank[0]:
-        pytest.fail(by_rank[0]["error"])
-    return by_rank
+    return rank_records(results_of(world_size), name)
 
 
 def extended(cases):
@@ -61,12 +64,7 @@ def extended(cases):
 def test_each_kind_matches_the_fp32_masters_per_bucket(world, name):
     """Every rank reports, for every step and every kind, each bucket's statistics of the fp32 masters the family
     holds (after the step), their change, and the moments."""
-    checked = 0
-    for record in result_of(world, name):
-        on = record["on"]
-        assert len(on["measured"]) == len(on["reference"]) > 0
-        checked += check_steps(on["measured"], on["reference"], KINDS)
-    assert checked == world * len(on["reference"]) * len(KINDS) * len(on["reference"][0]["param"])
+    check_each_kind(result_of(world, name), KINDS)
 
 
 @pytest.mark.parametrize("world", extended([(2, ), (3, )]))

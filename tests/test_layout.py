@@ -1,0 +1,41 @@
+"""docs/layout.md's account of one measured step is true: the package's files whose functions a traced ZeRO-2
+step runs are exactly the files the doc's tables name, for the plain step and with the optimizer's statistics and
+the flight recorder."""
+
+import os
+import re
+from functools import lru_cache
+from typing import Dict, List
+
+from layout_workers import VARIANTS, trace_measured_steps
+from megatron_integration.cpu_launch import launch
+
+LAYOUT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "layout.md")
+SECTIONS = {
+    "plain": "### The files of a measured step",
+    "optimizer_statistics_and_recorder": "### The files optimizer_statistics and the recorder add",
+}
+"""The heading of each variant's table in docs/layout.md; the second lists only the files the first lacks."""
+
+
+@lru_cache(maxsize=None)
+def traced() -> Dict:
+    return launch(trace_measured_steps, 1)[0]
+
+
+def documented_files(heading: str) -> List[str]:
+    """The package files named in the first column of the table under ``heading`` (up to the next heading)."""
+    text = open(LAYOUT).read()
+    assert heading in text, f"docs/layout.md has no section {heading!r}"
+    section = text.split(heading, 1)[1].split("\n#", 1)[0]
+    return sorted("deepspeed_patch/" + name for name in re.findall(r"^\| `([\w/]+\.py)` \|", section, re.M))
+
+
+def test_the_doc_names_exactly_the_files_a_traced_measured_step_runs():
+    assert set(traced()) == set(VARIANTS) == set(SECTIONS)
+    plain = documented_files(SECTIONS["plain"])
+    added = documented_files(SECTIONS["optimizer_statistics_and_recorder"])
+    assert len(plain) >= 5 and added, (plain, added)
+    assert traced()["plain"]["measured_step"] == traced()["optimizer_statistics_and_recorder"]["measured_step"] == 3
+    assert traced()["plain"]["files"] == plain
+    assert traced()["optimizer_statistics_and_recorder"]["files"] == sorted(plain + added)

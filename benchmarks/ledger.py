@@ -308,8 +308,9 @@ class CallSiteCounter:
                 result = original(tensor, *args, **kwargs)
             finally:
                 counter._reading -= 1
-            if name in TRANSFERS:
-                if isinstance(result, torch.Tensor) and _to_host(name, args, kwargs):
+            if name in TRANSFERS:  # .to() the device a tensor is on (the CPU accelerator's) moves nothing
+                moved = name == "cpu" or isinstance(result, torch.Tensor) and _storage(result) != _storage(tensor)
+                if moved and isinstance(result, torch.Tensor) and _to_host(name, args, kwargs):
                     if counter._on_device(tensor):
                         counter._sync(name)
                     counter._host.add(_storage(result))

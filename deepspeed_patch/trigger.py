@@ -113,7 +113,7 @@ def agreed_loss(loss: Union[None, float, torch.Tensor]) -> Union[None, float, to
     if loss is None:
         value = torch.full((1, ), -math.inf, dtype=torch.float64, device=device)
     else:
-        value = loss.reshape(1).to(device=device, dtype=torch.float64) if isinstance(loss, torch.Tensor) else \
+        value = loss.reshape(1).double().to(device) if isinstance(loss, torch.Tensor) else \
             torch.tensor([loss], dtype=torch.float64, device=device)
         value = value.nan_to_num(nan=NAN_CODE, posinf=INF_CODE, neginf=NAN_CODE)
     dist.all_reduce(value, op=dist.ReduceOp.MAX)

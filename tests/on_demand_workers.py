@@ -111,6 +111,26 @@ def own_losses() -> Dict[str, Any]:
     return record
 
 
+AGREED_LOSSES = {  # each rank's report (None: none; a tensor: a device loss), and the loss every rank judges
+    "rank_1_larger": ((1.0, torch.tensor(3.0)), 3.0),
+    "rank_0_only": ((2.5, None), 2.5),
+    "none": ((None, None), -INF),
+    "nan_on_rank_0": ((NAN, 7.0), NAN),
+    "inf_on_rank_1_nan_on_rank_0": ((NAN, INF), NAN),
+    "minus_inf_on_rank_1": ((1.0, -INF), NAN),
+    "inf_on_rank_0": ((INF, 1.0), INF),
+}
+
+
+def agreed_losses() -> Dict[str, float]:
+    """``trigger.agreed_loss`` over the real 2-rank gloo group, for each of ``AGREED_LOSSES``."""
+    from deepspeed import comm as dist
+
+    from deepspeed_patch.trigger import agreed_loss
+
+    return {name: agreed_loss(reports[dist.get_rank()]).item() for name, (reports, _) in AGREED_LOSSES.items()}
+
+
 def run_on_demand(workdir: str) -> Dict[str, Any]:
     from deepspeed import comm as dist
 
@@ -161,6 +181,7 @@ def run_on_demand(workdir: str) -> Dict[str, Any]:
     results["global_samples"] = engine.global_samples
     engine.destroy()
     results["own_losses"] = own_losses()
+    results["agreed_losses"] = agreed_losses()
     results["nan"] = nan_reductions()
     results["scale_growth"] = scale_growth()
     return results

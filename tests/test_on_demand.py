@@ -17,7 +17,7 @@ import torch
 from deepspeed_patch.config import LayerGradNormsConfigError, load_config
 from deepspeed_patch.on_demand import JsonlDump, SpikeTrigger
 from megatron_integration.cpu_launch import launch
-from on_demand_workers import NAN_CASES, OWN_LOSS_SPIKE, run_on_demand
+from on_demand_workers import AGREED_LOSSES, NAN_CASES, OWN_LOSS_SPIKE, run_on_demand
 
 
 @pytest.fixture(scope="module")
@@ -240,3 +240,13 @@ def test_ranks_reporting_their_own_losses_make_one_decision(runs):
         checked += 1
     assert checked == 2
     assert first["own_losses"]["no_loss_factor"]["fires"] == {}
+
+
+def test_the_loss_judged_is_the_largest_reported_and_a_non_finite_one_wins(runs):
+    """Over the real 2-rank group: the largest of the losses reported (a device tensor or a float), ``-inf`` where no
+    rank reported one (judged as none), NaN wherever a rank's loss is NaN or ``-inf``, +inf over finite losses."""
+    _, (first, second) = runs
+    assert repr(first["agreed_losses"]) == repr(second["agreed_losses"])
+    assert len(first["agreed_losses"]) == len(AGREED_LOSSES) == 7
+    for name, (_, expected) in AGREED_LOSSES.items():
+        assert repr(first["agreed_losses"][name]) == repr(expected), name

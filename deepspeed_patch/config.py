@@ -109,8 +109,8 @@ class TriggerConfig(StrictConfigModel):
     """Record every step's local statistics in a ring of this many steps, reduced when the trigger fires
     (``engine.get_layer_grad_norms_history()``); 0: no recorder."""
     loss_factor: Optional[float] = Field(None, gt=1.0)
-    """Fire also when the loss the training loop reports (``report_loss``) exceeds this many times its
-    running median; ``None``: the loss is not watched."""
+    """Fire also when the loss the training loop reports (``report_loss``; the largest any rank reported, all-reduced
+    on every step: ``trigger.agreed_loss``) exceeds this many times its running median; ``None``: not watched."""
 
     def refractory_steps(self) -> int:
         """``cooldown``, or its default."""

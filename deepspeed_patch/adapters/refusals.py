@@ -99,10 +99,11 @@ def check_optimizer_statistics(optimizer, family: Optional[type], config: LayerG
 def low_precision_state(optimizer, inner: torch.optim.Optimizer) -> List[str]:
     """What keeps the master weights that ``inner`` (the torch optimizer) steps, or its moments, in less than fp32,
     by the ds_config key or argument that asks for it: ZeRO's bf16 or fp16 master weights and bf16 optimizer
-    states, DeepSpeedCPUAdam's ``fp32_optimizer_states=False`` (moments in the parameters' precision), and any
-    parameter of ``inner`` that is not fp32."""
+    states, DeepSpeedCPUAdam's ``fp32_optimizer_states=False`` where the parameters are not fp32 (its moments are
+    in the parameters' precision), and any parameter of ``inner`` that is not fp32."""
     master = getattr(optimizer, "master_weights_and_grads_dtype", torch.float32)  # older releases: always fp32
     stepped = sorted({str(param.dtype) for group in inner.param_groups for param in group["params"]} - {str(master)})
+    below_fp32 = master != torch.float32 or bool(stepped)
     refusals = {
         f"master weights in {master} (bf16.bf16_master_weights_and_grads=true or "
         "fp16.fp16_master_weights_and_grads=true)":
@@ -110,7 +111,7 @@ def low_precision_state(optimizer, inner: torch.optim.Optimizer) -> List[str]:
         "bf16.bf16_optimizer_states=true (Adam's moments in bf16)":
         bool(getattr(optimizer, "bf16_optimizer_states", False)),
         f"{type(inner).__name__}(fp32_optimizer_states=False) (moments in the parameters' precision)":
-        getattr(inner, "fp32_optimizer_states", True) is False,
+        getattr(inner, "fp32_optimizer_states", True) is False and below_fp32,
         f"parameters of {type(inner).__name__} in {', '.join(stepped)}":
         bool(stepped) and master == torch.float32,
     }

@@ -3,8 +3,8 @@ any family (their update would be derived in fp32, not rounded as the real step 
 do not run a known Adam step (recognised by their ``step`` method, not by their ancestors).
 
 Unit tests on optimizers built without their constructors where building them is slow (ZeRO's, DeepSpeedCPUAdam's
-host kernel), as the ZeRO-3 refusals are tested; one engine of each real set-up the issue names (ZeRO-2 with bf16
-master weights and bf16 optimizer states) on one CPU rank.
+host kernel), as the ZeRO-3 refusals are tested. The real ZeRO-2 engine with bf16 master weights and bf16 optimizer
+states, refused by ``deepspeed.initialize``, is a case of tests/test_optimizer_statistics.py's one-rank launch.
 """
 
 import pytest
@@ -136,17 +136,3 @@ def test_adam_is_known_by_the_step_it_runs():
             assert word in message, message
     check(torch.optim.AdamW(params), None)  # torch's own, whose class's step torch wraps in a profiling hook
 
-
-def test_zero2_with_bf16_master_weights_is_refused_at_initialize():
-    """The real set-up of the issue (ZeRO-2, bf16 master weights and bf16 optimizer states), built by
-    ``deepspeed.initialize`` on one CPU rank: refused there, naming the keys."""
-    from optimizer_workers import run_cases
-
-    from megatron_integration.cpu_launch import launch
-
-    bf16 = {"enabled": True, "bf16_master_weights_and_grads": True, "bf16_optimizer_states": True}
-    cases = {"refused_z2_bf16_master": {"stage": 2, "top": {"bf16": bf16}, "kinds": KINDS}}
-    record = launch(run_cases, 1, cases)[0]["refused_z2_bf16_master"]
-    assert record.get("type") == "UnsupportedSetupError", record
-    for word in [KEY, "master weights in torch.bfloat16", "bf16.bf16_optimizer_states=true"]:
-        assert word in record["message"], record["message"]

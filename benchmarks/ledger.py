@@ -1,12 +1,16 @@
-"""Per-step cost ledger: host syncs, allocations, operators and time inside the call sites, per mode and family.
+"""Per-step cost ledger: collectives, host syncs, allocations, operators and time inside the call sites, per mode
+and family.
 
-    python benchmarks/ledger.py [--device cpu|cuda] [--steps N] [--quick] [--out DIR]
+    python benchmarks/ledger.py [--device cpu|cuda] [--ranks N] [--steps N] [--quick] [--out DIR]
 
-Writes ``DIR/ledger.md`` and ``ledger.json`` (``DIR``: benchmarks/results). One process, one rank. For each
-optimizer family (ZeRO-1, ZeRO-2, ZeRO-3, BF16_Optimizer, ZeRO-2 with optimizer offload, DeepSpeed without
-ZeRO in fp32 and in fp16) and each mode (``MODES``: the feature off, a quiet interval step, a trigger, the
-flight recorder, a measured step, a fire), the functions DeepSpeed calls (``hooks.CALL_SITES``) are wrapped
-so that, while one of them runs,
+Writes ``DIR/ledger.md`` and ``ledger.json`` (``DIR``: benchmarks/results). ``--ranks`` CPU ranks (default 2: a
+collective is issued only where there is another rank to combine with), or one CUDA rank; rank 0's counts. For
+each optimizer family (ZeRO-1, ZeRO-2, ZeRO-3, BF16_Optimizer, ZeRO-2 with optimizer offload, DeepSpeed without
+ZeRO in fp32 and in fp16) and each mode (``MODES``: the feature off, a quiet interval step, a trigger, a trigger
+on the loss, a control file's poll, the flight recorder, a measured step, a fire), the functions DeepSpeed calls
+(``hooks.CALL_SITES``) are wrapped so that, while one of them runs,
+
+- every call of one of DeepSpeed's collectives (``COLLECTIVES``) is counted;
 
 - every read of a device tensor's value on the host is counted: ``.item()``, ``.tolist()``, ``.cpu()``,
   ``.numpy()``, ``.to()`` the host, ``float()``, ``int()``, ``bool()`` (a host synchronisation on an
@@ -28,6 +32,7 @@ import functools
 import os
 import statistics
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Set
@@ -40,6 +45,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 HOST_READS = ("item", "tolist", "numpy", "__float__", "__int__", "__bool__", "__index__")
 TRANSFERS = ("cpu", "to")
+COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor", "broadcast",
+               "broadcast_object_list", "all_to_all_single", "barrier")
+"""The functions of ``deepspeed.comm`` whose calls are counted (those this package calls, and their kin)."""
 
 FAMILIES: Dict[str, Dict[str, Any]] = {
     "ZeRO-1": {
@@ -96,6 +104,10 @@ FAMILIES: Dict[str, Dict[str, Any]] = {
 
 NEVER = 10**9
 """An interval or a trigger factor that is never reached."""
+CONTROL_INTERVAL = 3
+"""The ``control file`` mode's poll interval: the counted (third) step is a poll step."""
+ABSENT_CONTROL_FILE = os.path.join(tempfile.gettempdir(), "layer_grad_norms_ledger_control_never_written.json")
+"""The ``control file`` mode's file, never written: each poll finds nothing new, as on most polls of a real run."""
 HISTORY = 4
 FIRE_AT = 6
 """The optimizer step whose loss spikes in the ``fire`` mode (after a window of ordinary losses)."""
@@ -111,6 +123,18 @@ MODES: Dict[str, Optional[dict]] = {
         "trigger": {
             "grad_norm_factor": NEVER
         }
+    },
+    "loss trigger": {
+        "enabled": False,
+        "trigger": {
+            "grad_norm_factor": None,
+            "loss_factor": NEVER
+        }
+    },
+    "control file": {
+        "enabled": False,
+        "control_file": ABSENT_CONTROL_FILE,
+        "control_interval": CONTROL_INTERVAL
     },
     "recorder": {
         "enabled": False,
@@ -134,7 +158,8 @@ MODES: Dict[str, Optional[dict]] = {
         }
     },
 }
-"""The ``layer_grad_norms`` block of each mode (``None``: none). ``fire`` counts the step whose loss spiked."""
+"""The ``layer_grad_norms`` block of each mode (``None``: none). ``fire`` counts the step whose loss spiked; the
+modes with a ``loss_factor`` report a host loss on every step."""
 
 HOOK_MODES: Dict[str, Optional[dict]] = {
     "hook, feature off": None,
@@ -161,6 +186,8 @@ HOOK_MODES: Dict[str, Optional[dict]] = {
 class Costs:
     """What the wrapped calls did during one step."""
 
+    collectives: int = 0
+    """Calls of DeepSpeed's collectives (``COLLECTIVES``)."""
     syncs: int = 0
     """Reads of a device tensor's value on the host."""
     ops: int = 0
@@ -211,6 +238,7 @@ class CallSiteCounter:
         self._host: Set[int] = set()  # storages a counted transfer made: reading them is no sync
         self._patched: List[tuple] = []
         self._patch_tensor_methods()
+        self._patch_collectives()
         self._patch_call_sites()
 
     def close(self) -> None:
@@ -280,8 +308,9 @@ class CallSiteCounter:
                 result = original(tensor, *args, **kwargs)
             finally:
                 counter._reading -= 1
-            if name in TRANSFERS:
-                if isinstance(result, torch.Tensor) and _to_host(name, args, kwargs):
+            if name in TRANSFERS:  # .to() the device a tensor is on (the CPU accelerator's) moves nothing
+                moved = name == "cpu" or isinstance(result, torch.Tensor) and _storage(result) != _storage(tensor)
+                if moved and isinstance(result, torch.Tensor) and _to_host(name, args, kwargs):
                     if counter._on_device(tensor):
                         counter._sync(name)
                     counter._host.add(_storage(result))
@@ -290,6 +319,24 @@ class CallSiteCounter:
             return result
 
         return watched
+
+    def _patch_collectives(self) -> None:
+        from deepspeed import comm
+
+        for name in COLLECTIVES:
+            if hasattr(comm, name):
+                self._patch(comm, name, self._collective(getattr(comm, name)))
+
+    def _collective(self, original: Callable) -> Callable:
+        counter = self
+
+        @functools.wraps(original)
+        def counted(*args, **kwargs):
+            if counter.counting and counter._depth:
+                counter.costs.collectives += 1
+            return original(*args, **kwargs)
+
+        return counted
 
     def _sync(self, name: str) -> None:
         self.costs.syncs += 1
@@ -408,15 +455,16 @@ def mode_costs(counter: CallSiteCounter, engine, family: str, mode: str, steps: 
     try:
         adapter = attach_mode(engine, MODES[mode])
     except UnsupportedSetupError:  # a trigger without a recorder in fp32 without ZeRO: no global norm
-        return dict(_row(family, mode, None, [], "refused at initialize"), syncs=None)
+        return dict(_row(family, mode, None, [], "refused at initialize"), syncs=None, collectives=None)
     fire = mode == "fire"
+    watches_loss = (MODES[mode] or {}).get("trigger", {}).get("loss_factor") is not None
     total = FIRE_AT if fire else steps + 3
     counted: Optional[Costs] = None
     seconds: List[float] = []
     for step in range(1, total + 1):
         spike = fire and step == FIRE_AT
         loss = _loss(engine, step, layers, hidden, spike)
-        if fire:
+        if watches_loss:
             adapter.report_loss(float(loss))  # a host loss: the counted step's sync is the trigger's own
         counting = step == (FIRE_AT if fire else 3)
         counter.counting = counting
@@ -467,6 +515,7 @@ def _row(family: str, mode: str, costs: Optional[Costs], seconds: List[float], a
         "family": family,
         "adapter": adapter,
         "mode": mode,
+        "collectives": costs.collectives,
         "syncs": costs.syncs,
         "ops": costs.ops,
         "allocations": costs.allocations,
@@ -539,19 +588,21 @@ def hook_dispatch_seconds(calls: int = 5000, rounds: int = 7) -> Dict[str, float
 
 def table(rows: List[Dict[str, Any]]) -> List[str]:
     lines = [
-        "| family (adapter) | mode | host syncs | allocations (bytes) | operators | µs inside the call sites "
-        "| syncs at |", "| --- | --- | ---: | ---: | ---: | ---: | --- |"
+        "| family (adapter) | mode | collectives | host syncs | allocations (bytes) | operators "
+        "| µs inside the call sites | syncs at |", "| --- | --- | ---: | ---: | ---: | ---: | ---: | --- |"
     ]
     for row in rows:
         micro = "" if row["microseconds"] is None else f"{row['microseconds']:.0f}"
-        lines.append(f"| {row['family']} ({row['adapter']}) | {row['mode']} | {row['syncs']} | {row['allocations']} "
-                     f"({row['allocated_bytes']}) | {row['ops']} | {micro} | {'; '.join(row['sync_sites'])} |")
+        lines.append(f"| {row['family']} ({row['adapter']}) | {row['mode']} | {row['collectives']} | {row['syncs']} "
+                     f"| {row['allocations']} ({row['allocated_bytes']}) | {row['ops']} | {micro} "
+                     f"| {'; '.join(row['sync_sites'])} |")
     return lines
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--ranks", type=int, default=2, help="CPU ranks (collectives need two; rank 0's counts)")
     parser.add_argument("--steps", type=int, default=10, help="timed steps per family and mode")
     parser.add_argument("--quick", action="store_true", help="a small model (2 layers, hidden 32), 3 timed steps")
     parser.add_argument("--out", default=None, help="results folder (default benchmarks/results)")
@@ -565,8 +616,8 @@ def main() -> None:
         rows = _cuda_rank(steps, layers, hidden)
         where = f"one CUDA rank ({torch.cuda.get_device_name()}), NCCL"
     else:
-        rows = launch(_cpu_rank, 1, steps, layers, hidden, timeout=3600)[0]
-        where = "one CPU rank (gloo), torch threads as set by default"
+        rows = launch(_cpu_rank, options.ranks, steps, layers, hidden, timeout=3600)[0]
+        where = f"{options.ranks} CPU ranks (gloo; rank 0's counts), torch threads as set by default"
     dispatch = hook_dispatch_seconds()
     lines = [
         "# Per-step cost ledger",
@@ -574,12 +625,14 @@ def main() -> None:
         f"Machine: {machine()}; {where}.",
         "",
         f"TinyGPT, {layers} layers, hidden {hidden}, micro-batch 2 of 64 tokens, torch's AdamW, clipping 1.0 "
-        "(`benchmarks/ledger.py`). Per family and mode, one step's host syncs, allocations and operators inside "
-        "the call sites, counted; and "
+        "(`benchmarks/ledger.py`). Per family and mode, one step's collectives, host syncs, allocations and "
+        "operators inside the call sites, counted; and "
         f"the median microseconds inside them over {steps} uncounted steps (fire: the one step). Modes: off (no "
         "`layer_grad_norms` block); quiet (`interval` never reached); trigger (a trigger that never fires); "
-        f"recorder (the same with `history: {HISTORY}`); measured (`interval: 1`); fire (the step whose loss "
-        "spiked: the ring reduced). The Megatron hook rows count `log_layer_grad_norms` after an iteration, "
+        "loss trigger (`grad_norm_factor: null`, a `loss_factor` never reached, a host loss reported every step); "
+        f"control file (statistics off, a poll step of `control_interval: {CONTROL_INTERVAL}` that finds nothing "
+        f"new); recorder (the trigger with `history: {HISTORY}`); measured (`interval: 1`); fire (the step whose "
+        "loss spiked: the ring reduced). The Megatron hook rows count `log_layer_grad_norms` after an iteration, "
         "with Megatron's loss on the device.",
         "",
         *table(rows),

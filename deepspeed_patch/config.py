@@ -12,7 +12,7 @@ import difflib
 import re
 from typing import Any, List, Optional, Tuple, Union
 
-from pydantic import Field, StrictBool, ValidationError, field_validator, model_validator
+from pydantic import ConfigDict, Field, StrictBool, ValidationError, field_validator, model_validator
 
 from .capabilities import DeepSpeedConfigModel
 from .tags import OPTIMIZER_KINDS
@@ -80,7 +80,14 @@ def _compile(pattern: str) -> "re.Pattern[str]":
         raise ValueError(f"not a valid regular expression: {err}") from err
 
 
-class TriggerConfig(DeepSpeedConfigModel):
+class StrictConfigModel(DeepSpeedConfigModel):
+    """A block whose values must have their key's type as written: ``"interval": "10"`` or ``"enabled": 1`` is
+    an error naming the key (``_describe``), not a value converted silently; an integer is still a number."""
+
+    model_config = ConfigDict(strict=True)
+
+
+class TriggerConfig(StrictConfigModel):
     """Capture every step, all layers, for ``capture_steps`` steps after a gradient-norm spike."""
 
     grad_norm_factor: Optional[float] = Field(3.0, gt=1.0)
@@ -102,15 +109,15 @@ class TriggerConfig(DeepSpeedConfigModel):
     """Record every step's local statistics in a ring of this many steps, reduced when the trigger fires
     (``engine.get_layer_grad_norms_history()``); 0: no recorder."""
     loss_factor: Optional[float] = Field(None, gt=1.0)
-    """Fire also when the loss the training loop reports (``report_loss``) exceeds this many times its
-    running median; ``None``: the loss is not watched."""
+    """Fire also when the loss the training loop reports (``report_loss``; the largest any rank reported, all-reduced
+    on every step: ``trigger.agreed_loss``) exceeds this many times its running median; ``None``: not watched."""
 
     def refractory_steps(self) -> int:
         """``cooldown``, or its default."""
         return self.cooldown if self.cooldown is not None else max(self.capture_steps + 1, self.history)
 
 
-class DumpConfig(DeepSpeedConfigModel):
+class DumpConfig(StrictConfigModel):
     """A JSONL file with the full result of every measured step, written by rank 0."""
 
     path: str
@@ -118,7 +125,7 @@ class DumpConfig(DeepSpeedConfigModel):
     backups: int = Field(3, ge=0)
 
 
-class LayerGradNormsConfig(DeepSpeedConfigModel):
+class LayerGradNormsConfig(StrictConfigModel):
     """Per-layer gradient statistics inside the ZeRO-1/2 optimizer."""
 
     enabled: StrictBool = False
@@ -252,6 +259,17 @@ def _looks_like_config_key(key: Any) -> bool:
     return difflib.SequenceMatcher(None, squeezed, CONFIG_KEY.replace("_", "")).ratio() >= MISSPELLING_CUTOFF
 
 
+EXPECTED_TYPES = {
+    "bool_type": "true or false",
+    "int_type": "an integer",
+    "float_type": "a number",
+    "string_type": "a string",
+    "dict_type": "a JSON object",
+    "model_type": "a JSON object",
+}
+"""What a value of the wrong type should have been, by pydantic's error type (strict: no conversion)."""
+
+
 def _describe(err: ValidationError, block: dict) -> str:
     lines = []
     for problem in err.errors():
@@ -263,8 +281,8 @@ def _describe(err: ValidationError, block: dict) -> str:
         reason = problem["msg"].removeprefix("Value error, ")
         if problem["type"] == "extra_forbidden":
             reason = f"unknown key; known keys are {sorted(_model_at(problem['loc'][:-1]).model_fields)}"
-        elif problem["type"] == "bool_type":
-            reason = "expected true or false"
+        elif problem["type"] in EXPECTED_TYPES:
+            reason = f"expected {EXPECTED_TYPES[problem['type']]}"
         elif problem["type"] == "missing":
             reason, value = "required", "missing"
         lines.append(f"{CONFIG_KEY}.{key}={value!r}: {reason}" if value !=

@@ -7,7 +7,7 @@
 The original request: "after encountering a spike we could roll back to the last good checkpoint
 and run a cycle with this debug feature enabled". Every decision here is taken identically on all
 ranks: the trigger reads the global gradient norm (the same number everywhere), the control file
-is read by rank 0 and broadcast.
+is read by rank 0 and announced to every rank in a collective.
 """
 
 import json
@@ -17,7 +17,9 @@ import statistics
 from collections import deque
 from typing import Any, Dict, Optional
 
+import torch
 from deepspeed import comm as dist
+from deepspeed.accelerator import get_accelerator
 
 
 def rank_of_process() -> int:
@@ -123,20 +125,34 @@ def _spike(name: str, value: Optional[float], factor: float, recent: deque) -> O
 
 
 class ControlFile:
-    """A JSON file (``{"enabled": true, "interval": 1, "layers": "all"}``, any subset) read by rank 0
-    every ``interval`` steps and broadcast, so that every rank applies it at the same step."""
+    """A JSON file (``{"enabled": true, "interval": 1, "layers": "all"}``, any subset) read by rank 0 every
+    ``interval`` steps, so that every rank applies it at the same step.
+
+    A poll costs one all-reduce of one integer over all ranks (whether rank 0 found the file changed: the others
+    add 0) and the host read of it; the settings themselves are broadcast only on a poll that found them changed.
+    No cheaper agreement exists: while the statistics are off no other collective of this package runs for a
+    poll to ride in, and without one the ranks cannot agree on the step at which a file one of them read changed.
+    """
 
     def __init__(self, path: str, interval: int) -> None:
         self.path, self.interval = path, interval
         self._seen: Optional[float] = None
+        self._flag: Optional[torch.Tensor] = None
+        """The last poll's all-reduced flag, referenced until the next (``reduction._LAST_REDUCED`` says why)."""
 
     def poll(self, step: int) -> Optional[Dict[str, Any]]:
-        """The settings to apply at this step (a collective on poll steps), or ``None``."""
+        """The settings to apply at this step (collectives on poll steps), or ``None``."""
         if step % self.interval:
             return None
         if not dist.is_initialized():  # one process (or a plain DDP loop, which has no collective to keep in step)
             return self._read()
-        message = [self._read() if dist.get_rank() == 0 else None]
+        settings = self._read() if dist.get_rank() == 0 else None
+        device = get_accelerator().current_device_name()
+        changed = self._flag = torch.tensor([int(settings is not None)], device=device)
+        dist.all_reduce(changed)
+        if not changed.item():
+            return None
+        message = [settings]
         dist.broadcast_object_list(message, src=0)
         return message[0]
 

@@ -15,6 +15,7 @@ state is keyed per parameter (no ZeRO) are read the same way, each parameter as 
 (``parameter_statistics``).
 """
 
+import inspect
 import math
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence
@@ -74,6 +75,9 @@ def adam_rule(optimizer: torch.optim.Optimizer, group: dict) -> AdamRule:
     for flag in ("amsgrad", "maximize"):
         if group.get(flag):
             raise ValueError(f"{type(optimizer).__name__} with {flag}=True")
+    missing = [key for key in ("lr", "betas", "eps") if key not in group]
+    if missing:
+        raise ValueError(f"{type(optimizer).__name__} whose parameter group has no {missing[0]!r}")
     beta1, beta2 = group["betas"]
     return AdamRule(lr=float(group["lr"]),
                     beta1=float(beta1),
@@ -86,15 +90,23 @@ def adam_rule(optimizer: torch.optim.Optimizer, group: dict) -> AdamRule:
 
 def adam_decoupling(optimizer: torch.optim.Optimizer) -> Callable[[dict], bool]:
     """Whether a group of ``optimizer`` decays weights decoupled (AdamW) or as L2 in the gradient (Adam), for
-    the Adam family whose semantics this module follows; ``ValueError`` naming any other optimizer."""
+    the Adam family whose semantics this module follows; ``ValueError`` naming any other optimizer.
+
+    An optimizer is known by the step it runs, not by its class's ancestors: its class's ``step`` must be that of
+    one of the known classes (a subclass that only changes ``__init__`` steps as its parent does; one with a
+    ``step`` of its own may do anything, so the update derived from Adam's rule would be a guess)."""
     from deepspeed.ops.adam import DeepSpeedCPUAdam, FusedAdam
 
-    if isinstance(optimizer, torch.optim.Adam):  # AdamW too: a subclass with decoupled_weight_decay
-        return lambda group: bool(group.get("decoupled_weight_decay", False))
-    if isinstance(optimizer, (FusedAdam, DeepSpeedCPUAdam)):
+    known = (torch.optim.Adam, torch.optim.AdamW, FusedAdam, DeepSpeedCPUAdam)
+    step = inspect.unwrap(type(optimizer).step)  # torch wraps a class's step in a profiling hook
+    if any(isinstance(optimizer, cls) and step is inspect.unwrap(cls.step) for cls in known):
+        if isinstance(optimizer, torch.optim.Adam):  # AdamW: a subclass (torch 2.13) or not (older releases)
+            return lambda group: isinstance(optimizer, torch.optim.AdamW) or bool(group.get("decoupled_weight_decay"))
         return lambda group: bool(optimizer.adam_w_mode)
-    raise ValueError(f"{type(optimizer).__name__} (supported: torch.optim.Adam, torch.optim.AdamW, FusedAdam, "
-                     "DeepSpeedCPUAdam)")
+    parent = next((cls.__name__ for cls in type(optimizer).__mro__ if cls in known), None)
+    own = f", a subclass of {parent} with a step method of its own" if parent else ""
+    raise ValueError(f"{type(optimizer).__name__}{own} (supported: torch.optim.Adam, torch.optim.AdamW, FusedAdam, "
+                     "DeepSpeedCPUAdam, and subclasses that keep their step method)")
 
 
 def window_plans(slices: PartitionSlices, device, window: int = WINDOW) -> List[ChunkPlan]:

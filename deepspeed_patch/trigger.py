@@ -6,17 +6,21 @@
 with the steps the flight recorder held at each.
 
 It changes only with what is the same on every rank (the global gradient norm, the loss scaler's overflow,
-the loss the training loop reports on every rank), so every rank fires at the same step, whatever a reader
-of the results does on one of them.
+the largest loss any rank reported: ``agreed_loss``), so every rank fires at the same step, whatever the
+training loop reports on each and whatever a reader of the results does on one of them.
 """
 
 import logging
+import math
 from typing import Dict, List, Optional, Union
 
 import torch
+from deepspeed import comm as dist
+from deepspeed.accelerator import get_accelerator
 
 from .config import TriggerConfig
 from .on_demand import SpikeTrigger, rank_of_process
+from .reduction import INF_CODE, NAN_CODE, decode_maxima
 
 logger = logging.getLogger(__name__)
 
@@ -47,20 +51,27 @@ class TriggerState:
         """Each kept fire's newly recorded steps, by the step it fired at, oldest fire first."""
         self.published_until = 0
         """The newest step a fire's recorded steps included: a later fire's start after it."""
+        self.reduced_loss: Optional[torch.Tensor] = None
+        """The last step's all-reduced loss, referenced until the next (``reduction._LAST_REDUCED`` says why)."""
 
     def report_loss(self, loss: Union[float, torch.Tensor]) -> None:
-        """The training loop's loss, the same on every rank; judged at the end of the next optimizer step. A
-        device tensor is kept as it is and read with the global norm, in the step's one host copy."""
+        """The training loop's loss on this rank; judged at the end of the next optimizer step, as the largest
+        any rank reported (``agreed_loss``). A device tensor is kept as it is and read with the global norm, in
+        the step's one host copy."""
         self.loss = loss.detach() if isinstance(loss, torch.Tensor) else float(loss)
 
     def after_step(self, step: int, global_norm, overflow: bool) -> Optional[dict]:
-        """Feed the trigger the step's global gradient norm (the same on every rank) and the loss reported
-        since the last step; what fired, or ``None``."""
+        """Feed the trigger the step's global gradient norm (the same on every rank) and the largest loss the
+        ranks reported since the last step; what fired, or ``None``."""
         loss, self.loss = self.loss, None
         if self.trigger is None:
             return None
         watched_norm = global_norm if self.trigger.factor is not None else None  # not read when not watched
+        if self.trigger.loss_factor is not None:
+            loss = self.reduced_loss = agreed_loss(loss)
         norm, loss = _on_host(watched_norm, loss)
+        if loss == -math.inf:  # no rank reported one
+            loss = None
         fired = self.trigger.update(step, norm, bool(overflow), loss)
         if fired is not None and rank_of_process() == 0:  # the same fire on every rank: one line
             logger.warning("layer_grad_norms: trigger fired at step %d (%s); capturing every layer until step %d",
@@ -88,6 +99,25 @@ class TriggerState:
         if fire is None:
             return self.fires[next(reversed(self.fires))] if self.fires else None
         return self.fires.get(fire)
+
+
+def agreed_loss(loss: Union[None, float, torch.Tensor]) -> Union[None, float, torch.Tensor]:
+    """The largest loss any rank reported since the last step, the same on every rank, on the device: one MAX
+    all-reduce of one float64 over all ranks, on every step the trigger watches the loss, whether this rank
+    reported one or not (``-inf``: none), so that ranks reporting their own losses, or some none, still make one
+    decision. A non-finite loss travels as ``reduction``'s codes (NaN over +inf; ``-inf`` as NaN), and so fires
+    on every rank. One process, or no communication set up: the loss as reported."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return loss
+    device = get_accelerator().current_device_name()
+    if loss is None:
+        value = torch.full((1, ), -math.inf, dtype=torch.float64, device=device)
+    else:
+        value = loss.reshape(1).double().to(device) if isinstance(loss, torch.Tensor) else \
+            torch.tensor([loss], dtype=torch.float64, device=device)
+        value = value.nan_to_num(nan=NAN_CODE, posinf=INF_CODE, neginf=NAN_CODE)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return decode_maxima(value)
 
 
 def _on_host(*values) -> List[Optional[float]]:

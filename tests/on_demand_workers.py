@@ -9,7 +9,7 @@ import torch
 
 import deepspeed_patch
 from megatron_integration.tiny_gpt import TinyGPTConfig, synthetic_batch
-from setup_workers import base_config, initialize
+from setup_workers import base_config, counting_collectives, initialize
 from zero_workers import force_fp16_on_cpu
 
 FP16 = {"enabled": True, "initial_scale_power": 8}
@@ -77,6 +77,60 @@ def scale_growth() -> Dict[str, Any]:
     return record
 
 
+LOSS_TRIGGER = {"grad_norm_factor": 1e9, "loss_factor": 3.0, "window": 5, "capture_steps": 1, "history": 4}
+OWN_LOSS_SPIKE = 8
+"""The step at which rank 1's own loss, and only rank 1's, is reported 100 times larger."""
+
+
+def own_losses() -> Dict[str, Any]:
+    """A loss trigger fed each rank's own loss (each rank trains on other data, nothing averages it), rank 1's
+    spiking at ``OWN_LOSS_SPIKE``: on every rank (``every_rank``), on rank 1 alone (``rank_1_only``); and the same
+    trigger without ``loss_factor`` (``no_loss_factor``), whose collectives per step are the baseline. Each run: the
+    fires with their recorded steps, and the collectives inside each ``engine.step()``."""
+    from deepspeed import comm as dist
+
+    rank = dist.get_rank()
+    no_loss = {key: value for key, value in LOSS_TRIGGER.items() if key != "loss_factor"}
+    runs = {"every_rank": (LOSS_TRIGGER, (0, 1)), "rank_1_only": (LOSS_TRIGGER, (1, )),
+            "no_loss_factor": (no_loss, ())}
+    record = {}
+    for name, (trigger, reporting) in runs.items():
+        engine = initialize(base_config(layer_grad_norms={"enabled": False, "trigger": trigger}))
+        collectives = []
+        for step in range(1, 11):
+            loss = engine(synthetic_batch(TinyGPTConfig(), 2, seed=100 * rank + step))
+            engine.backward(loss)
+            if rank in reporting:
+                engine.layer_grad_norms.report_loss(loss.detach() * (100.0 if (rank, step) == (1, OWN_LOSS_SPIKE)
+                                                                     else 1.0))
+            with counting_collectives() as calls:
+                engine.step()
+            collectives.append(calls[0])
+        record[name] = {"fires": engine.get_layer_grad_norms_history("all"), "collectives": collectives}
+        engine.destroy()
+    return record
+
+
+AGREED_LOSSES = {  # each rank's report (None: none; a tensor: a device loss), and the loss every rank judges
+    "rank_1_larger": ((1.0, torch.tensor(3.0)), 3.0),
+    "rank_0_only": ((2.5, None), 2.5),
+    "none": ((None, None), -INF),
+    "nan_on_rank_0": ((NAN, 7.0), NAN),
+    "inf_on_rank_1_nan_on_rank_0": ((NAN, INF), NAN),
+    "minus_inf_on_rank_1": ((1.0, -INF), NAN),
+    "inf_on_rank_0": ((INF, 1.0), INF),
+}
+
+
+def agreed_losses() -> Dict[str, float]:
+    """``trigger.agreed_loss`` over the real 2-rank gloo group, for each of ``AGREED_LOSSES``."""
+    from deepspeed import comm as dist
+
+    from deepspeed_patch.trigger import agreed_loss
+
+    return {name: agreed_loss(reports[dist.get_rank()]).item() for name, (reports, _) in AGREED_LOSSES.items()}
+
+
 def run_on_demand(workdir: str) -> Dict[str, Any]:
     from deepspeed import comm as dist
 
@@ -126,6 +180,8 @@ def run_on_demand(workdir: str) -> Dict[str, Any]:
     results["monitor"] = train(engine, 2)
     results["global_samples"] = engine.global_samples
     engine.destroy()
+    results["own_losses"] = own_losses()
+    results["agreed_losses"] = agreed_losses()
     results["nan"] = nan_reductions()
     results["scale_growth"] = scale_growth()
     return results

@@ -119,3 +119,28 @@ def test_nested_keys_are_listed_and_booleans_are_strict(block, message):
     with pytest.raises(LayerGradNormsConfigError) as error:
         load_config({"layer_grad_norms": block})
     assert message in str(error.value)
+
+
+@pytest.mark.parametrize("block, message", [
+    ({"interval": "10"}, "layer_grad_norms.interval='10': expected an integer"),
+    ({"interval": 2.0}, "layer_grad_norms.interval=2.0: expected an integer"),
+    ({"control_interval": True}, "layer_grad_norms.control_interval=True: expected an integer"),
+    ({"trigger": {"window": "5"}}, "layer_grad_norms.trigger.window='5': expected an integer"),
+    ({"trigger": {"grad_norm_factor": "2.5"}}, "layer_grad_norms.trigger.grad_norm_factor='2.5': expected a number"),
+    ({"trigger": {"loss_factor": False}}, "layer_grad_norms.trigger.loss_factor=False: expected a number"),
+    ({"dump": {"path": "x", "max_bytes": "2000"}}, "layer_grad_norms.dump.max_bytes='2000': expected an integer"),
+    ({"dump": {"path": 3}}, "layer_grad_norms.dump.path=3: expected a string"),
+    ({"layer_pattern": 5}, "layer_grad_norms.layer_pattern=5: expected a string"),
+    ({"trigger": "on"}, "layer_grad_norms.trigger='on': expected a JSON object"),
+])
+def test_numbers_and_strings_are_strict_as_booleans_are(block, message):
+    """A value of another type is refused in one line naming the key and the value, never converted: a string of
+    digits is no integer, a float no integer, a boolean no number."""
+    with pytest.raises(LayerGradNormsConfigError) as error:
+        load_config({"layer_grad_norms": block})
+    assert str(error.value) == f"invalid ds_config block: {message}"
+
+
+def test_an_integer_is_still_a_number():
+    config = load_config({"layer_grad_norms": {"trigger": {"grad_norm_factor": 2, "loss_factor": 3}}})
+    assert (config.trigger.grad_norm_factor, config.trigger.loss_factor) == (2.0, 3.0)

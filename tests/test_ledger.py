@@ -1,8 +1,10 @@
-"""The per-step cost ledger's counts (benchmarks/ledger.py) as CI checks: host syncs and allocations per step.
+"""The per-step cost ledger's counts (benchmarks/ledger.py) as CI checks: collectives, host syncs and allocations
+per step.
 
-DESIGN.md section 4: a step that is neither measured nor recorded costs no host synchronisation, a measured
-step one. Counts, not times: one launch of one rank trains ZeRO-2 through every mode and DeepSpeed without
-ZeRO (fp32) through three, and runs the Megatron hook after an iteration with its loss on the device.
+DESIGN.md section 4: a step that is neither measured nor recorded costs no collective and no host
+synchronisation, a measured step one sync and two collectives. Counts, not times: one launch of two ranks (a
+collective needs another rank to combine with; rank 0's counts) trains ZeRO-2 through every mode and DeepSpeed
+without ZeRO (fp32) through two, and runs the Megatron hook after an iteration with its loss on the device.
 """
 
 import os
@@ -17,35 +19,42 @@ import ledger  # noqa: E402
 from megatron_integration.cpu_launch import launch  # noqa: E402
 
 EXPECTED = {
-    # (family, mode): (host syncs, allocations); None: not checked
-    ("ZeRO-2", "off"): (0, 0),
-    ("ZeRO-2", "quiet"): (0, 0),
-    ("ZeRO-2", "trigger"): (1, 0),  # the trigger reads the global norm
-    ("ZeRO-2", "recorder"): (1, 0),  # the same read; the table goes into the ring in place
-    ("ZeRO-2", "measured"): (1, None),  # the one host copy of the reduced table
-    ("ZeRO-2", "fire"): (2, None),  # the trigger's read, then the ring's host copy
-    ("Megatron hook (ZeRO-2)", "hook, feature off"): (0, 0),
-    ("Megatron hook (ZeRO-2)", "hook, quiet iteration"): (0, 0),
-    ("Megatron hook (ZeRO-2)", "hook, logged iteration"): (0, 0),
+    # (family, mode): (collectives, host syncs, allocations); None: not checked
+    ("ZeRO-2", "off"): (0, 0, 0),
+    ("ZeRO-2", "quiet"): (0, 0, 0),
+    ("ZeRO-2", "trigger"): (0, 1, 0),  # the trigger reads the global norm
+    # the ranks' largest loss: one all-reduce of one float64, then its read (a host loss, the norm not watched)
+    ("ZeRO-2", "loss trigger"): (1, 1, None),
+    # statistics off, a poll that finds nothing new: rank 0's "changed" flag all-reduced, and read; no broadcast
+    ("ZeRO-2", "control file"): (1, 1, None),
+    ("ZeRO-2", "recorder"): (0, 1, 0),  # the same read; the table goes into the ring in place
+    ("ZeRO-2", "measured"): (2, 1, None),  # the SUM and MAX all-reduces, the one host copy of the reduced table
+    # the loss's all-reduce and the trigger's read (norm and loss in one copy), then the ring's reduction and copy
+    ("ZeRO-2", "fire"): (3, 2, None),
+    ("Megatron hook (ZeRO-2)", "hook, feature off"): (0, 0, 0),
+    ("Megatron hook (ZeRO-2)", "hook, quiet iteration"): (0, 0, 0),
+    ("Megatron hook (ZeRO-2)", "hook, logged iteration"): (0, 0, 0),
     # the loss the trigger watches stays on the device: read with the global norm, in the trigger's one copy
-    ("Megatron hook (ZeRO-2)", "hook, loss_factor set"): (0, 0),
-    ("stage 0 fp32", "quiet"): (0, 0),
-    # the stock operators' one check for non-finite values (partition_stats.accumulate_runs), then the host copy
-    ("stage 0 fp32", "measured"): (2, None),
+    ("Megatron hook (ZeRO-2)", "hook, loss_factor set"): (0, 0, 0),
+    ("stage 0 fp32", "quiet"): (0, 0, 0),
+    # every rank holds the whole gradient: no collective; the stock operators' one check for non-finite values
+    # (partition_stats.accumulate_runs), then the host copy
+    ("stage 0 fp32", "measured"): (0, 2, None),
 }
 
 
 @pytest.fixture(scope="module")
 def rows():
     plan = {"ZeRO-2": tuple(ledger.MODES), "stage 0 fp32": ("quiet", "measured")}
-    rows = launch(ledger.count_step_costs, 1, plan)[0]
+    rows = launch(ledger.count_step_costs, 2, plan)[0]
     return {(row["family"], row["mode"]): row for row in rows}
 
 
 @pytest.mark.parametrize("key", list(EXPECTED), ids=[f"{family}-{mode}" for family, mode in EXPECTED])
-def test_host_syncs_and_allocations_per_step(rows, key):
-    syncs, allocations = EXPECTED[key]
+def test_collectives_host_syncs_and_allocations_per_step(rows, key):
+    collectives, syncs, allocations = EXPECTED[key]
     row = rows[key]
+    assert row["collectives"] == collectives, row
     assert row["syncs"] == syncs, row["sync_sites"]
     if allocations is not None:
         assert row["allocations"] == allocations, row

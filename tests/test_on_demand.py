@@ -17,7 +17,7 @@ import torch
 from deepspeed_patch.config import LayerGradNormsConfigError, load_config
 from deepspeed_patch.on_demand import JsonlDump, SpikeTrigger
 from megatron_integration.cpu_launch import launch
-from on_demand_workers import NAN_CASES, run_on_demand
+from on_demand_workers import AGREED_LOSSES, NAN_CASES, OWN_LOSS_SPIKE, run_on_demand
 
 
 @pytest.fixture(scope="module")
@@ -219,3 +219,34 @@ def test_a_trigger_on_the_loss_alone_never_reads_the_global_norm():
         fired.append(state.after_step(step, Unreadable(), False))
     assert fired[:-1] == [None] * 6
     assert fired[-1]["fired_at"] == 7 and fired[-1]["reason"].startswith("loss 9")
+
+
+def test_ranks_reporting_their_own_losses_make_one_decision(runs):
+    """A loop that reports each rank's own loss (rank 1's spiking), or a loss on one rank only: the run goes on,
+    every rank fires at the same step on the largest loss reported, with the same recorded steps; the loss costs
+    one all-reduce on every step the trigger watches it, and the fire its ring's and the capture's reductions."""
+    _, (first, second) = runs
+    assert repr(first["own_losses"]) == repr(second["own_losses"])
+    checked = 0
+    for name in ("every_rank", "rank_1_only"):
+        run = first["own_losses"][name]
+        assert list(run["fires"]) == [OWN_LOSS_SPIKE], name
+        (history, ) = run["fires"].values()
+        assert [entry["step"] for entry in history] == list(range(OWN_LOSS_SPIKE - 3, OWN_LOSS_SPIKE + 1))
+        assert history[-1]["trigger"]["reason"].startswith("loss"), history[-1]["trigger"]
+        baseline = first["own_losses"]["no_loss_factor"]["collectives"]
+        added = [with_loss - without for with_loss, without in zip(run["collectives"], baseline)]
+        assert added == [1 + 2 * (step in (OWN_LOSS_SPIKE, OWN_LOSS_SPIKE + 1)) for step in range(1, 11)], name
+        checked += 1
+    assert checked == 2
+    assert first["own_losses"]["no_loss_factor"]["fires"] == {}
+
+
+def test_the_loss_judged_is_the_largest_reported_and_a_non_finite_one_wins(runs):
+    """Over the real 2-rank group: the largest of the losses reported (a device tensor or a float), ``-inf`` where no
+    rank reported one (judged as none), NaN wherever a rank's loss is NaN or ``-inf``, +inf over finite losses."""
+    _, (first, second) = runs
+    assert repr(first["agreed_losses"]) == repr(second["agreed_losses"])
+    assert len(first["agreed_losses"]) == len(AGREED_LOSSES) == 7
+    for name, (_, expected) in AGREED_LOSSES.items():
+        assert repr(first["agreed_losses"][name]) == repr(expected), name

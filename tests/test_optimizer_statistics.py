@@ -30,6 +30,8 @@ CASES = {
         "refused_sgd_moments": {"stage": 2, "optimizer": "sgd", "kinds": ["param", "exp_avg"]},
         "refused_stage0_sgd_moments": {"stage": 0, "optimizer": "sgd", "kinds": ["param", "exp_avg"]},
         "refused_amsgrad": {"stage": 1, "optimizer": "adam", "options": {"amsgrad": True}, "kinds": ["update"]},
+        "refused_z2_bf16_master": {"stage": 2, "top": {"bf16": {"enabled": True, "bf16_master_weights_and_grads": True,
+                                                                "bf16_optimizer_states": True}}},
     },
     2: {
         "z1_fp32_adamw_gas2_clip": {"stage": 1, "gas": 2, "clip": 0.1, "compare_off": True},
@@ -177,6 +179,8 @@ def check_unchanged(record, collectives: int) -> None:
     ("refused_sgd_moments", ["optimizer_statistics=['param', 'exp_avg']", "Adam", "SGD"]),
     ("refused_stage0_sgd_moments", ["optimizer_statistics=['param', 'exp_avg']", "Adam", "SGD"]),
     ("refused_amsgrad", ["optimizer_statistics=['update']", "amsgrad"]),
+    ("refused_z2_bf16_master", ["master weights in torch.bfloat16", "bf16.bf16_master_weights_and_grads=true",
+                                "bf16.bf16_optimizer_states=true"]),
 ])
 def test_refused_at_initialize_by_name(name, words):
     record = result_of(1, name)[0]

@@ -214,11 +214,11 @@ class LayerGradNormsAdapter:
         return self.trigger.history(fire)
 
     def report_loss(self, loss: Union[float, torch.Tensor]) -> None:
-        """The training step's loss, for ``trigger.loss_factor``: call it on every rank with the same value
-        (a loss already averaged across the ranks, as Megatron's reduced loss is), before ``engine.step()``
-        of that step or after it; it is judged at the end of the next optimizer step. A rank that reports
-        another value, or none, could fire alone and hang the others in the recorder's collective. Without
-        a ``loss_factor`` (``wants_loss`` false) the loss is ignored, not read: a device tensor stays there."""
+        """The training step's loss, for ``trigger.loss_factor``: best the same value on every rank (a loss
+        averaged across the ranks, as Megatron's reduced loss is), before ``engine.step()`` of that step or after
+        it; it is judged at the end of the next optimizer step, as the largest loss any rank reported
+        (``trigger.agreed_loss``), so ranks reporting other values, or none, still fire together. Without a
+        ``loss_factor`` (``wants_loss`` false) the loss is ignored, not read: a device tensor stays there."""
         if self.wants_loss:
             self.trigger.report_loss(loss)
 

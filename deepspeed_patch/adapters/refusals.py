@@ -66,8 +66,9 @@ def check_optimizer_statistics(optimizer, family: Optional[type], config: LayerG
     to the CPU), BF16_Optimizer and FP16_Optimizer, from the per-parameter fp32 copies of FP16_UnfusedOptimizer,
     and in fp32 without ZeRO (``family`` None) from the model's parameters, which ``optimizer`` (then the torch
     optimizer itself) steps; the update and moments from an optimizer of the Adam family
-    (``optimizer_stats.adam_decoupling``); under ZeRO-3, only where that state is all in this process's memory
-    (``Zero3Adapter.state_elsewhere``)."""
+    (``optimizer_stats.adam_decoupling``, known by the step it runs); under ZeRO-3, only where that state is all in
+    this process's memory (``Zero3Adapter.state_elsewhere``); in every family, only where the master weights and
+    the moments are fp32 (``low_precision_state``)."""
     kinds = config.optimizer_statistics
     if not kinds:
         return
@@ -80,6 +81,11 @@ def check_optimizer_statistics(optimizer, family: Optional[type], config: LayerG
     if elsewhere:
         raise UnsupportedSetupError(f"{key}: under ZeRO stage 3 they are read from the inner optimizer's fp32 "
                                     f"state in this process's memory; not supported with {'; '.join(elsewhere)}")
+    low = low_precision_state(optimizer, inner)
+    if low:
+        raise UnsupportedSetupError(f"{key}: read from fp32 master weights and optimizer states only (the update is "
+                                    "derived in fp32, not rounded as a lower-precision step rounds it); not supported "
+                                    f"with {'; '.join(low)}")
     if set(kinds) & set(NEEDS_ADAM):
         try:
             adam_decoupling(inner)
@@ -88,6 +94,28 @@ def check_optimizer_statistics(optimizer, family: Optional[type], config: LayerG
         except ValueError as err:
             raise UnsupportedSetupError(f"{key}: 'update', 'exp_avg' and 'exp_avg_sq' need an Adam optimizer; "
                                         f"this engine steps {err}") from None
+
+
+def low_precision_state(optimizer, inner: torch.optim.Optimizer) -> List[str]:
+    """What keeps the master weights that ``inner`` (the torch optimizer) steps, or its moments, in less than fp32,
+    by the ds_config key or argument that asks for it: ZeRO's bf16 or fp16 master weights and bf16 optimizer
+    states, DeepSpeedCPUAdam's ``fp32_optimizer_states=False`` where the parameters are not fp32 (its moments are
+    in the parameters' precision), and any parameter of ``inner`` that is not fp32."""
+    master = getattr(optimizer, "master_weights_and_grads_dtype", torch.float32)  # older releases: always fp32
+    stepped = sorted({str(param.dtype) for group in inner.param_groups for param in group["params"]} - {str(master)})
+    below_fp32 = master != torch.float32 or bool(stepped)
+    refusals = {
+        f"master weights in {master} (bf16.bf16_master_weights_and_grads=true or "
+        "fp16.fp16_master_weights_and_grads=true)":
+        master != torch.float32,
+        "bf16.bf16_optimizer_states=true (Adam's moments in bf16)":
+        bool(getattr(optimizer, "bf16_optimizer_states", False)),
+        f"{type(inner).__name__}(fp32_optimizer_states=False) (moments in the parameters' precision)":
+        getattr(inner, "fp32_optimizer_states", True) is False and below_fp32,
+        f"parameters of {type(inner).__name__} in {', '.join(stepped)}":
+        bool(stepped) and master == torch.float32,
+    }
+    return [what for what, present in refusals.items() if present]
 
 
 def check_moe(engine, family: Optional[type]) -> None:

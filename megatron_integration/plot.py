@@ -7,7 +7,7 @@ log10 of the pre-clip norm for every logged layer
 against step, as a heatmap. In a model of several layer stacks (an encoder's and a decoder's) each
 stack gets its five lines, in a line style of its own, and its band of the depth profile. Lines take their colour
 from their depth (``depth_colour``); one layer per figure, the one that rose most at the first fire, is highlighted
-(``HIGHLIGHT``); legends sit under their panels.
+(``HIGHLIGHT``); legends sit under the panels, off the data.
 
 ``plot --history``: the flight recorder's steps of each fire (``plot_spike_history``), every layer: the gradient,
 the update-to-weight ratio where the log holds it, and each layer's rise.
@@ -70,25 +70,24 @@ def plot_layer_norms(series: LayerSeries, out: str, spiked: Iterable[LayerId] = 
     stacks, spiked = series.stacks(), list(spiked)
     highlight = spiked[0] if spiked else None
     steps = len({step for layer in series.layers() for step, _ in series.series("pre-clip", "norm", layer)})
-    figure, (pre_axis, post_axis, depth_axis) = plt.subplots(1, 3, figsize=(16, 4.8))
+    figure, (pre_axis, post_axis, depth_axis) = plt.subplots(1, 3, figsize=(16, 5.4), layout="constrained")
     for axis, phase in ((pre_axis, "pre-clip"), (post_axis, "post-clip")):
         for position, stack in enumerate(stacks):
-            layers = series.stack_layers(stack)
-            for layer in line_layers(layers, series, spiked):
+            drawn = line_layers(series.stack_layers(stack), series, spiked)
+            for order, layer in enumerate(drawn):  # in depth order: the map's ends for the first and last
                 points = series.series(phase, "norm", layer)
                 thick = layer == highlight
                 axis.plot([step for step, _ in points], [value for _, value in points],
                           LINE_STYLES[position % len(LINE_STYLES)], label=line_label(series, layer, steps),
                           marker="." if len(points) < steps else None, markersize=3, linewidth=2.5 if thick else 1.5,
-                          color=HIGHLIGHT if thick else depth_colour(layers.index(layer), len(layers)),
-                          zorder=3 if thick else 2)
+                          color=HIGHLIGHT if thick else depth_colour(order, len(drawn)), zorder=3 if thick else 2)
         axis.set_yscale("log")
         axis.set_xlabel("step")
         axis.set_ylabel("gradient L2 norm")
         axis.set_title(f"per-layer gradient norm, {phase}")
-        axis.legend(**LEGEND_BELOW)
+    handles, labels = pre_axis.get_legend_handles_labels()  # the same lines in both panels: one legend, below
+    figure.legend(handles, labels, loc="outside lower center", ncol=min(len(labels), 6), fontsize="small")
     _depth_profile(depth_axis, series, figure)
-    figure.tight_layout()
     figure.savefig(out)
     return figure
 

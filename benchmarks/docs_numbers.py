@@ -2,7 +2,7 @@
 
     python benchmarks/docs_numbers.py [--out runs/docs] [--figures docs]
 
-Runs the demo four ways (Pre-LN with its default five layers, Post-LN with every layer, ``--spike 150:3`` and
+Runs the demo four ways (Pre-LN and Post-LN with every layer, ``--spike 150:3`` and
 ``--lr-spike 100``, 200 steps each; a few minutes on 2 cores), writes ``OUT/docs_numbers.json``: each run's
 numbers, and ``quotes``, the passages of each doc page that state them, as the docs must read. With ``--figures``
 it also copies the figures the docs show into that directory (``docs``). ``tests/test_docs_numbers.py`` runs it
@@ -21,12 +21,11 @@ from typing import Dict, List
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron_integration.demo import DemoOptions, run_demo  # noqa: E402
-from megatron_integration.plot import plot_run  # noqa: E402
 from megatron_integration.report import summarize_source  # noqa: E402
 
 SPIKE, LR_SPIKE = (150, 3), 100
 RUNS = {
-    "preln": dict(),
+    "preln": dict(layers="all"),  # every layer: the figure's depth profile; the quoted layers are among them
     "postln": dict(arch="postln", layers="all"),
     "spike": dict(spike=SPIKE),
     "lr_spike": dict(lr_spike=LR_SPIKE),
@@ -46,14 +45,13 @@ def run_all(out: str) -> Dict[str, Dict]:
         summaries[name] = summarize_source(os.path.join(run_out, "tensorboard"))
         if "spike" in name:
             summaries[name]["spikes"] = summarize_source(os.path.join(run_out, "layer_grad_norms.jsonl"))["spikes"]
-    plot_run(os.path.join(out, "spike", "tensorboard"), os.path.join(out, "spike", "layer_grad_norms.png"))
     return summaries
 
 
 def numbers(summaries: Dict[str, Dict]) -> Dict[str, object]:
     """What the docs state, from the summaries (medians of the second half of the run)."""
     pre, post = summaries["preln"], summaries["postln"]
-    (spike,), (lr_spike,) = summaries["spike"]["spikes"], summaries["lr_spike"]["spikes"]
+    spike, lr_spike = summaries["spike"]["spikes"][0], summaries["lr_spike"]["spikes"][0]  # the first fire of each
     followed = [rise["rise_at_fire"] for layer, rise in lr_spike["layers"].items() if isinstance(layer, int)]
     return {
         "preln_first": pre["median_norm"][0], "preln_last": pre["median_norm"][11],
@@ -69,16 +67,16 @@ def quotes(found: Dict[str, object]) -> Dict[str, List[str]]:
     """The passages each page must hold, whitespace aside."""
     normformer = (f"from {found['preln_first']:.2f} at layer 0 to {found['preln_last']:.2f} at layer 11, so the "
                   f"first two layers get {found['preln_ratio']:.2f}x the gradient of the last two")
-    spike_answer, lr_answer = (found[key].split("; first above")[0] for key in ("spike_answer", "lr_spike_answer"))
+    rose_most = re.search(r"layer \d+ rose most, \S+ its median at step \d+", found["spike_answer"])[0]
+    lr_answer = found["lr_spike_answer"].split("; first above")[0]
     lr_low, lr_high = found["lr_spike_rise"]
     return {
-        "README.md": [normformer, re.search(r"layer \d+ rose most, \S+ its median at step \d+", spike_answer)[0],
-                      re.search(r"update of layer \d+ rose first \(step \d+\), gradient followed \(step \d+\)",
-                                lr_answer)[0]],
+        "README.md": [normformer, rose_most, re.search(r"update of layer \d+ rose first \(step \d+\), gradient "
+                                                       r"followed \(step \d+\)", lr_answer)[0]],
         "docs/demo.md": [normformer, f"(ratio {found['postln_ratio']:.2f})",
                          f"flat beyond layer 3 ({found['postln_layer3']:.2f} to {found['postln_last']:.2f})",
                          f"gradients rise {lr_low:.0f}-{lr_high:.0f}x in every layer"],
-        "docs/spikes.md": [spike_answer, lr_answer],
+        "docs/spikes.md": [re.search(r"\(grad norm .*?\)", found["spike_answer"])[0], rose_most, lr_answer],
     }
 
 

@@ -256,9 +256,9 @@ def test_post_clip_is_what_the_optimizer_applied(world_size, name):
         assert set(measured["post_clip"]) == set(measured["pre_clip"]) == expected_keys(record, index)
         # A low-precision optimizer's fp32 weights show the gradient it consumed, clipped and unscaled: post_clip and
         # with it clip_coef, against what was applied (the model's bf16 weights are too coarse for it).
-        master = record["on"]["applied_master"][index]
-        assert master is not None or case["dtype"] != "bf16"
-        if case["dtype"] != "fp32" and master is not None:
+        # (fp16's own check is below: at stage 0 its smallest updates drown in the fp32 weights' rounding too).
+        if case["dtype"] == "bf16":
+            master = record["on"]["applied_master"][index]
             assert_close_stats(measured["post_clip"], master, 1e-3, stats=("norm", "min", "max", "abs_max"))
         applied = {key: stats for key, stats in record["on"]["applied"][index].items() if key in measured["post_clip"]}
         assert set(applied) == set(measured["post_clip"])

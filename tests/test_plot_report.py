@@ -371,6 +371,7 @@ def test_a_dump_whose_lines_outgrow_the_sniffed_head_is_read(tmp_path):
 def test_figure_colours_by_depth_one_highlight_and_legend_off_the_data(tmp_path):
     """32 layers: the depth colour map gives each its own colour; of two spiked layers drawn, one is highlighted;
     the line panels carry no legend of their own, and the figure's one legend lies below every panel."""
+    from matplotlib import pyplot
     from matplotlib.colors import to_hex
 
     from megatron_integration.plot import HIGHLIGHT, depth_colour
@@ -390,3 +391,4 @@ def test_figure_colours_by_depth_one_highlight_and_legend_off_the_data(tmp_path)
         assert len(set(lines.values())) == len(lines)
         assert axis.get_legend() is None and legend.y1 <= axis.get_window_extent().y0
     assert len(figure.legends) == 1
+    pyplot.close(figure)

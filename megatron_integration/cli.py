@@ -174,6 +174,8 @@ def main(argv: Optional[List[str]] = None) -> None:
             run_demo_command(parser, args)
     except LogSourceError as err:
         parser.exit(2, f"layer-grad-norms {args.command}: {err}\n")
+    except KeyboardInterrupt:  # Ctrl-C: one line, no traceback; the demo's ranks are stopped (cpu_launch.launch)
+        parser.exit(130, f"\nlayer-grad-norms {args.command}: interrupted\n")
 
 
 def plot_command(parser: argparse.ArgumentParser, args: argparse.Namespace) -> str:

@@ -8,11 +8,12 @@ import glob
 import logging
 import os
 import pickle
+import signal
 import socket
 import subprocess
 import sys
 import traceback
-from typing import Any, Callable, List, Optional
+from typing import Any, Callable, Iterator, List, Optional
 
 import torch.multiprocessing as mp
 
@@ -83,8 +84,9 @@ def launch(fn: Callable, world_size: int, *args: Any, timeout: float = 600) -> L
         context.Process(target=_worker, args=(rank, world_size, port, fn, args, queue), daemon=True)
         for rank in range(world_size)
     ]
-    for proc in procs:
-        proc.start()
+    with _sigint_ignored():  # the ranks inherit it: Ctrl-C reaches this process only, which stops them
+        for proc in procs:
+            proc.start()
     results: List[Any] = [None] * world_size
     try:
         for _ in range(world_size):
@@ -92,14 +94,31 @@ def launch(fn: Callable, world_size: int, *args: Any, timeout: float = 600) -> L
             if not ok:
                 raise RuntimeError(f"rank {rank} failed:\n{value}")
             results[rank] = pickle.loads(value)
+    except BaseException:  # a rank failed, a hang, or Ctrl-C: no rank goes on training
+        for proc in procs:
+            proc.terminate()
+        raise
     finally:
         for proc in procs:
             proc.join(timeout=10)
             if proc.is_alive():
                 proc.kill()
                 proc.join()
+        queue.close()  # its semaphore released now, not reported leaked at an interrupted exit
         remove_shm_buffers(port)
     return results
+
+
+@contextlib.contextmanager
+def _sigint_ignored() -> Iterator[None]:
+    """SIGINT ignored inside the block. A process started in it keeps it ignored (Python leaves an inherited
+    ignored SIGINT alone): a rank never sees Ctrl-C, so it prints no ``KeyboardInterrupt`` of its own, and the
+    launcher, which does, stops every rank at once."""
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def remove_shm_buffers(port: int, address: str = "127.0.0.1") -> None:

@@ -21,6 +21,7 @@ import contextlib
 import math
 import os
 import shutil
+import threading
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
@@ -151,6 +152,9 @@ def train_rank(options: DemoOptions) -> None:
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=demo_ds_config(options, args))
     last_rank = rank == world_size - 1
     writer = SummaryWriter(os.path.join(options.out, "tensorboard")) if last_rank else None
+    # A thread lock: tqdm's default, a multiprocessing lock, is left registered with the resource tracker when the
+    # launcher stops this rank (Ctrl-C), which then warns of a leaked semaphore at exit.
+    tqdm.set_lock(threading.RLock())
     progress = tqdm(total=options.steps, desc="demo", unit="step", disable=not last_rank)
     for step in range(1, options.steps + 1):
         loss = engine(synthetic_batch(model_config, options.micro_batch, seed=step * world_size + rank))

@@ -5,7 +5,9 @@ logged, on a log scale, and every layer logged on only some of the steps (captur
 recorded by its flight recorder), with the layer that rose most at each fire. Right: the depth profile,
 log10 of the pre-clip norm for every logged layer
 against step, as a heatmap. In a model of several layer stacks (an encoder's and a decoder's) each
-stack gets its five lines, in a line style of its own, and its band of the depth profile.
+stack gets its five lines, in a line style of its own, and its band of the depth profile. Lines take their colour
+from their depth (``depth_colour``); one layer per figure, the one that rose most at the first fire, is highlighted
+(``HIGHLIGHT``); legends sit under the panels, off the data.
 
 ``plot --history``: the flight recorder's steps of each fire (``plot_spike_history``), every layer: the gradient,
 the update-to-weight ratio where the log holds it, and each layer's rise.
@@ -21,10 +23,22 @@ from .spike import localise, spiked_layers
 from .tensorboard_reader import LayerSeries, layer_title, read_layer_series
 
 LINE_STYLES = ("-", "--", ":", "-.")
-SPIKED = "tab:red"
-"""The layer that rose most at a fire, as in ``plot --history``; the other lines take the other colours."""
-OTHER_COLOURS = [f"tab:{name}" for name in ("blue", "orange", "green", "purple", "brown", "pink", "gray", "olive",
-                                            "cyan")]
+HIGHLIGHT = "tab:red"
+"""The one highlighted layer of a figure (of each fire in ``plot --history``): the layer that rose most, drawn
+thick, in a colour the depth colour map does not use."""
+DEPTH_COLOURS = "viridis"
+"""The other lines' colours, by depth: a sequential map, so that 32 layers get 32 colours, in order."""
+DEPTH_RANGE = 0.9
+"""The part of the map used: its palest end is hard to see on white."""
+LEGEND_BELOW = {"loc": "upper center", "bbox_to_anchor": (0.5, -0.14), "ncol": 3, "fontsize": "small"}
+"""A line panel's legend, under its axis: never over the data."""
+
+
+def depth_colour(position: int, count: int):
+    """The line colour of the layer at ``position`` (from 0) of ``count`` layers, by depth."""
+    from matplotlib import colormaps
+
+    return colormaps[DEPTH_COLOURS](DEPTH_RANGE * position / max(count - 1, 1))
 
 
 def line_layers(layers: List[LayerId], series: LayerSeries, spiked: Iterable[LayerId] = ()) -> List[LayerId]:
@@ -46,31 +60,34 @@ def line_label(series: LayerSeries, layer: LayerId, steps: int) -> str:
 
 def plot_layer_norms(series: LayerSeries, out: str, spiked: Iterable[LayerId] = ()):
     """Draw the figure into ``out`` (PNG or SVG, from its extension), with the ``spiked`` layers (those that
-    rose most at a fire, ``spike.localise``) among the lines; returns the matplotlib Figure."""
+    rose most at a fire, ``spike.localise``) among the lines, the first of them highlighted; returns the
+    matplotlib Figure."""
     import matplotlib
 
     matplotlib.use("Agg")
     from matplotlib import pyplot as plt
 
     stacks, spiked = series.stacks(), list(spiked)
+    highlight = spiked[0] if spiked else None
     steps = len({step for layer in series.layers() for step, _ in series.series("pre-clip", "norm", layer)})
-    figure, (pre_axis, post_axis, depth_axis) = plt.subplots(1, 3, figsize=(16, 4.8))
+    figure, (pre_axis, post_axis, depth_axis) = plt.subplots(1, 3, figsize=(16, 5.4), layout="constrained")
     for axis, phase in ((pre_axis, "pre-clip"), (post_axis, "post-clip")):
         for position, stack in enumerate(stacks):
-            axis.set_prop_cycle(color=OTHER_COLOURS)
-            for layer in line_layers(series.stack_layers(stack), series, spiked):
+            drawn = line_layers(series.stack_layers(stack), series, spiked)
+            for order, layer in enumerate(drawn):  # in depth order: the map's ends for the first and last
                 points = series.series(phase, "norm", layer)
+                thick = layer == highlight
                 axis.plot([step for step, _ in points], [value for _, value in points],
                           LINE_STYLES[position % len(LINE_STYLES)], label=line_label(series, layer, steps),
-                          marker="." if len(points) < steps else None, markersize=3,
-                          linewidth=2.5 if layer in spiked else 1.5, **({"color": SPIKED} if layer in spiked else {}))
+                          marker="." if len(points) < steps else None, markersize=3, linewidth=2.5 if thick else 1.5,
+                          color=HIGHLIGHT if thick else depth_colour(order, len(drawn)), zorder=3 if thick else 2)
         axis.set_yscale("log")
         axis.set_xlabel("step")
         axis.set_ylabel("gradient L2 norm")
         axis.set_title(f"per-layer gradient norm, {phase}")
-        axis.legend(fontsize="small")
+    handles, labels = pre_axis.get_legend_handles_labels()  # the same lines in both panels: one legend, below
+    figure.legend(handles, labels, loc="outside lower center", ncol=min(len(labels), 6), fontsize="small")
     _depth_profile(depth_axis, series, figure)
-    figure.tight_layout()
     figure.savefig(out)
     return figure
 
@@ -108,7 +125,7 @@ def plot_spike_history(fires: List[Fire], spikes: List[Dict], out: str):
     """One row per fire (``fires.read_fires``, with their ``spike.localise``): left, every layer's pre-clip
     norm over the recorded steps, the layer that rose most drawn thick and named; beside it, where the log holds
     the update-to-weight ratio (``optimizer_statistics`` with ``update`` and ``param``), every layer's ratio,
-    the layer whose signal left its median first drawn thick; right, each layer's rise, log10 of its norm over
+    the same layer drawn thick (one highlighted layer per fire); right, each layer's rise, log10 of its norm over
     its median before the fire, layer against step. Returns the matplotlib Figure."""
     import matplotlib
 
@@ -133,31 +150,29 @@ def plot_spike_history(fires: List[Fire], spikes: List[Dict], out: str):
 def _recorded_lines(axis, series: Dict, layers: Iterable[LayerId], marked, fired_at: int) -> None:
     """Each of ``layers``' ``series`` over the recorded steps, on a log scale, the ``marked`` layer thick and red,
     the others from the depth colour map."""
-    from matplotlib import colormaps
-
     layers = [layer for layer in layers if series.get(layer)]
-    colours = colormaps["viridis"]
     for position, layer in enumerate(layers):
         points = series[layer]
         thick = layer == marked
         axis.plot([step for step, _ in points], [value for _, value in points], marker=".",
-                  color=SPIKED if thick else colours(position / max(len(layers) - 1, 1)),
+                  color=HIGHLIGHT if thick else depth_colour(position, len(layers)),
                   linewidth=2.5 if thick else 1, zorder=3 if thick else 2,
                   label=layer_title(layer) if thick or position in (0, len(layers) - 1) else None)
     axis.axvline(fired_at, color="grey", linestyle="--", linewidth=1, label=f"fire, step {fired_at}")
     axis.set_yscale("log")
     axis.set_xlabel("step")
-    axis.legend(fontsize="small")
+    axis.legend(**LEGEND_BELOW)
 
 
 def _update_to_weight(axis, fire: Fire, spike: Dict) -> None:
-    """Every layer's update-to-weight ratio over the recorded steps, the layer whose signal moved first marked."""
+    """Every layer's update-to-weight ratio over the recorded steps, the row's one highlighted layer (the one that
+    rose most) marked as in the gradient's panel; the title names the layer whose signal moved first."""
     ratios = fire.series.get(UPDATE_TO_WEIGHT, {})
     if not ratios:
         axis.set_title("update/weight: not recorded at this fire")
         return
     first = (spike["attribution"] or {}).get("first")
-    _recorded_lines(axis, ratios, ratios, first["layer"] if first else None, fire.fired_at)
+    _recorded_lines(axis, ratios, ratios, spike["rose_most"], fire.fired_at)
     axis.set_ylabel("|update| / |weights|")
     axis.set_title("update-to-weight ratio, every layer" + (f"; first to move: {layer_title(first['layer'])}"
                                                              if first else ""))

@@ -8,7 +8,7 @@ import pytest
 
 from deepspeed_patch.capabilities import installed
 from megatron_integration.cpu_launch import launch
-from reference import STATS, TOLERANCE, assert_close_stats
+from reference import TOLERANCE, assert_close_stats
 from zero_workers import run_cases
 
 if not installed().zero_compute_grad_norm_option:
@@ -53,11 +53,9 @@ def test_no_global_norm_yet_statistics_match_reference(name):
         # No clipping: the factor is what the loss-scale update makes of the gradient (old / new scale).
         old_scale, new_scale = on["loss_scales"][index]
         assert measured["clip_coef"] == pytest.approx(old_scale / new_scale, rel=1e-12)
-        for key, pre in measured["pre_clip"].items():
-            for stat in STATS:
-                assert measured["post_clip"][key][stat] == pytest.approx(pre[stat] * measured["clip_coef"], rel=1e-12)
-        if record["case"]["dtype"] == "fp32":  # SGD at lr=1: the update is the post-clip gradient
-            assert_close_stats(measured["post_clip"], on["applied"][index], 1e-3, stats=("norm", "min", "max"))
+        # SGD at lr=1: the update is the post-clip gradient; in fp16, the update of the optimizer's fp32 weights
+        applied = on["applied"][index] if record["case"]["dtype"] == "fp32" else on["applied_master"][index]
+        assert_close_stats(measured["post_clip"], applied, 1e-3, stats=("norm", "min", "max"))
         checked += 1
     assert checked == record["case"]["steps"] - (record["case"]["overflow_step"] is not None)
 

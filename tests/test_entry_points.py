@@ -121,12 +121,6 @@ def test_patch_check_prints_its_one_line_only():
     assert len(check.stdout.splitlines()) == 1 and "applied in " in check.stdout, check.stdout
 
 
-def test_readme_shows_the_quickstart_as_written():
-    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as readme, \
-            open(os.path.join(ROOT, "examples", "quickstart.py"), encoding="utf-8") as quickstart:
-        assert f"```python\n{quickstart.read()}```" in readme.read()
-
-
 def own_shm_buffers() -> List[str]:
     """The shared-memory files of this rank's launch: DeepSpeed's CPU all-reduce names them
     ``deepspeed_allreduce_buffer_<uid>_<MASTER_ADDR>_<MASTER_PORT>_<rank>`` (csrc/cpu/comm/shm.cpp)."""

@@ -311,16 +311,25 @@ def test_host_result_does_not_depend_on_threads():
     assert torch.equal(one, two)
 
 
-def test_stock_path_and_kernel_choice():
-    """The stock path gives accumulate_runs' table; a host partition gets the host kernel, and a dtype the
-    kernels do not take goes to the stock operators."""
+def test_stock_path_and_kernel_choice(monkeypatch):
+    """The stock path (``accumulate_runs``' operators) against the float64 reference: min, max, abs-min and the
+    counts exactly, the sums to the stock operators' fp32 rounding. A host partition gets the host kernel; a dtype
+    the kernels do not take goes to the stock operators (seen calling them), with the reference's result."""
     flat = gradient(10_000, torch.float32, seed=15)
     runs = random_runs(flat.numel(), 6, 3, seed=16)
     stats = empty_stats(3, "cpu")
-    assert torch.equal(fused(STOCK, "cpu", flat, runs, stats, ALL_EXTRA), stock(flat, runs, stats, ALL_EXTRA))
+    calls = []
+    monkeypatch.setattr(fused_stats, "accumulate_runs", lambda *args: calls.append(accumulate_runs(*args)))
     assert chunk_plan(slices_on(runs, "cpu"), "cpu").kernel == HOST
-    wide = flat.double()
-    assert torch.equal(fused(HOST, "cpu", wide, runs, stats, ALL_EXTRA), stock(wide, runs, stats, ALL_EXTRA))
+    checked = 0
+    for kernel, values in ((STOCK, flat), (HOST, flat.double())):
+        got = fused(kernel, "cpu", values, runs, stats, ALL_EXTRA)
+        want = reference_table(values, runs, stats, ALL_EXTRA)
+        assert_same_maxima_and_counts(got, want)
+        magnitude = reference_table(values, runs, empty_stats(3, "cpu"), ("l1", ))[:, L1]
+        assert_sums_close(got, want, 1e-5, magnitude, l1_rtol=torch.finfo(torch.float32).eps)
+        checked += 1
+    assert checked == 2 and len(calls) == 2  # both went to the stock operators
 
 
 @NO_CUDA

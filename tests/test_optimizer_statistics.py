@@ -263,42 +263,74 @@ def test_the_update_in_small_windows_matches_the_step():
     assert checked == 2 * len(KINDS) * len(runs)
 
 
+def adam_update(before: torch.Tensor, grad: torch.Tensor, state: dict, lr: float, decay: float, decoupled: bool,
+                bias_correction: bool) -> torch.Tensor:
+    """The update of one Adam step, in float64, from the weights before it, its gradient and the state after it
+    (the moments and the step count): the optimizers' rule written out, L2 decay already in the moments."""
+    before, moment, second = (value.double() for value in (before, state["exp_avg"], state["exp_avg_sq"]))
+    step = int(state["step"])
+    first_correction, second_correction = (1 - 0.9**step, 1 - 0.999**step) if bias_correction else (1.0, 1.0)
+    adam = -(lr / first_correction) * moment / (second.sqrt() / math.sqrt(second_correction) + 1e-8)
+    return adam - lr * decay * before if decoupled else adam
+
+
 @pytest.mark.parametrize("kinds", [tuple(KINDS), ("update", ), ("param", "exp_avg_sq")])
-def test_the_host_kernel_reads_every_kind_as_the_stock_operators_do(kinds):
-    """The C++ kernel's one read of the weights and moments (the update derived per element) against the stock
-    path's, every column of every bucket (abs_min, where the decoupled decay cancels, to the bucket's abs_max:
-    the two round the update differently), for AdamW, Adam with L2 and AdamW without bias correction."""
+def test_each_kernel_reads_every_kind_as_a_float64_reference(kinds):
+    """The C++ kernel's one read of the weights and moments (the update derived per element) and the stock path's,
+    each against float64 PyTorch: the weights and moments as the optimizer holds them, the update from Adam's rule
+    written out (itself checked against the step's real change of the weights), per bucket. Norm to 1e-5;
+    min, max, abs_min and abs_max to 1e-5 of the bucket's abs_max (fp32 kernels; abs_min sits where the
+    decoupled decay cancels). For AdamW, Adam with L2 and FusedAdam without bias correction."""
     from deepspeed.ops.adam import FusedAdam
 
     from deepspeed_patch.optimizer_stats import OptimizerStatistics
     from deepspeed_patch.partition_slices import slices_of_runs
     from deepspeed_patch.partition_stats import HOST, STOCK, chunk_plan
-    from deepspeed_patch.statistics import MAX, NEG_MIN, empty_stats
+    from deepspeed_patch.statistics import bucket_results, empty_stats
+    from reference import bucket_stats
 
     runs = [(0, 3000, 1), (3010, 200, 0), (3210, 70000, 2)]  # longer than a chunk, and a gap
+    optimizers = {  # (make, decoupled decay, bias correction)
+        "adamw": (lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.1), True, True),
+        "adam_l2": (lambda p: torch.optim.Adam(p, lr=1e-2, weight_decay=0.1), False, True),
+        "fused_adamw_no_bias_correction": (lambda p: FusedAdam(p, lr=1e-2, weight_decay=0.1, bias_correction=False),
+                                           True, False),
+    }
     checked = 0
-    for make in (lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.1), lambda p: torch.optim.Adam(
-            p, lr=1e-2, weight_decay=0.1), lambda p: FusedAdam(p, lr=1e-2, weight_decay=0.1, bias_correction=False)):
+    for name, (make, decoupled, bias_correction) in optimizers.items():
         torch.manual_seed(0)
         flat = torch.nn.Parameter(torch.randn(73210))
         optimizer = make([flat])
         plans = {kernel: chunk_plan(slices_of_runs(runs), "cpu", kernel=kernel) for kernel in (HOST, STOCK)}
         readers = {kernel: OptimizerStatistics(optimizer, [flat], [plan], kinds) for kernel, plan in plans.items()}
         for _ in range(2):
+            before = flat.detach().clone()
             flat.grad = torch.randn(73210)
             for reader in readers.values():
                 reader.begin_step()
             optimizer.step()
-        tables = {}
+        state = optimizer.state[flat]
+        update = adam_update(before, flat.grad, state, 1e-2, 0.1, decoupled, bias_correction)
+        applied = flat.detach().double() - before.double()
+        # The rule is the optimizer's: the weights' real change, to their fp32 rounding.
+        rounding = 2 * torch.finfo(torch.float32).eps * before.double().abs() + 1e-5 * update.abs().max()
+        assert ((update - applied).abs() <= rounding).all(), name
+        values = {"param": flat.detach(), "update": update, "exp_avg": state["exp_avg"],
+                  "exp_avg_sq": state["exp_avg_sq"]}
         for kernel, reader in readers.items():
-            tables[kernel] = {kind: empty_stats(3, "cpu") for kind in kinds}
-            reader.accumulate(tables[kernel], skipped=False)
-        for kind in kinds:
-            host, stock = tables[HOST][kind], tables[STOCK][kind]
-            abs_max = stock[:, [MAX, NEG_MIN]].abs().amax(1, keepdim=True)
-            assert ((host - stock).abs() <= 1e-6 * (stock.abs() + abs_max)).all(), kind
-            checked += 1
-    assert checked == 3 * len(kinds)
+            tables = {kind: empty_stats(3, "cpu") for kind in kinds}
+            reader.accumulate(tables, skipped=False)
+            for kind in kinds:
+                want = bucket_stats({str(bucket): values[kind][start:start + length]
+                                     for start, length, bucket in runs}, key_of=int)
+                got = bucket_results(tables[kind], [0, 1, 2], [0, 1, 2], 1.0)
+                for bucket, expected in want.items():
+                    assert got[bucket]["norm"] == pytest.approx(expected["norm"], rel=1e-5), (name, kernel, kind)
+                    for stat in ("min", "max", "abs_min", "abs_max"):
+                        assert abs(got[bucket][stat] - expected[stat]) <= 1e-5 * expected["abs_max"], (
+                            name, kernel, kind, bucket, stat)
+                    checked += 1
+    assert checked == 3 * 2 * len(kinds) * 3
 
 
 def test_before_the_first_step_the_moments_and_update_are_zero():

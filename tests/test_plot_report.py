@@ -366,3 +366,29 @@ def test_a_dump_whose_lines_outgrow_the_sniffed_head_is_read(tmp_path):
     JsonlDump(path, max_bytes=10**7, backups=0).write(with_kinds(result(1, layers, 1.0)))
     assert os.path.getsize(path) > 3 * 4096
     assert read_layer_series(path).series("update", "norm", 99) == [(1, pytest.approx(known_norm(99, 1) * 1e-3))]
+
+
+def test_figure_colours_by_depth_one_highlight_and_legend_off_the_data(tmp_path):
+    """32 layers: the depth colour map gives each its own colour; of two spiked layers drawn, one is highlighted;
+    the line panels carry no legend of their own, and the figure's one legend lies below every panel."""
+    from matplotlib import pyplot
+    from matplotlib.colors import to_hex
+
+    from megatron_integration.plot import HIGHLIGHT, depth_colour
+
+    assert len({to_hex(depth_colour(position, 32)) for position in range(32)}) == 32
+    with SummaryWriter(str(tmp_path / "tensorboard")) as writer:
+        for step in range(1, 11):
+            norms = {layer: known_norm(layer, step) for layer in range(32)}
+            write_tensorboard(writer, result(step, norms, clip=1.0))
+    figure = plot_layer_norms(read_layer_series(str(tmp_path / "tensorboard")), str(tmp_path / "f.png"), [5, 20])
+    figure.canvas.draw()
+    legend = figure.legends[0].get_window_extent()
+    for axis in figure.axes[:2]:
+        lines = {line.get_label(): to_hex(line.get_color()) for line in axis.get_lines()}
+        assert sorted(lines) == sorted(f"layer {layer}" for layer in (0, 1, 5, 16, 20, 30, 31))
+        assert [label for label, colour in lines.items() if colour == to_hex(HIGHLIGHT)] == ["layer 5"]
+        assert len(set(lines.values())) == len(lines)
+        assert axis.get_legend() is None and legend.y1 <= axis.get_window_extent().y0
+    assert len(figure.legends) == 1
+    pyplot.close(figure)

@@ -118,7 +118,9 @@ def test_a_1024_rank_world_reduces_to_the_statistics_of_the_whole_gradient():
             checked += 1
     assert checked == 8 * 10
     assert results[0][-1, NUMEL] == 0  # no rank flagged a failure
-    assert len(results) == 1024 and all(torch.equal(result, results[0]) for result in results)
+    # Every rank's result is this stand-in's one copy, so equal bits prove nothing here: a real gloo run checks
+    # them (test_zero_stats.py::test_identical_on_every_rank, at 2 and 3 ranks).
+    assert len(results) == 1024
     assert comm.calls == [reduction.COLLECTIVES_PER_STEP] * 1024
 
 

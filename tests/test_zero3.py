@@ -16,7 +16,7 @@ from test_zero_stats import assert_training_unchanged, measured_steps
 from zero3_workers import run_all
 
 from megatron_integration.cpu_launch import launch
-from reference import STATS, TOLERANCE, assert_close_stats
+from reference import TOLERANCE, assert_close_stats
 
 OFFLOAD = {"zero": {"offload_optimizer": {"device": "cpu"}}, "top": {"zero_force_ds_cpu_optimizer": False}}
 COUNTS = {"statistics": ["zeros", "numel"]}  # exact counts: any padding element would show
@@ -87,9 +87,12 @@ def test_post_clip_is_what_the_optimizer_applied(world_size, name):
         clip_factor = max(1.0, (total * old_scale / new_scale + 1e-6) / case["clip"]) if case["clip"] else 1.0
         assert measured["clip_coef"] == pytest.approx(old_scale / (new_scale * clip_factor),
                                                       rel=10 * TOLERANCE[case["dtype"]])
-        for key, pre in measured["pre_clip"].items():
-            for stat in STATS:
-                assert measured["post_clip"][key][stat] == pytest.approx(pre[stat] * measured["clip_coef"], rel=1e-12)
+        # A low-precision optimizer's fp32 weights show the gradient it consumed, clipped and unscaled: post_clip and
+        # with it clip_coef, against what was applied (the model's bf16 weights are too coarse for it).
+        master = record["on"]["applied_master"][index]
+        assert master is not None or case["dtype"] != "bf16"
+        if case["dtype"] != "fp32" and master is not None:
+            assert_close_stats(measured["post_clip"], master, 1e-3, stats=("norm", "min", "max", "abs_max"))
         applied = record["on"]["applied"][index]
         if case["dtype"] == "fp32":
             assert_close_stats(measured["post_clip"], applied, 1e-3, stats=("norm", "min", "max", "abs_max"))

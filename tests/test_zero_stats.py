@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from megatron_integration.cpu_launch import launch
-from reference import STATS, TOLERANCE, assert_close_stats, reference_bucket, reference_key_of
+from reference import TOLERANCE, assert_close_stats, reference_bucket, reference_key_of
 from releases import (
     BF16_OPTIMIZER_DATA_PARALLEL_WRONG,
     NONCONTIGUOUS_GRADIENT_WRONG,
@@ -254,9 +254,12 @@ def test_post_clip_is_what_the_optimizer_applied(world_size, name):
         expected_coef = old_scale / (new_scale * clip_factor)
         assert measured["clip_coef"] == pytest.approx(expected_coef, rel=rel)
         assert set(measured["post_clip"]) == set(measured["pre_clip"]) == expected_keys(record, index)
-        for key, pre in measured["pre_clip"].items():
-            for stat in STATS:
-                assert measured["post_clip"][key][stat] == pytest.approx(pre[stat] * measured["clip_coef"], rel=1e-12)
+        # A low-precision optimizer's fp32 weights show the gradient it consumed, clipped and unscaled: post_clip and
+        # with it clip_coef, against what was applied (the model's bf16 weights are too coarse for it).
+        # (fp16's own check is below: at stage 0 its smallest updates drown in the fp32 weights' rounding too).
+        if case["dtype"] == "bf16":
+            master = record["on"]["applied_master"][index]
+            assert_close_stats(measured["post_clip"], master, 1e-3, stats=("norm", "min", "max", "abs_max"))
         applied = {key: stats for key, stats in record["on"]["applied"][index].items() if key in measured["post_clip"]}
         assert set(applied) == set(measured["post_clip"])
         # The update is read off the model's weights: exact enough in fp32; in fp16 good to a few

@@ -149,6 +149,34 @@ def full_weights(module: torch.nn.Module, dtype: Optional[torch.dtype] = torch.f
         return {name: param.detach().to(dtype or param.dtype, copy=True) for name, param in named}
 
 
+def master_weights(optimizer, trainable) -> Optional[Dict[str, torch.Tensor]]:
+    """A copy of the optimizer's fp32 copy of each trainable weight: the master weights a bf16 or fp16 optimizer
+    updates, exact to fp32 where the model's own weights round the update away. ZeRO and BF16_Optimizer give them
+    through ``safe_get_full_fp32_param`` (collective under ZeRO: every rank calls it); the fp16 optimizers (bf16
+    without ZeRO from 0.17 on) keep them in ``fp32_groups_flat`` (fused) or ``fp32_groups``. None for an optimizer
+    that keeps none (fp32: the model's weights are its own)."""
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    copies = {name: safe_get_full_fp32_param(param) for name, param in trainable}
+    if any(copy is None for copy in copies.values()):
+        copies = fp16_optimizer_masters(optimizer, trainable)
+    return None if copies is None else {name: copy.detach().float().cpu().clone() for name, copy in copies.items()}
+
+
+def fp16_optimizer_masters(optimizer, trainable) -> Optional[Dict[str, torch.Tensor]]:
+    """FP16_Optimizer's flat fp32 groups (split in its parameters' order) or FP16_UnfusedOptimizer's fp32
+    parameters, by the model's parameter names; None for another optimizer."""
+    groups = getattr(optimizer, "fp16_groups", None)
+    masters = getattr(optimizer, "fp32_groups_flat", None) or getattr(optimizer, "fp32_groups", None)
+    if groups is None or masters is None:
+        return None
+    by_param = {}
+    for params, master in zip(groups, masters):
+        pieces = master.split([param.numel() for param in params]) if torch.is_tensor(master) else master
+        by_param.update({id(param): piece.view(param.shape) for param, piece in zip(params, pieces)})
+    return {name: by_param[id(param)] for name, param in trainable}
+
+
 def train(case: Dict[str, Any], enabled: bool) -> Dict[str, Any]:
     import deepspeed
     from deepspeed import comm as dist
@@ -171,10 +199,11 @@ def train(case: Dict[str, Any], enabled: bool) -> Dict[str, Any]:
     optimizer = (fused_sgd if case["fused"] else torch.optim.SGD)(params, lr=1.0)
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
 
-    record = {"losses": [], "measured": [], "global_norm": [], "reference": [], "applied": [], "loss_scales": [],
-              "layer_reference": []}
+    record = {"losses": [], "measured": [], "global_norm": [], "reference": [], "applied": [], "applied_master": [],
+              "loss_scales": [], "layer_reference": []}
     for step in range(1, case["steps"] + 1):
         before = full_weights(engine.module)
+        master_before = master_weights(engine.optimizer, trainable)
         scale_before = loss_scale(engine.optimizer)
         for batch in batches_of_step(case, step, world_size, rank):
             loss = engine(batch)
@@ -188,6 +217,9 @@ def train(case: Dict[str, Any], enabled: bool) -> Dict[str, Any]:
         # SGD with lr=1: the update is the gradient the optimizer consumed, after clipping.
         key_of = reference_key_of(case["block"])
         record["applied"].append(bucket_stats({n: before[n] - after[n] for n, _ in trainable}, key_of))
+        master_after = master_weights(engine.optimizer, trainable)
+        record["applied_master"].append(None if master_before is None else bucket_stats(
+            {n: master_before[n] - master_after[n] for n, _ in trainable}, key_of))
         record["measured"].append(engine.get_layer_grad_norms())
         record["global_norm"].append(engine.get_global_grad_norm())
         if rank == 0 and enabled:

@@ -4,8 +4,8 @@ measurements behind the spike report's departure rules (issue 37, item 2). Not a
 Each run trains the tiny Pre-LN GPT of tests/scenario_workers.py (4 layers, width 32) under ZeRO-2 on 2 CPU ranks,
 with Adam or AdamW, clipping at 1.0 or off, ``optimizer_statistics`` (``param``, ``update``, ``exp_avg``,
 ``exp_avg_sq``) and the flight recorder (``trigger.history``) on, every step measured. At ``--spike-step`` S one
-injection: layer 1's gradient, or the loss (every layer's gradient), times 3, 10 or 100, or the learning rate 10x
-for that step. For every layer and signal (the pre-clip gradient norm, the update's norm, the update-to-weight
+injection: layer 1's gradient times 3, 10 or 100, or the loss (every layer's gradient) times 10, or the learning
+rate 10x for that step. For every layer and signal (the pre-clip gradient norm, the update's norm, the update-to-weight
 ratio, ``exp_avg``'s and ``exp_avg_sq``'s norms) it reports the value at S and the steps after, over its level
 before (the median of the ``BEFORE`` steps before S) and over the same step of a run without the injection (the
 control: same seed, same data). One launch runs every run.
@@ -30,6 +30,10 @@ BEFORE = 8
 """The steps before the spike whose median is a signal's level: the recorder's window in the scenarios."""
 HIT_LAYER = 1
 """The layer whose gradient the per-layer injections scale."""
+GRADIENT_FACTORS = (3, 10, 100)
+"""The factors layer ``HIT_LAYER``'s gradient is scaled by at the spike step."""
+LOSS_FACTORS = (10, )
+"""The factors the loss (every layer's gradient) is scaled by: one, to keep the launch short on shared cores."""
 SIGNALS = ("pre_clip", "update", "ratio", "exp_avg", "exp_avg_sq")
 SIGNAL_NAMES = {"pre_clip": "gradient", "update": "update", "ratio": "update/weight", "exp_avg": "exp_avg",
                 "exp_avg_sq": "exp_avg_sq"}
@@ -44,10 +48,10 @@ CONFIGS = {
 def injections(step: int) -> Dict[str, List[Dict]]:
     """Each injection's faults at ``step`` (scenario_workers' kinds); ``control``: none."""
     found: Dict[str, List[Dict]] = {"control": []}
-    for factor in (3, 10, 100):
+    for factor in GRADIENT_FACTORS:
         found[f"layer {HIT_LAYER} gradient {factor}x"] = [{"kind": "grad", "step": step, "layer": HIT_LAYER,
                                                            "factor": factor}]
-    for factor in (3, 10, 100):
+    for factor in LOSS_FACTORS:
         found[f"loss {factor}x"] = [{"kind": "loss", "step": step, "factor": factor}]
     found["lr 10x, one step"] = [{"kind": "lr", "step": step, "until": step + 1, "factor": 10}]
     return found
@@ -95,6 +99,21 @@ def table(config: str, moved: Dict[str, Dict], step: int, after: int) -> List[st
     return lines + [""]
 
 
+def summary(moved: Dict[str, Dict], configs: List[str]) -> List[str]:
+    """Per injection and signal, layer ``HIT_LAYER``'s value at the spike step over its level before: the range
+    over the configurations (then, in brackets, the range of the largest over the steps from S on)."""
+    injected = list(moved[configs[0]])
+    lines = [f"| injection | {' | '.join(SIGNAL_NAMES[signal] for signal in SIGNALS)} |",
+             "|---|" + "---|" * len(SIGNALS)]
+    for injection in injected:
+        cells = []
+        for signal in SIGNALS:
+            rises = [moved[config][injection][signal][str(HIT_LAYER)]["vs_before"] for config in configs]
+            cells.append(f"{_range([rise[0] for rise in rises])} ({_range([max(rise) for rise in rises])})")
+        lines.append(f"| {injection} | {' | '.join(cells)} |")
+    return lines + [""]
+
+
 def _range(values: List[float]) -> str:
     return f"{min(values):.2f}-{max(values):.2f}"
 
@@ -133,6 +152,10 @@ def main() -> None:
         "'/ control' divides by the same step of a run without the injection (same seed and data) instead. "
         "'update/weight' is the update's norm over the weights' norm. The raw numbers, every layer, are in "
         "spike_calibration.json.", ""]
+    lines += [f"## Layer {HIT_LAYER} at S over its level before, range over the {len(options.configs)} "
+              "configurations (in brackets: of the largest from S to the last step reported)", ""]
+    lines += summary(moved, options.configs)
+    lines += ["## Per configuration", ""]
     for config in options.configs:
         lines += table(config, moved[config], step, after)
     write_results("spike_calibration", lines, {"spike_step": step, "after": after, "before": BEFORE,

@@ -10,7 +10,6 @@ recorded, not raised.
 """
 
 import argparse
-import contextlib
 import logging
 import math
 import os
@@ -19,6 +18,7 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
+from megatron_integration.demo import learning_rate_times
 from megatron_integration.tiny_gpt import TinyGPT, TinyGPTConfig, synthetic_batch
 from zero_workers import force_fp16_on_cpu, install_feature
 
@@ -117,19 +117,6 @@ def loss_factor(run: Dict[str, Any], step: int) -> float:
     """``{"kind": "loss", "factor": F}``: the step's loss F times (every layer's gradient F times)."""
     return math.prod(fault["factor"] for fault in faults_at(run, step, "loss"))
 
-
-
-@contextlib.contextmanager
-def learning_rate_times(optimizer, factor: float):
-    """Every parameter group's learning rate ``factor`` times its own inside the block, restored after it."""
-    saved = [group["lr"] for group in optimizer.param_groups]
-    for group in optimizer.param_groups:
-        group["lr"] *= factor
-    try:
-        yield
-    finally:
-        for group, lr in zip(optimizer.param_groups, saved):
-            group["lr"] = lr
 
 
 def ds_config(run: Dict[str, Any], dump: Optional[str]) -> Dict[str, Any]:

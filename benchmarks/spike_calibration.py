@@ -5,10 +5,11 @@ Each run trains the tiny Pre-LN GPT of tests/scenario_workers.py (4 layers, widt
 with Adam or AdamW, clipping at 1.0 or off, ``optimizer_statistics`` (``param``, ``update``, ``exp_avg``,
 ``exp_avg_sq``) and the flight recorder (``trigger.history``) on, every step measured. At ``--spike-step`` S one
 injection: layer 1's gradient times 3, 10 or 100, or the loss (every layer's gradient) times 10, or the learning
-rate 10x for that step. For every layer and signal (the pre-clip gradient norm, the update's norm, the update-to-weight
-ratio, ``exp_avg``'s and ``exp_avg_sq``'s norms) it reports the value at S and the steps after, over its level
-before (the median of the ``BEFORE`` steps before S) and over the same step of a run without the injection (the
-control: same seed, same data). One launch runs every run.
+rate 10x for that step. For every layer and signal (the pre-clip gradient norm, the update's norm, the
+update-to-weight ratio, ``exp_avg``'s and ``exp_avg_sq``'s norms) it reports the value at S and the steps after,
+over its level before (the median of the ``BEFORE`` steps before S) and over the same step of a run without the
+injection (the control: same seed, same data); the JSON keeps every bucket's norms of every step. One launch
+runs every run.
 
     PYTHONPATH=. python3 benchmarks/spike_calibration.py   # writes results/spike_calibration.{md,json}
 """
@@ -114,6 +115,13 @@ def summary(moved: Dict[str, Dict], configs: List[str]) -> List[str]:
     return lines + [""]
 
 
+def rounded(norms: List[Dict]) -> List[Dict]:
+    """Each step's norms to 4 significant digits, without ``post_clip`` (the table's figures come from the other
+    signals): the raw JSON stays small."""
+    return [{signal: {key: float(f"{value:.4g}") for key, value in buckets.items()}
+             for signal, buckets in step.items() if signal != "post_clip"} for step in norms]
+
+
 def _range(values: List[float]) -> str:
     return f"{min(values):.2f}-{max(values):.2f}"
 
@@ -159,8 +167,9 @@ def main() -> None:
     for config in options.configs:
         lines += table(config, moved[config], step, after)
     write_results("spike_calibration", lines, {"spike_step": step, "after": after, "before": BEFORE,
-                                               "hit_layer": HIT_LAYER, "machine": machine(), "moved": moved,
-                                               "norms": {name: record["norms"] for name, record in results.items()},
+                                               "hit_layer": HIT_LAYER, "machine": machine(),
+                                               "norms": {name: rounded(record["norms"])
+                                                         for name, record in results.items()},
                                                "losses": {name: record["losses"] for name, record in results.items()},
                                                "fires": {name: record["fires"] for name, record in results.items()}})
 

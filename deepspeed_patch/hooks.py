@@ -122,7 +122,7 @@ CALL_SITES = (
                 *_REMEDY_STATE),
     *_optimizer(_ZERO3, ("unscale_and_clip_grads", START,
                           AdapterCall(Zero3Adapter.unscale_and_clip_grads, ("sub_group_id", "total_norm"))),
-                ("_update_scale", START, AdapterCall(Zero3Adapter.update_scale, ("has_overflow", )))),
+                ("_update_scale", START, AdapterCall(Zero3Adapter.update_scale, ("has_overflow", ))), *_REMEDY_STATE),
     *_optimizer(_BF16, *_REMEDY_STATE),  # BF16Adapter reads when the engine's step begins and ends
     *_optimizer(
         _FUSED,

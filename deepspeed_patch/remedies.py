@@ -80,6 +80,13 @@ class Remedies:
                       adaptive=self.adaptive is not None,
                       skipping=self.skip is not None)
 
+    def overflowed(self) -> Action:
+        """The action of a step the loss scaler skips: none; the loss reported for it is dropped, not judged with
+        the next step's norm."""
+        if self.skip is not None:
+            self.skip.loss = None
+        return Action(adaptive=self.adaptive is not None, skipping=self.skip is not None)
+
     def state_dict(self) -> dict:
         return {"adaptive_clipping": self.adaptive.state_dict()} if self.adaptive is not None else {}
 

@@ -32,9 +32,9 @@ from .refusals import (
     check_moe,
     check_no_sequence_parallel,
     check_optimizer_statistics,
-    check_remedies,
     check_param_grad_trigger,
     check_param_grads,
+    check_remedies,
     check_supported,
     whole_model_on_each_rank,
 )

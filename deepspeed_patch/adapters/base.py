@@ -39,6 +39,7 @@ from ..clipping import zero_unscale_divisor
 from ..config import LayerGradNormsConfig
 from ..layer_map import LayerMap
 from ..measurement import Measurement, table_rows
+from ..on_demand import rank_of_process
 from ..optimizer_stats import OptimizerStatistics
 from ..partition_stats import ChunkPlan
 from ..publish import Publisher
@@ -101,9 +102,11 @@ class LayerGradNormsAdapter:
         before the optimizer steps (``act``)."""
         self.capture_steps = trigger.capture_steps if trigger is not None else None
         self.wants_loss = (trigger is not None and trigger.loss_factor is not None) or setup.config.skip_step.enabled
-        """Whether ``report_loss`` is needed: a trigger watches the loss (``trigger.loss_factor``), or ``skip_step``."""
+        """Whether ``report_loss`` is needed: a trigger watches the loss (``trigger.loss_factor``), or
+        ``skip_step`` does."""
         self.saved_clip_grad: Optional[float] = None
-        """The optimizer's ``clip_grad`` while adaptive clipping replaces it for one step (``suspend_global_clipping``)."""
+        """The optimizer's ``clip_grad`` while adaptive clipping replaces it for one step
+        (``suspend_global_clipping``)."""
         history = trigger.history if trigger is not None else 0
         self.recorder = FlightRecorder(history, self.layer_map.num_rows, device, self.kinds) if history else None
 
@@ -122,6 +125,7 @@ class LayerGradNormsAdapter:
                                        kinds=self.kinds)
         with self.measurement.guarded("reading the gradients"):
             self.read_at_begin(self.measurement)
+        self.act_at_begin(self.measurement)
         if self.optimizer_statistics is not None:
             with self.measurement.guarded("reading the optimizer's hyper-parameters"):
                 self.optimizer_statistics.begin_step()
@@ -131,9 +135,11 @@ class LayerGradNormsAdapter:
         trigger, and when it fires reduce the recorded steps. What leads to a collective here (``reporting``,
         the fire) is the same on every rank, whatever failed on one."""
         measurement, self.measurement = self.measurement, None
-        self.resume_global_clipping()
-        with self.latch.failing_locally("ending the step", self.plan.step):  # the last resort: never into training
-            self._end(measurement)
+        try:
+            with self.latch.failing_locally("ending the step", self.plan.step):  # the last resort: never into training
+                self._end(measurement)
+        finally:
+            self.resume_global_clipping()
 
     def _end(self, measurement: Optional[Measurement]) -> None:
         action = measurement.action if measurement is not None else None
@@ -143,7 +149,8 @@ class LayerGradNormsAdapter:
             self._close(measurement, overflow)
         if self.latch.broken:
             return
-        fired = self.trigger.after_step(self.plan.step, action.global_norm if skipped else self.global_norm(), overflow)
+        norm = action.global_norm if skipped else self.global_norm()  # DeepSpeed's is inf on a skipped step
+        fired = self.trigger.after_step(self.plan.step, norm, overflow)
         if fired is None and skipped:
             fired = self._skip_fire(action)
         if fired is not None:
@@ -180,7 +187,11 @@ class LayerGradNormsAdapter:
         if self.capture_steps is None:
             return None
         step = self.plan.step
-        return {"fired_at": step, "reason": f"skip_step: {action.skip_reason}", "capture_until": step + self.capture_steps}
+        return {
+            "fired_at": step,
+            "reason": f"skip_step: {action.skip_reason}",
+            "capture_until": step + self.capture_steps
+        }
 
     def act(self, measurement: Measurement) -> None:
         """Before the optimizer steps, on a step the loss scaler does not skip, with every group observed: reduce
@@ -198,7 +209,8 @@ class LayerGradNormsAdapter:
             action = self.remedies.decide(reduced, measurement.gradient_scale, self.clip_divisor)
             measurement.action = action
             if action.skipped:
-                logger.warning("layer_grad_norms: skip_step skips step %d (%s)", step, action.skip_reason)
+                if rank_of_process() == 0:  # the same decision on every rank: one line
+                    logger.warning("layer_grad_norms: skip_step skips step %d (%s)", step, action.skip_reason)
                 self.skip_optimizer_step()
             elif action.factors is not None:
                 self.suspend_global_clipping()
@@ -266,6 +278,9 @@ class LayerGradNormsAdapter:
 
     def read_at_begin(self, measurement: Measurement) -> None:
         """Families whose gradients are complete when the step begins read them here."""
+
+    def act_at_begin(self, measurement: Measurement) -> None:
+        """Families that read at the beginning let the remedies act then (``act``), on every rank."""
 
     def read_at_end(self, measurement: Measurement, overflow: bool) -> None:
         """Families whose applied scale is known only once the step is done record it here."""
@@ -375,6 +390,8 @@ class ZeroPartitionsAdapter(OptimizerAdapter):
                     self.observe_skipped(measurement, index, plan)
         if acting:
             self.act(measurement)
+        elif self.remedies is not None:
+            measurement.action = self.remedies.overflowed()
 
     def clip_divisor(self, global_norm: float) -> float:
         return zero_unscale_divisor(global_norm, clip_grad=self.optimizer.clip_grad, loss_scale=1.0)

@@ -118,7 +118,8 @@ def log_layer_grad_norms(engine, iteration: int, writer, args: argparse.Namespac
     A fire's recorded steps (``trigger.history``) are written once, when the hook first sees them.
 
     ``loss``: the iteration's loss as Megatron reduces it (``loss_dict["lm loss"]``, the same on every rank),
-    reported to the engine for ``trigger.loss_factor``; it is judged at the end of the next optimizer step.
+    reported to the engine for ``trigger.loss_factor``; it is judged at the end of the next optimizer step. It
+    comes after its step, so ``skip_step`` judges the global norm alone here (``report_loss``'s ``before_step``).
     Without a ``loss_factor`` it is not touched: Megatron's loss stays on the device, and an iteration the hook
     does not log costs no host synchronisation.
     """
@@ -126,7 +127,7 @@ def log_layer_grad_norms(engine, iteration: int, writer, args: argparse.Namespac
         return ""
     adapter = getattr(engine, "layer_grad_norms", None)
     if loss is not None and adapter is not None and adapter.wants_loss:
-        adapter.report_loss(loss)
+        adapter.report_loss(loss, before_step=False)  # the hook runs after the step: not for skip_step
     if writer is not None:
         _write_new_history(engine, writer)
     stats = engine.get_layer_grad_norms()

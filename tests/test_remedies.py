@@ -39,8 +39,8 @@ def skipping(**case) -> dict:
     return {"steps": 8, "spike_step": 7, "report_loss": True, **case}
 
 
-CASES = {
-    1: {
+CASES = {  # by launch: its world size, and "x" for the extended tier
+    "1": {
         "z2_fp32_adaptive_groups": adaptive(groups=True),
         "z2_fp32_keys_off": {"steps": 3, "clip": 0.5, "compare_off": True,
                              "block": {"adaptive_clipping": {"enabled": False}, "skip_step": {"enabled": False}}},
@@ -49,15 +49,17 @@ CASES = {
         "refused_bf16_optimizer_skip": {**BF16_OPTIMIZER, "block": {"skip_step": SKIP}},
         "refused_with_optimizer_statistics": {"block": {"skip_step": SKIP, "optimizer_statistics": ["param"]}},
     },
-    2: {
-        "z2_fp32_adaptive_gas2_groups": adaptive(gas=2, groups=True),
-        "z1_fp16_adaptive_overflow": adaptive(stage=1, dtype="fp16", overflow_step=3, steps=6),
-        "z1_bf16_optimizer_adaptive": adaptive(**BF16_OPTIMIZER),
+    "2": {
         "z2_fp32_skip_spike": skipping(block={"skip_step": SKIP, "trigger": TRIGGER, "dump": {"path": DUMP}},
                                        dump=True),
         "z2_fp32_both_spike": skipping(clip=0.5, block={"skip_step": SKIP, "adaptive_clipping": ADAPTIVE}),
     },
-    3: {
+    "2x": {
+        "z2_fp32_adaptive_gas2_groups": adaptive(gas=2, groups=True),
+        "z1_fp16_adaptive_overflow": adaptive(stage=1, dtype="fp16", overflow_step=3, steps=6),
+        "z1_bf16_optimizer_adaptive": adaptive(**BF16_OPTIMIZER),
+    },
+    "3x": {
         "z2_fp32_adaptive_gas2_uneven": adaptive(gas=2, layers=UNEVEN),
         "z2_bf16_adaptive_uneven": adaptive(dtype="bf16", layers=UNEVEN),
         "z1_bf16_optimizer_adaptive_uneven": adaptive(**BF16_OPTIMIZER, layers=UNEVEN),
@@ -66,30 +68,30 @@ CASES = {
                                               block={"skip_step": SKIP, "adaptive_clipping": ADAPTIVE}),
     },
 }
-TIER = {1: [], 2: [], 3: [pytest.mark.extended]}
-ADAPTIVE_CASES = [(world, name) for world, cases in CASES.items() for name, case in cases.items()
+ADAPTIVE_CASES = [(launch_id, name) for launch_id, cases in CASES.items() for name, case in cases.items()
                   if "adaptive_clipping" in case.get("block", {}) and case["block"]["adaptive_clipping"]["enabled"]
                   and not name.startswith("refused")]
-SKIP_CASES = [(world, name) for world, cases in CASES.items() for name, case in cases.items()
+SKIP_CASES = [(launch_id, name) for launch_id, cases in CASES.items() for name, case in cases.items()
               if "spike_step" in case]
 
 
 def tiered(pairs):
-    return [pytest.param(world, name, marks=TIER[world]) for world, name in pairs]
+    return [pytest.param(launch_id, name, marks=[pytest.mark.extended] if "x" in launch_id else []) for launch_id, name
+            in pairs]
 
 
 @lru_cache(maxsize=None)
-def results_of(world_size: int):
+def results_of(launch_id: str):
     if os.path.exists(DUMP):
         os.remove(DUMP)
     chosen = os.environ.get("REMEDY_CASES")  # comma-separated case names: launch only those (for debugging)
-    cases = {name: case for name, case in CASES[world_size].items() if not chosen or name in chosen.split(",")}
-    return launch(run_cases, world_size, cases)
+    cases = {name: case for name, case in CASES[launch_id].items() if not chosen or name in chosen.split(",")}
+    return launch(run_cases, int(launch_id.rstrip("x")), cases)
 
 
-def ok(world_size: int, name: str) -> List[dict]:
+def ok(launch_id: str, name: str) -> List[dict]:
     """Every rank's record of a case that trained."""
-    records = [rank_results[name] for rank_results in results_of(world_size)]
+    records = [rank_results[name] for rank_results in results_of(launch_id)]
     for record in records:
         assert "error" not in record, record["error"]
     return [record["on"] for record in records]
@@ -139,10 +141,10 @@ def global_norm(reference: Dict) -> float:
     return math.sqrt(sum(stats["norm"]**2 for stats in reference.values()))
 
 
-def passed_steps(world_size: int, name: str) -> Set[int]:
+def passed_steps(launch_id: str, name: str) -> Set[int]:
     """The steps of a case the optimizer applied nothing on, by the reference: the forced overflow, the skips."""
-    case = CASES[world_size][name]
-    record = ok(world_size, name)[0]
+    case = CASES[launch_id][name]
+    record = ok(launch_id, name)[0]
     passed = {case["overflow_step"]} if case.get("overflow_step") else set()
     if "skip_step" in case.get("block", {}):
         norms = [global_norm(reference) for reference in record["reference"]]
@@ -151,16 +153,16 @@ def passed_steps(world_size: int, name: str) -> Set[int]:
     return passed
 
 
-@pytest.mark.parametrize("world_size, name", tiered(ADAPTIVE_CASES))
-def test_adaptive_clipping_applies_adagc(world_size, name):
+@pytest.mark.parametrize("launch_id, name", tiered(ADAPTIVE_CASES))
+def test_adaptive_clipping_applies_adagc(launch_id, name):
     """Step by step: pre-clip norms, the per-bucket factors (``adaptive_clip``), ``post_clip`` and the update the
     optimizer applied, against AdaGC computed from the reference gradient."""
-    case = CASES[world_size][name]
+    case = CASES[launch_id][name]
     config = {"warmup_steps": 100, "factor": 1.05, "beta": 0.98, **case["block"]["adaptive_clipping"]}
     dtype = case.get("dtype", "fp32")
-    records = ok(world_size, name)
+    records = ok(launch_id, name)
     record = records[0]
-    passed = passed_steps(world_size, name)
+    passed = passed_steps(launch_id, name)
     expected = adagc_factors(record["reference"], case["clip"], config, passed)
     checked = clipped = 0
     for index, (reference, factors) in enumerate(zip(record["reference"], expected)):
@@ -189,13 +191,13 @@ def test_adaptive_clipping_applies_adagc(world_size, name):
     assert clipped > 0  # the per-bucket rule did clip
 
 
-@pytest.mark.parametrize("world_size, name", tiered(SKIP_CASES))
-def test_skip_step_skips_the_spike(world_size, name):
+@pytest.mark.parametrize("launch_id, name", tiered(SKIP_CASES))
+def test_skip_step_skips_the_spike(launch_id, name):
     """The spiked step, and only it, is skipped on every rank: no weight moves, the engine counts it as DeepSpeed
     counts an overflow, and the result says so; the decision matches OLMo-core's rule on the reference."""
-    case = CASES[world_size][name]
-    records = ok(world_size, name)
-    passed = passed_steps(world_size, name)
+    case = CASES[launch_id][name]
+    records = ok(launch_id, name)
+    passed = passed_steps(launch_id, name)
     assert passed == {case["spike_step"]}
     for record in records:
         skipped = [measured["skipped"] for measured in record["measured"]]
@@ -209,8 +211,8 @@ def test_skip_step_skips_the_spike(world_size, name):
 def test_skipped_step_fires_the_capture_and_shows_in_dump():
     """The skipped step opens the trigger's capture: the recorder's steps up to it come back, it marked skipped;
     and the dump holds it."""
-    case = CASES[2]["z2_fp32_skip_spike"]
-    record = ok(2, "z2_fp32_skip_spike")[0]
+    case = CASES["2"]["z2_fp32_skip_spike"]
+    record = ok("2", "z2_fp32_skip_spike")[0]
     history = record["history"]
     assert [entry["step"] for entry in history] == [5, 6, 7]
     assert history[-1]["trigger"]["reason"].startswith("skip_step:")
@@ -221,7 +223,7 @@ def test_skipped_step_fires_the_capture_and_shows_in_dump():
 
 def test_keys_off_is_bit_identical():
     """Both keys present and off: the same weights, bit for bit, as without the block."""
-    result = results_of(1)[0]["z2_fp32_keys_off"]
+    result = results_of("1")[0]["z2_fp32_keys_off"]
     assert "error" not in result, result.get("error")
     assert result["on"].keys() == result["off"].keys()
     for name, weight in result["on"].items():
@@ -230,8 +232,8 @@ def test_keys_off_is_bit_identical():
 
 def test_resume_keeps_the_averages():
     """A checkpoint keeps each bucket's average and the steps seen; a resumed run applies what the first did."""
-    case = CASES[1]["z2_fp32_resume"]
-    record = ok(1, "z2_fp32_resume")[0]
+    case = CASES["1"]["z2_fp32_resume"]
+    record = ok("1", "z2_fp32_resume")[0]
     resumed = record["resumed"]
     assert resumed["loaded_state"] == record["saved_state"]
     assert record["saved_state"]["adaptive_clipping"]["steps"] == case["resume_at"]
@@ -247,6 +249,6 @@ def test_resume_keeps_the_averages():
     ("refused_with_optimizer_statistics", "skip_step with optimizer_statistics is not supported"),
 ])
 def test_refused_by_name(name, words):
-    result = results_of(1)[0][name]
+    result = results_of("1")[0][name]
     assert result.get("type") == "UnsupportedSetupError", result.get("error")
     assert words in result["message"]

@@ -315,15 +315,18 @@ class LayerGradNormsAdapter:
         the last fire's, a given fire's, or every kept fire's (``TriggerState.history``)."""
         return self.trigger.history(fire)
 
-    def report_loss(self, loss: Union[float, torch.Tensor]) -> None:
-        """The training step's loss, for ``trigger.loss_factor``: call it on every rank with the same value
-        (a loss already averaged across the ranks, as Megatron's reduced loss is), before ``engine.step()``
-        of that step or after it; it is judged at the end of the next optimizer step. A rank that reports
-        another value, or none, could fire alone and hang the others in the recorder's collective. Without
-        a ``loss_factor`` (``wants_loss`` false) the loss is ignored, not read: a device tensor stays there."""
+    def report_loss(self, loss: Union[float, torch.Tensor], before_step: bool = True) -> None:
+        """The training step's loss, for ``trigger.loss_factor`` and ``skip_step``: call it on every rank with the
+        same value (a loss already averaged across the ranks, as Megatron's reduced loss is). For the trigger,
+        before ``engine.step()`` of that step or after it; it is judged at the end of the next optimizer step.
+        For ``skip_step``, before ``engine.step()`` of that step (``before_step``), whose skip it decides; a loss
+        reported after its step (``before_step=False``, as Megatron's training-log hook does) goes to the trigger
+        alone. A rank that reports another value, or none, could fire or skip alone and hang the others in a
+        collective. Without a ``loss_factor`` or ``skip_step`` (``wants_loss`` false) the loss is ignored, not
+        read: a device tensor stays there."""
         if self.trigger.trigger is not None and self.trigger.trigger.loss_factor is not None:
             self.trigger.report_loss(loss)
-        if self.remedies is not None:
+        if self.remedies is not None and before_step:
             self.remedies.report_loss(loss)
 
     def set_options(self,

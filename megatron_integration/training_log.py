@@ -26,11 +26,13 @@ from typing import Dict, Hashable, List
 from deepspeed_patch.tags import (
     ALL_PHASES,
     HISTORY_ROOT,
+    SKIPPED,
     history_root,
     history_run_name,
     is_layer,
     logged_result,
     phase_statistics,
+    step_scalars,
 )
 
 from .bucket_runs import BucketRuns, bucket_runs
@@ -54,6 +56,8 @@ def write_tensorboard(writer, stats: Dict) -> None:
     for place in sorted(placed.values(), key=lambda place: place.layer is None):
         runs.writer(place.run)  # layers first, in the result's order: TensorBoard colours runs in the order they start
     _write_scalars(runs, placed, stats)
+    for tag, value in step_scalars(stats).items():  # skip_step's decision: the writer's own run
+        writer.add_scalar(tag, value, iteration)
     runs.logged_step = iteration
     runs.flush()
 
@@ -95,7 +99,8 @@ def log_string_field(stats: Dict) -> str:
     """`` layer grad norm: 0: 3.1E-01 | 1: 2.9E-01 | ... |`` for the layers, pre-clip (``encoder.0: ...`` in
     a model of several layer stacks)."""
     layers = [(key, values["norm"]) for key, values in stats["pre_clip"].items() if is_layer(key)]
-    return " layer grad norm:" + "".join(f" {key}: {norm:.3E} |" for key, norm in layers)
+    skipped = " step skipped (skip_step) |" if stats.get(SKIPPED) else ""
+    return " layer grad norm:" + "".join(f" {key}: {norm:.3E} |" for key, norm in layers) + skipped
 
 
 def _write_new_history(engine, writer) -> None:

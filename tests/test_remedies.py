@@ -8,6 +8,7 @@ step applied is the gradient the optimizer received, compared bucket by bucket w
 
 import math
 import os
+import re
 import statistics
 import tempfile
 from functools import lru_cache
@@ -252,3 +253,36 @@ def test_refused_by_name(name, words):
     result = results_of("1")[0][name]
     assert result.get("type") == "UnsupportedSetupError", result.get("error")
     assert words in result["message"]
+
+
+def test_megatron_flags_fill_the_block():
+    import argparse
+
+    from megatron_integration.arguments import add_layer_grad_norms_args, layer_grad_norms_block
+
+    parser = add_layer_grad_norms_args(argparse.ArgumentParser())
+    block = layer_grad_norms_block(parser.parse_args(["--log-layer-grad-norms", "--layer-grad-norms-adaptive-clipping",
+                                                      "--layer-grad-norms-skip-step", "sigma=5,window=64"]))
+    assert block["adaptive_clipping"] == {"enabled": True}
+    assert block["skip_step"] == {"enabled": True, "sigma": 5, "window": 64}
+    alone = layer_grad_norms_block(parser.parse_args(["--layer-grad-norms-adaptive-clipping", "factor=1.1"]))
+    assert alone == {"enabled": False, "adaptive_clipping": {"enabled": True, "factor": 1.1}}
+    assert layer_grad_norms_block(parser.parse_args([])) is None
+    for flags, words in ((["--layer-grad-norms-skip-step", "sigma=-1"], "greater than 0"),
+                         (["--layer-grad-norms-skip-step", "sgma=1"], "'sgma=1' is not one of sigma=..., window=..."),
+                         (["--layer-grad-norms-adaptive-clipping", "beta=1.5"], "less than 1")):
+        with pytest.raises(ValueError, match=words):
+            layer_grad_norms_block(parser.parse_args(flags))
+
+
+@pytest.mark.parametrize("block, words", [
+    ({"adaptive_clipping": {"enabled": True, "beta": 1.0}}, "adaptive_clipping.beta=1.0"),
+    ({"adaptive_clipping": {"enabled": True, "warmup_steps": 0}}, "adaptive_clipping.warmup_steps=0"),
+    ({"skip_step": {"window": 1}}, "skip_step.window=1"),
+    ({"skip_step": {"sigmas": 6}}, "skip_step.sigmas=6: unknown key"),
+])
+def test_bad_remedy_keys_are_named(block, words):
+    from deepspeed_patch.config import LayerGradNormsConfigError, load_config
+
+    with pytest.raises(LayerGradNormsConfigError, match=re.escape(words)):
+        load_config({"layer_grad_norms": block})

@@ -21,10 +21,9 @@ from zero_workers import (
     OVERFLOW_BLOW_UP,
     batches_of_step,
     ds_config,
-    force_fp16_on_cpu,
     full_weights,
-    install_feature,
     model_config,
+    run_each,
 )
 
 REMEDY_CASE: Dict[str, Any] = {
@@ -139,21 +138,10 @@ def off_weights(case: Dict[str, Any], enabled: bool) -> Dict[str, torch.Tensor]:
 
 def run_cases(cases: Dict[str, Dict[str, Any]]) -> Dict[str, Any]:
     """Every case on this rank; a failing case is recorded (its error), not raised, so the others still run."""
-    import logging
-    import traceback
 
-    install_feature()
-    force_fp16_on_cpu()
-    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
-    results = {}
-    for name, overrides in cases.items():
-        case = {**REMEDY_CASE, **overrides}
-        try:
-            if case.get("compare_off"):
-                results[name] = {"on": off_weights(case, True), "off": off_weights(case, False)}
-            else:
-                results[name] = {"on": train(case)}
-        except Exception as err:
-            results[name] = {"error": traceback.format_exc(), "type": type(err).__name__, "message": str(err)}
-        results[name]["case"] = case
-    return results
+    def trained(case: Dict[str, Any]) -> Dict[str, Any]:
+        if case.get("compare_off"):
+            return {"on": off_weights(case, True), "off": off_weights(case, False)}
+        return {"on": train(case)}
+
+    return run_each(cases, REMEDY_CASE, trained)

@@ -37,7 +37,7 @@ __all__ = [
     "UPDATE_TO_WEIGHT", "ALL_PHASES", "update_to_weight", "norm_ratio", "logged_result", "LayerKey", "LayerId",
     "is_layer", "layer_position", "bucket_label", "layer_of_label", "phase_label", "phase_statistics", "scalar_tag",
     "run_name", "flat_scalars", "HISTORY_ROOT", "HISTORY_RUN", "history_root", "history_run_name", "ADAPTIVE_CLIP",
-    "SKIPPED", "SKIPPED_TAG", "step_scalars"
+    "SKIPPED", "SKIPPED_TAG", "step_scalars", "WRITTEN_PHASES"
 ]
 
 TAG_ROOT = "layer-grad-norms"
@@ -65,8 +65,10 @@ SKIPPED = "skipped"
 """The result's key saying that ``skip_step`` skipped the step (with ``skip_reason``), present while it is on."""
 SKIPPED_TAG = f"{TAG_ROOT}/skipped-step"
 """The scalar of a step ``skip_step`` judged: 1 skipped, 0 applied; one per step, in the writer's own run."""
-ALL_PHASES = LOGGED_PHASES + OPTIMIZER_KINDS + (UPDATE_TO_WEIGHT, ADAPTIVE_CLIP)
-"""Every phase a log may hold, in the order the logs list them."""
+ALL_PHASES = LOGGED_PHASES + OPTIMIZER_KINDS + (UPDATE_TO_WEIGHT, )
+"""Every signal a log may hold, in the order the logs list them (what a fire's judgement reads)."""
+WRITTEN_PHASES = ALL_PHASES + (ADAPTIVE_CLIP, )
+"""Every phase the writers write: the signals, and adaptive clipping's factors (a remedy's action, not a signal)."""
 
 _LAYER_LABEL = re.compile(r"^(?:(.+)\.)?layer(\d+)$")
 HISTORY_RUN = re.compile(rf"(?:^|/){HISTORY_ROOT}/fire-(\d+)/([^/]+)$")
@@ -186,7 +188,7 @@ def run_name(bucket: Hashable) -> str:
 
 
 def flat_scalars(result: dict,
-                 phases: Iterable[str] = ALL_PHASES,
+                 phases: Iterable[str] = WRITTEN_PHASES,
                  statistics: Iterable[str] = LOGGED_STATISTICS) -> Dict[str, float]:
     """Every selected bucket's ``statistics`` of a ``get_layer_grad_norms()`` result as logs see it
     (``logged_result``), by flat tag (``layer-grad-norms/pre-clip/layer00``, ``layer-grad-norms/update/layer00``);

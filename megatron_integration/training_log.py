@@ -24,9 +24,9 @@ from dataclasses import replace
 from typing import Dict, Hashable, List
 
 from deepspeed_patch.tags import (
-    ALL_PHASES,
     HISTORY_ROOT,
     SKIPPED,
+    WRITTEN_PHASES,
     history_root,
     history_run_name,
     is_layer,
@@ -64,13 +64,13 @@ def write_tensorboard(writer, stats: Dict) -> None:
 
 def _logged_phases(stats: Dict) -> List[str]:
     """The phases of a result its logs hold: the gradient's, and the kinds and ratio it carries."""
-    return [phase for phase in ALL_PHASES if phase in logged_result(stats)]
+    return [phase for phase in WRITTEN_PHASES if phase in logged_result(stats)]
 
 
 def _write_scalars(runs: BucketRuns, placed: Dict[Hashable, Placement], stats: Dict) -> None:
     """Each bucket's statistics of one result into its run, against the result's step."""
     logged = logged_result(stats)
-    for phase in ALL_PHASES:
+    for phase in WRITTEN_PHASES:
         for key, values in (logged.get(phase) or {}).items():
             place = placed[key]
             for statistic in phase_statistics(phase):

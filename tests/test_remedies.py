@@ -21,6 +21,8 @@ from megatron_integration.cpu_launch import launch
 from reference import TOLERANCE, assert_close_stats
 
 UNEVEN = 5  # layers: partitions of unequal size at 3 ranks
+LAUNCH_TIMEOUT = 1500
+"""Seconds for one launch's cases: a loaded CI machine needs well over the default for the extended ones."""
 DUMP = os.path.join(tempfile.gettempdir(), f"remedies-dump-{os.getpid()}.jsonl")
 ADAPTIVE = {"enabled": True, "warmup_steps": 2, "factor": 0.9, "beta": 0.5}
 """Tight enough that buckets are clipped on most steps after the warm-up (a factor under 1 clips a steady norm)."""
@@ -87,7 +89,7 @@ def results_of(launch_id: str):
         os.remove(DUMP)
     chosen = os.environ.get("REMEDY_CASES")  # comma-separated case names: launch only those (for debugging)
     cases = {name: case for name, case in CASES[launch_id].items() if not chosen or name in chosen.split(",")}
-    return launch(run_cases, int(launch_id.rstrip("x")), cases)
+    return launch(run_cases, int(launch_id.rstrip("x")), cases, timeout=LAUNCH_TIMEOUT)
 
 
 def ok(launch_id: str, name: str) -> List[dict]:

@@ -28,7 +28,7 @@ from transformers.trainer_utils import IntervalStrategy
 
 from .clipping import torch_clip_divisor
 from .config import CONFIG_KEY
-from .tags import ALL_PHASES, LOGGED_STATISTICS, flat_scalars
+from .tags import LOGGED_STATISTICS, WRITTEN_PHASES, flat_scalars
 
 __all__ = ["LayerGradNormsCallback"]
 
@@ -37,9 +37,10 @@ class LayerGradNormsCallback(TrainerCallback):
     """Adds each selected bucket's gradient statistics to the Trainer's logs at its logging steps.
 
     ``statistics``: any of ``"norm"``, ``"min"``, ``"max"`` (the norm by default); ``phases``: any of
-    ``tags.ALL_PHASES`` (all by default): ``"pre_clip"``, ``"post_clip"``, the block's ``optimizer_statistics``
+    ``tags.WRITTEN_PHASES`` (all by default): ``"pre_clip"``, ``"post_clip"``, the block's ``optimizer_statistics``
     kinds ``"param"``, ``"update"``, ``"exp_avg"``, ``"exp_avg_sq"`` (under DeepSpeed) and ``"update_to_weight"``
-    (the norm of the update over that of the weights, with both kinds on); a phase a step's result lacks is
+    (the norm of the update over that of the weights, with both kinds on), ``"adaptive_clip"`` (each bucket's
+    factor, with the block's ``adaptive_clipping``); a phase a step's result lacks is
     not logged. Under DeepSpeed the buckets, layers and interval come from the ``layer_grad_norms``
     block of the DeepSpeed config given to the Trainer (``TrainingArguments(deepspeed=...)``), which needs
     ``enabled: true``; a logging step the block's ``interval`` does not measure logs no statistics (a
@@ -56,10 +57,10 @@ class LayerGradNormsCallback(TrainerCallback):
 
     def __init__(self,
                  statistics: Sequence[str] = ("norm", ),
-                 phases: Sequence[str] = ALL_PHASES,
+                 phases: Sequence[str] = WRITTEN_PHASES,
                  **options: Any) -> None:
         self.statistics = _checked("statistics", statistics, LOGGED_STATISTICS)
-        self.phases = _checked("phases", phases, ALL_PHASES)
+        self.phases = _checked("phases", phases, WRITTEN_PHASES)
         self.options = options
         self._optimizer = None  # under DeepSpeed: its optimizer, which holds the engine's result
         self._plain = None  # without DeepSpeed: a plain.LayerGradNorms

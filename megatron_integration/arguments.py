@@ -11,8 +11,10 @@ import json
 import logging
 from typing import Any, Dict, List, Optional, Union
 
+from pydantic import ValidationError
+
 import deepspeed_patch
-from deepspeed_patch.config import CONFIG_KEY, parse_layer_spec
+from deepspeed_patch.config import CONFIG_KEY, AdaptiveClippingConfig, SkipStepConfig, parse_layer_spec
 from deepspeed_patch.tags import OPTIMIZER_KINDS
 
 logger = logging.getLogger(__name__)
@@ -45,6 +47,16 @@ def add_layer_grad_norms_args(parser: argparse.ArgumentParser) -> argparse.Argum
                        f"list of {','.join(OPTIMIZER_KINDS)} (the fp32 weights, the step's update, the Adam "
                        "moments; with param and update, their norms' ratio update-to-weight too); the ds_config's "
                        "optimizer_statistics.")
+    group.add_argument("--layer-grad-norms-adaptive-clipping", type=str, nargs="?", const="", default=None,
+                       metavar="KEY=VALUE,...",
+                       help="Clip each layer's gradient against the moving average of its own clipped norm (AdaGC) "
+                       "after a warm-up of global clipping; optional settings such as beta=0.98,factor=1.05,"
+                       "warmup_steps=100 (the ds_config's adaptive_clipping). Every step is then measured.")
+    group.add_argument("--layer-grad-norms-skip-step", type=str, nargs="?", const="", default=None,
+                       metavar="KEY=VALUE,...",
+                       help="Skip an optimizer step whose global gradient norm is more than sigma standard "
+                       "deviations above its last window steps' mean; optional settings such as sigma=6,window=128 "
+                       "(the ds_config's skip_step). Every step is then measured.")
     return parser
 
 
@@ -54,9 +66,11 @@ def layer_grad_norms_interval(args: argparse.Namespace) -> int:
 
 
 def layer_grad_norms_block(args: argparse.Namespace) -> Optional[Dict[str, Any]]:
-    """The ``layer_grad_norms`` ds_config block the flags ask for; ``None`` without the flag."""
+    """The ``layer_grad_norms`` ds_config block the flags ask for; ``None`` without them. A remedy's flag alone
+    gives a block that acts without logging (``enabled`` follows ``--log-layer-grad-norms``)."""
+    remedies = _remedy_blocks(args)
     if not getattr(args, "log_layer_grad_norms", False):
-        return None
+        return {"enabled": False, **remedies} if remedies else None
     try:
         parse_layer_spec(args.layer_grad_norms_layers)
     except ValueError as err:
@@ -70,7 +84,48 @@ def layer_grad_norms_block(args: argparse.Namespace) -> Optional[Dict[str, Any]]
     kinds = _optimizer_statistics(args)
     if kinds:
         block["optimizer_statistics"] = kinds
-    return block
+    return {**block, **remedies}
+
+
+REMEDY_FLAGS = {
+    "adaptive_clipping": ("--layer-grad-norms-adaptive-clipping", AdaptiveClippingConfig),
+    "skip_step": ("--layer-grad-norms-skip-step", SkipStepConfig),
+}
+"""Each remedy's ds_config key: its flag, and the model that checks the flag's settings."""
+
+
+def _remedy_blocks(args: argparse.Namespace) -> Dict[str, Dict[str, Any]]:
+    """The ``adaptive_clipping`` and ``skip_step`` blocks of their flags (``KEY=VALUE,...``, or nothing for the
+    defaults), checked; none for a flag not given."""
+    blocks = {}
+    for key, (flag, model) in REMEDY_FLAGS.items():
+        value = getattr(args, flag.removeprefix("--").replace("-", "_"), None)
+        if value is None:
+            continue
+        settings: Dict[str, Any] = {"enabled": True}
+        for item in filter(None, (part.strip() for part in value.split(","))):
+            name, equals, number = item.partition("=")
+            if not equals or name.strip() not in model.model_fields or name.strip() == "enabled":
+                raise ValueError(f"{flag}={value!r}: {item!r} is not one of "
+                                 f"{', '.join(f'{field}=...' for field in model.model_fields if field != 'enabled')}")
+            settings[name.strip()] = _number(number.strip())
+        try:
+            model(**settings)
+        except ValidationError as err:
+            raise ValueError(f"{flag}={value!r}: {err.errors()[0]['msg']}") from None
+        blocks[key] = settings
+    return blocks
+
+
+def _number(text: str) -> Union[int, float, str]:
+    """A flag setting's value as the JSON of a ds_config would have it: an int, a float, or (left to the check)
+    the text."""
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
 
 
 def _optimizer_statistics(args: argparse.Namespace) -> List[str]:

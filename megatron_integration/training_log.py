@@ -24,13 +24,15 @@ from dataclasses import replace
 from typing import Dict, Hashable, List
 
 from deepspeed_patch.tags import (
-    ALL_PHASES,
     HISTORY_ROOT,
+    SKIPPED,
+    WRITTEN_PHASES,
     history_root,
     history_run_name,
     is_layer,
     logged_result,
     phase_statistics,
+    step_scalars,
 )
 
 from .bucket_runs import BucketRuns, bucket_runs
@@ -54,19 +56,21 @@ def write_tensorboard(writer, stats: Dict) -> None:
     for place in sorted(placed.values(), key=lambda place: place.layer is None):
         runs.writer(place.run)  # layers first, in the result's order: TensorBoard colours runs in the order they start
     _write_scalars(runs, placed, stats)
+    for tag, value in step_scalars(stats).items():  # skip_step's decision: the writer's own run
+        writer.add_scalar(tag, value, iteration)
     runs.logged_step = iteration
     runs.flush()
 
 
 def _logged_phases(stats: Dict) -> List[str]:
     """The phases of a result its logs hold: the gradient's, and the kinds and ratio it carries."""
-    return [phase for phase in ALL_PHASES if phase in logged_result(stats)]
+    return [phase for phase in WRITTEN_PHASES if phase in logged_result(stats)]
 
 
 def _write_scalars(runs: BucketRuns, placed: Dict[Hashable, Placement], stats: Dict) -> None:
     """Each bucket's statistics of one result into its run, against the result's step."""
     logged = logged_result(stats)
-    for phase in ALL_PHASES:
+    for phase in WRITTEN_PHASES:
         for key, values in (logged.get(phase) or {}).items():
             place = placed[key]
             for statistic in phase_statistics(phase):
@@ -95,7 +99,8 @@ def log_string_field(stats: Dict) -> str:
     """`` layer grad norm: 0: 3.1E-01 | 1: 2.9E-01 | ... |`` for the layers, pre-clip (``encoder.0: ...`` in
     a model of several layer stacks)."""
     layers = [(key, values["norm"]) for key, values in stats["pre_clip"].items() if is_layer(key)]
-    return " layer grad norm:" + "".join(f" {key}: {norm:.3E} |" for key, norm in layers)
+    skipped = " step skipped (skip_step) |" if stats.get(SKIPPED) else ""
+    return " layer grad norm:" + "".join(f" {key}: {norm:.3E} |" for key, norm in layers) + skipped
 
 
 def _write_new_history(engine, writer) -> None:
@@ -118,7 +123,8 @@ def log_layer_grad_norms(engine, iteration: int, writer, args: argparse.Namespac
     A fire's recorded steps (``trigger.history``) are written once, when the hook first sees them.
 
     ``loss``: the iteration's loss as Megatron reduces it (``loss_dict["lm loss"]``, the same on every rank),
-    reported to the engine for ``trigger.loss_factor``; it is judged at the end of the next optimizer step.
+    reported to the engine for ``trigger.loss_factor``; it is judged at the end of the next optimizer step. It
+    comes after its step, so ``skip_step`` judges the global norm alone here (``report_loss``'s ``before_step``).
     Without a ``loss_factor`` it is not touched: Megatron's loss stays on the device, and an iteration the hook
     does not log costs no host synchronisation.
     """
@@ -126,7 +132,7 @@ def log_layer_grad_norms(engine, iteration: int, writer, args: argparse.Namespac
         return ""
     adapter = getattr(engine, "layer_grad_norms", None)
     if loss is not None and adapter is not None and adapter.wants_loss:
-        adapter.report_loss(loss)
+        adapter.report_loss(loss, before_step=False)  # the hook runs after the step: not for skip_step
     if writer is not None:
         _write_new_history(engine, writer)
     stats = engine.get_layer_grad_norms()

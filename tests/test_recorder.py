@@ -199,7 +199,8 @@ def test_megatron_hook_reports_the_loss():
         reported = []
         wants_loss = True
 
-        def report_loss(self, loss):
+        def report_loss(self, loss, before_step=True):
+            assert not before_step  # the hook runs after the step: the loss is not skip_step's
             self.reported.append(loss)
 
     class Engine:

@@ -87,4 +87,17 @@ def test_layers_of_several_stacks_keep_their_names():
 
 def test_phase_statistics():
     assert phase_statistics("update_to_weight") == ("norm", )
+    assert phase_statistics("adaptive_clip") == ("norm", )
     assert all(phase_statistics(phase) == ("norm", "min", "max") for phase in ALL_PHASES[:-1])
+
+
+def test_remedies_in_logs():
+    """Adaptive clipping's factors are a phase of their own (each bucket's factor as its "norm"), a skip a scalar of
+    the step."""
+    result = {"pre_clip": {0: bucket(1.0)}, "post_clip": {0: bucket(0.5)}, "adaptive_clip": {0: 0.5, "embed": 1.0},
+              "skipped": False, "skip_reason": None}
+    scalars = flat_scalars(result, statistics=("norm", ))
+    assert scalars["layer-grad-norms/adaptive-clip/layer00"] == 0.5
+    assert scalars["layer-grad-norms/adaptive-clip/embed"] == 1.0
+    assert scalars["layer-grad-norms/skipped-step"] == 0.0
+    assert "layer-grad-norms/skipped-step" not in flat_scalars({"pre_clip": {0: bucket(1.0)}, "post_clip": None})

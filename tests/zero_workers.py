@@ -9,7 +9,7 @@ import contextlib
 import logging
 import os
 import sys
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
@@ -240,6 +240,21 @@ def train(case: Dict[str, Any], enabled: bool) -> Dict[str, Any]:
 
 def run_cases(cases: Dict[str, Dict[str, Any]]) -> Dict[str, Any]:
     """Every case on this rank; a failing case is recorded, not raised, so the others still run."""
+
+    def trained(case: Dict[str, Any]) -> Dict[str, Any]:
+        result = {"on": train(case, enabled=True)}
+        if case["compare_off"]:
+            result["off"] = train(case, enabled=False)
+        return result
+
+    return run_each(cases, DEFAULT_CASE, trained)
+
+
+def run_each(cases: Dict[str, Dict[str, Any]], defaults: Dict[str, Any],
+             trained: Callable[[Dict[str, Any]], Dict[str, Any]]) -> Dict[str, Any]:
+    """``trained(case)`` of every case (its overrides on ``defaults``) on this rank, with the feature installed; a
+    failing case is recorded (``error``: its traceback, ``type`` and ``message``: the exception's), not raised, so
+    the others still run. Each result holds its ``case``."""
     import traceback
 
     install_feature()
@@ -247,11 +262,10 @@ def run_cases(cases: Dict[str, Dict[str, Any]]) -> Dict[str, Any]:
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
     results = {}
     for name, overrides in cases.items():
-        case = {**DEFAULT_CASE, **overrides}
+        case = {**defaults, **overrides}
         try:
-            results[name] = {"on": train(case, enabled=True), "case": case}
-            if case["compare_off"]:
-                results[name]["off"] = train(case, enabled=False)
-        except Exception:
-            results[name] = {"error": traceback.format_exc(), "case": case}
+            results[name] = {**trained(case), "case": case}
+        except Exception as err:
+            results[name] = {"error": traceback.format_exc(), "type": type(err).__name__, "message": str(err),
+                             "case": case}
     return results

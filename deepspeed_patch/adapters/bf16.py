@@ -49,6 +49,20 @@ class BF16Adapter(OptimizerAdapter):
         for index, flat_grad in enumerate(self.optimizer.fp32_groups_gradient_flat_partition):
             measurement.observe_partition(index, flat_grad, self.plans[index])
 
+    def act_at_begin(self, measurement: Measurement) -> None:
+        """With adaptive clipping, reduce the step now and scale each partition in place before ``step()`` computes
+        its global norm (which then is the norm after adaptive clipping) and clips (not, once adaptive clipping
+        replaces it)."""
+        if self.remedies is None:
+            return
+        self.act(measurement)
+        with measurement.guarded("scaling the gradient partitions"):
+            for index, flat_grad in enumerate(self.optimizer.fp32_groups_gradient_flat_partition):
+                self.scale_buckets(measurement, index, flat_grad)
+
+    def clip_divisor(self, global_norm: float) -> float:
+        return bf16_clip_divisor(global_norm, clip_grad=self.optimizer.clip_grad)
+
     def read_at_end(self, measurement: Measurement, overflow: bool) -> None:
         if not overflow:
             optimizer = self.optimizer

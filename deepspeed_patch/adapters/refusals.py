@@ -118,6 +118,30 @@ def low_precision_state(optimizer, inner: torch.optim.Optimizer) -> List[str]:
     return [what for what, present in refusals.items() if present]
 
 
+# The families whose step the remedies can act on, and which of them.
+BOTH_REMEDIES = ("adaptive_clipping", "skip_step")
+REMEDY_FAMILIES = {ZeroAdapter: BOTH_REMEDIES, Zero3Adapter: BOTH_REMEDIES, BF16Adapter: ("adaptive_clipping", )}
+
+
+def check_remedies(optimizer, family: Optional[type], config: LayerGradNormsConfig) -> None:
+    """``adaptive_clipping`` acts in ZeRO-1/2/3 and BF16_Optimizer, ``skip_step`` in ZeRO-1/2/3: where the step's
+    reduction can come before the optimizer step, with every partition read, and (``skip_step``) where the
+    optimizer skips a step on a flag it tests after that point. Neither goes with ``optimizer_statistics``, which
+    are reduced with the step after the optimizer steps. The fp16 optimizers without ZeRO, and fp32 without ZeRO,
+    are refused by name."""
+    wanted = [name for name in ("adaptive_clipping", "skip_step") if getattr(config, name).enabled]
+    if not wanted:
+        return
+    refused = [name for name in wanted if name not in REMEDY_FAMILIES.get(family, ())]
+    if refused:
+        raise UnsupportedSetupError(f"{CONFIG_KEY}.{refused[0]} is supported under ZeRO stage 1, 2 and 3"
+                                    f"{' and BF16_Optimizer' if refused[0] == 'adaptive_clipping' else ''} only yet; "
+                                    f"this engine uses {type(optimizer).__name__}")
+    if config.optimizer_statistics:
+        raise UnsupportedSetupError(f"{CONFIG_KEY}.{wanted[0]} with optimizer_statistics is not supported yet (the "
+                                    "step is reduced before the optimizer steps); leave one of them out")
+
+
 def check_moe(engine, family: Optional[type]) -> None:
     """Mixture-of-Experts is measured under ZeRO stage 1 and 2 without model parallelism.
 

@@ -104,7 +104,8 @@ class Zero3Adapter(ZeroPartitionsAdapter):
 
     def unscale_and_clip_grads(self, sub_group_id, total_norm) -> None:
         """Top of ``unscale_and_clip_grads``, once per sub-group: its flat fp32 gradient about to be divided
-        by the loss scale and the clip factor."""
+        by the loss scale and the clip factor (and, with adaptive clipping, multiplied by each bucket's factor
+        first)."""
         measurement = self.measurement
         if measurement is None:
             return
@@ -113,6 +114,7 @@ class Zero3Adapter(ZeroPartitionsAdapter):
             # An invalid norm goes into the formula (clamped at 1) or, where the release checks it
             # (0.19.8), skips the step before this point: never a zeroed gradient.
             self.observe_group(measurement, sub_group_id, flat_grad, total_norm, zeroes_invalid_norm=False)
+            self.scale_buckets(measurement, sub_group_id, flat_grad)
 
     def observe_skipped(self, measurement, index: int, plan: ChunkPlan) -> None:
         """Sub-group ``index``'s gradient on a skipped step: the offloaded flat fp32 gradient, or the

@@ -1,0 +1,147 @@
+"""What each rank runs in the remedies' tests (test_remedies.py): train a TinyGPT with ``adaptive_clipping`` or
+``skip_step`` on, and record what the optimizer applied and what the statistics report.
+
+The optimizer is SGD with lr 1, so a step's update (weights before minus after) is the gradient the optimizer
+received. Rank 0 also records the plain-PyTorch reference gradient of every step (reference.py), from the weights
+before it; the test computes AdaGC's factors and the skip decision from it on its own.
+"""
+
+import json
+import tempfile
+from typing import Any, Dict
+
+import torch
+
+from megatron_integration.tiny_gpt import TinyGPT
+from reference import averaged_gradients, bucket_stats
+from zero_workers import (
+    DEFAULT_CASE,
+    DTYPES,
+    FP16_INITIAL_SCALE_POWER,
+    OVERFLOW_BLOW_UP,
+    batches_of_step,
+    ds_config,
+    full_weights,
+    model_config,
+    run_each,
+)
+
+REMEDY_CASE: Dict[str, Any] = {
+    **DEFAULT_CASE,
+    "spike_step": None,  # multiply this step's loss (every rank, every micro-batch) by SPIKE
+    "report_loss": False,  # report the loss averaged over ranks and micro-batches before each step
+    "resume_at": None,  # save a checkpoint after this step, train on, then resume from it in a new engine
+    "dump": False,  # write the JSONL dump and return its lines
+}
+SPIKE = 1000.0
+
+
+def build(case: Dict[str, Any], enabled: bool = True):
+    """The engine of ``case`` (the same initial weights every time)."""
+    import deepspeed
+
+    torch.manual_seed(0)
+    config = ds_config(case, enabled)
+    if case["dtype"] == "fp16":  # no growth of the scale: ZeRO unscales by the grown one (a DeepSpeed bug)
+        config["fp16"]["loss_scale_window"] = 1000
+    model = TinyGPT(model_config(case))
+    params = [param for param in model.parameters()]
+    if case["groups"]:
+        params = [{"params": [p for p in params if p.ndim > 1]}, {"params": [p for p in params if p.ndim <= 1]}]
+    engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(params, lr=1.0), config=config)
+    return engine
+
+
+def one_step(engine, case: Dict[str, Any], step: int, record: Dict[str, Any]) -> None:
+    """Train optimizer step ``step`` and record its update, result and (rank 0) reference gradient."""
+    from deepspeed import comm as dist
+
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    before = full_weights(engine.module)
+    blow_up = SPIKE if step == case["spike_step"] else OVERFLOW_BLOW_UP if step == case["overflow_step"] else None
+    losses = []
+    for batch in batches_of_step(case, step, world_size, rank):
+        loss = engine(batch)
+        if blow_up is not None:
+            loss = loss * blow_up
+        losses.append(loss.detach().float())
+        engine.backward(loss)
+        if len(losses) == case["gas"] and case["report_loss"]:
+            mean = torch.stack(losses).mean()
+            dist.all_reduce(mean)
+            record["losses"].append(mean.item() / world_size)
+            engine.layer_grad_norms.report_loss(mean / world_size)
+        engine.step()
+    after = full_weights(engine.module)
+    record["applied"].append(bucket_stats({name: before[name] - after[name] for name in before}))
+    record["unchanged"].append(all(torch.equal(before[name], after[name]) for name in before))
+    record["measured"].append(engine.get_layer_grad_norms())
+    record["skipped_steps"].append(engine.skipped_steps)
+    if rank == 0:
+        scale = 2.0**FP16_INITIAL_SCALE_POWER if case["dtype"] == "fp16" else 1.0
+        grads = averaged_gradients(before, model_config(case), DTYPES[case["dtype"]],
+                                   batches_of_step(case, step, world_size), (), scale, blow_up)
+        record["reference"].append(bucket_stats(grads))
+
+
+def new_record() -> Dict[str, list]:
+    return {"applied": [], "unchanged": [], "measured": [], "skipped_steps": [], "reference": [], "losses": []}
+
+
+def train(case: Dict[str, Any]) -> Dict[str, Any]:
+    engine = build(case)
+    record = new_record()
+    for step in range(1, case["steps"] + 1):
+        one_step(engine, case, step, record)
+        if step == case["resume_at"]:
+            record["saved_state"] = engine.layer_grad_norms.remedies.state_dict()
+            record["checkpoint"] = tempfile.mkdtemp(prefix="h38-remedies-")
+            engine.save_checkpoint(record["checkpoint"], tag="resume")
+    record["history"] = engine.get_layer_grad_norms_history()
+    record["final"] = full_weights(engine.module, dtype=None)
+    record["optimizer"] = type(engine.optimizer).__name__
+    engine.destroy()
+    if case["resume_at"] is not None:
+        record["resumed"] = resume(case, record["checkpoint"])
+    if case["dump"]:
+        with open(case["block"]["dump"]["path"]) as lines:
+            record["dump"] = [json.loads(line) for line in lines]
+    return record
+
+
+def resume(case: Dict[str, Any], checkpoint: str) -> Dict[str, Any]:
+    """A new engine resumed from the checkpoint of step ``resume_at``, trained to the end as the first was."""
+    engine = build(case)
+    engine.load_checkpoint(checkpoint, tag="resume")
+    record = new_record()
+    record["loaded_state"] = engine.layer_grad_norms.remedies.state_dict()
+    for step in range(case["resume_at"] + 1, case["steps"] + 1):
+        one_step(engine, case, step, record)
+    record["final"] = full_weights(engine.module, dtype=None)
+    engine.destroy()
+    return record
+
+
+def off_weights(case: Dict[str, Any], enabled: bool) -> Dict[str, torch.Tensor]:
+    """The final weights of ``case`` trained with the block (``enabled``) or without it."""
+    from deepspeed import comm as dist
+
+    engine = build(case, enabled)
+    for step in range(1, case["steps"] + 1):
+        for batch in batches_of_step(case, step, dist.get_world_size(), dist.get_rank()):
+            engine.backward(engine(batch))
+            engine.step()
+    weights = full_weights(engine.module, dtype=None)
+    engine.destroy()
+    return weights
+
+
+def run_cases(cases: Dict[str, Dict[str, Any]]) -> Dict[str, Any]:
+    """Every case on this rank; a failing case is recorded (its error), not raised, so the others still run."""
+
+    def trained(case: Dict[str, Any]) -> Dict[str, Any]:
+        if case.get("compare_off"):
+            return {"on": off_weights(case, True), "off": off_weights(case, False)}
+        return {"on": train(case)}
+
+    return run_each(cases, REMEDY_CASE, trained)

@@ -1,0 +1,576 @@
+"""Spike-prone training under ZeRO-2 on CPU: global clipping against per-layer adaptive clipping and skip-step.
+
+    python benchmarks/spike_prone.py [--seeds 0 1 2 3 4] [--arms ...] [--steps N] [--lr LR] [--fault data:STEP:LEN]
+    python benchmarks/spike_prone.py --summarize RAW.jsonl      # table and figure again from the raw runs
+
+A small Pre-LN GPT (``megatron_integration.tiny_gpt``, byte level) learns the Python standard library's own
+top-level ``*.py`` sources (about 4.7 MB; every tenth file, in name order, is held out for validation), on one
+CPU rank under DeepSpeed ZeRO-2, with AdamW at a learning rate high enough to sit in the unstable part of an lr
+sweep (Wortsman et al. 2023, arXiv 2309.14322), and optionally with faults of known size injected at a known step:
+
+- ``data:STEP:LEN``: LEN batches of uniformly random bytes from STEP on (a corrupted shard);
+- ``lr:STEP:FACTOR``: the learning rate FACTOR times its schedule's value at STEP only.
+
+Every arm trains from the same initial weights on the same batches for a given seed; only the remedy differs
+(``ARMS``). The runs of one seed follow each other in one process (the arms' order rotates with the seed), so the
+step-time ratio of an arm to the baseline is taken between neighbouring runs of the same process.
+
+Measured per run: loss spikes (a clean step whose training loss exceeds ``SPIKE_FACTOR`` x the median of the
+previous ``SPIKE_WINDOW`` steps), steps lost to recovery (from the end of each spike or fault to the first step
+whose next ``RECOVERY_SPAN`` losses average within ``RECOVERY_TOLERANCE`` of the median of the ``SPIKE_WINDOW``
+steps before it), the largest loss over its running median, final and best validation loss, and the median step
+time. Writes ``benchmarks/results/spike_prone.{md,json}`` (median and range over seeds per arm) and
+``docs/spike_prone.png`` (loss curves, median and range over seeds per arm).
+"""
+
+import argparse
+import datetime
+import glob
+import json
+import math
+import os
+import statistics
+import sys
+import sysconfig
+import time
+from dataclasses import asdict, dataclass, field, replace
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+from common import machine, write_results
+
+from megatron_integration.tiny_gpt import TinyGPT, TinyGPTConfig
+
+SPIKE_FACTOR = 1.5
+SPIKE_WINDOW = 50
+RECOVERY_SPAN = 10
+RECOVERY_TOLERANCE = 0.05
+FIGURE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "spike_prone.png")
+BASELINE = "global_clip"
+ARM_LABELS = {
+    "global_clip": "global clipping 1.0",
+    "adaptive": "per-layer adaptive clipping",
+    "skip": "skip-step",
+    "both": "adaptive clipping + skip-step",
+}
+
+
+@dataclass
+class Fault:
+    """A fault of known size: ``data`` (``size`` batches of random bytes from ``step`` on) or ``lr`` (the learning
+    rate ``size`` times its schedule's value at ``step``)."""
+    kind: str
+    step: int
+    size: float
+
+    @classmethod
+    def parse(cls, text: str) -> "Fault":
+        kind, step, size = text.split(":")
+        if kind not in ("data", "lr"):
+            raise argparse.ArgumentTypeError(f"--fault {text}: kind {kind!r} is not 'data' or 'lr'")
+        return cls(kind, int(step), float(size))
+
+    def steps(self) -> range:
+        """The steps the fault acts on (1-based)."""
+        return range(self.step, self.step + (int(self.size) if self.kind == "data" else 1))
+
+
+@dataclass
+class Plan:
+    """Everything a run depends on besides its arm and seed."""
+    steps: int = 300
+    lr: float = 3e-2
+    lr_warmup: int = 20
+    num_layers: int = 4
+    hidden: int = 96
+    heads: int = 4
+    seq_len: int = 64
+    micro_batch: int = 16
+    clip_warmup: int = 50
+    """``adaptive_clipping.warmup_steps``: global clipping only before it (scaled from the issue's 100)."""
+    skip_window: int = 128
+    skip_sigma: float = 6.0
+    eval_every: int = 25
+    eval_batches: int = 8
+    threads: int = 1
+    faults: List[Fault] = field(default_factory=list)
+    raw: str = "/tmp/spike_prone_raw.jsonl"
+
+
+DEFAULT_FAULTS = ("data:100:5", "lr:200:20")
+"""Five batches of random bytes at step 100, then the learning rate x20 at step 200: each a spike of known size,
+far enough apart for the loss to settle in between (a few to ten steps in the baseline)."""
+
+
+def arm_block(arm: str, plan: Plan) -> Optional[dict]:
+    """The arm's ``layer_grad_norms`` block (``None``: the baseline, the feature off)."""
+    adaptive = {"adaptive_clipping": {"enabled": True, "beta": 0.98, "factor": 1.05, "warmup_steps": plan.clip_warmup}}
+    skip = {"skip_step": {"enabled": True, "sigma": plan.skip_sigma, "window": plan.skip_window}}
+    blocks = {"global_clip": None, "adaptive": adaptive, "skip": skip, "both": {**adaptive, **skip}}
+    if blocks[arm] is None:
+        return None
+    return {"enabled": True, **blocks[arm]}
+
+
+def ds_config(arm: str, plan: Plan) -> dict:
+    config = {
+        "train_micro_batch_size_per_gpu": plan.micro_batch,
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": 1.0,
+        "zero_optimization": {"stage": 2},
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 10**9,
+    }
+    block = arm_block(arm, plan)
+    if block is not None:
+        config["layer_grad_norms"] = block
+    return config
+
+
+# ---------------------------------------------------------------- data
+
+
+def corpus() -> Tuple[torch.Tensor, torch.Tensor, int]:
+    """The standard library's top-level ``*.py`` files as bytes: (train, validation, number of files); every
+    tenth file in name order is validation."""
+    files = sorted(glob.glob(os.path.join(sysconfig.get_paths()["stdlib"], "*.py")))
+    parts: Dict[bool, List[bytes]] = {True: [], False: []}
+    for index, path in enumerate(files):
+        with open(path, "rb") as handle:
+            parts[index % 10 == 9].append(handle.read())
+    train, val = (torch.frombuffer(bytearray(b"\n".join(parts[held])), dtype=torch.uint8).long()
+                  for held in (False, True))
+    return train, val, len(files)
+
+
+def windows(data: torch.Tensor, count: int, length: int, generator: torch.Generator) -> torch.Tensor:
+    starts = torch.randint(0, len(data) - length, (count,), generator=generator)
+    return torch.stack([data[start:start + length] for start in starts.tolist()])
+
+
+class Batches:
+    """A seed's training batches, the same for every arm; a data fault's steps get random bytes instead."""
+
+    def __init__(self, train: torch.Tensor, plan: Plan, seed: int) -> None:
+        self.train, self.plan = train, plan
+        self.generator = torch.Generator().manual_seed(seed)
+        self.noise = torch.Generator().manual_seed(10**6 + seed)
+        self.corrupted = {step for fault in plan.faults if fault.kind == "data" for step in fault.steps()}
+
+    def next(self, step: int) -> torch.Tensor:
+        clean = windows(self.train, self.plan.micro_batch, self.plan.seq_len + 1, self.generator)
+        if step in self.corrupted:
+            return torch.randint(0, 256, clean.shape, generator=self.noise)
+        return clean
+
+
+def lr_factor(plan: Plan):
+    """The schedule (linear warm-up, cosine to a tenth) times any lr fault, by the optimizer step (0-based)."""
+    jumps = {fault.step: fault.size for fault in plan.faults if fault.kind == "lr"}
+
+    def factor(index: int) -> float:
+        step = index + 1
+        warm = min(1.0, step / plan.lr_warmup)
+        progress = min(1.0, max(0.0, (step - plan.lr_warmup) / max(1, plan.steps - plan.lr_warmup)))
+        return warm * (0.1 + 0.45 * (1 + math.cos(math.pi * progress))) * jumps.get(step, 1.0)
+
+    return factor
+
+
+# ---------------------------------------------------------------- training (inside the launched rank)
+
+
+def validation_loss(model: torch.nn.Module, batches: Sequence[torch.Tensor]) -> float:
+    with torch.no_grad():
+        return statistics.fmean(model(batch).item() for batch in batches)
+
+
+def skipped(result: Optional[dict], step: int) -> bool:
+    """Whether the feature reports this step as skipped (its result's ``skipped``, if it has one)."""
+    return bool(result and result.get("step") == step and result.get("skipped"))
+
+
+def train_run(plan: Plan, arm: str, seed: int, train: torch.Tensor, val_batches: List[torch.Tensor]) -> dict:
+    """One arm and seed: the per-step loss, global norm, time and skip, and the validation losses."""
+    import deepspeed
+
+    torch.manual_seed(seed)
+    model = TinyGPT(TinyGPTConfig(vocab_size=256, seq_len=plan.seq_len, hidden=plan.hidden,
+                                  num_layers=plan.num_layers, num_heads=plan.heads))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=plan.lr, betas=(0.9, 0.95), weight_decay=0.1)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor(plan))
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
+                                      config=ds_config(arm, plan))
+    adapter = getattr(engine, "layer_grad_norms", None)
+    batches = Batches(train, plan, seed)
+    run = {"arm": arm, "seed": seed, "lr": plan.lr, "faulted": bool(plan.faults), "loss": [], "grad_norm": [],
+           "seconds": [], "skipped": [], "val": []}
+    for step in range(1, plan.steps + 1):
+        tokens = batches.next(step)
+        start = time.perf_counter()
+        loss = engine(tokens)
+        engine.backward(loss)
+        if adapter is not None:
+            adapter.report_loss(loss.detach())
+        engine.step()
+        run["loss"].append(loss.item())
+        run["seconds"].append(time.perf_counter() - start)
+        run["grad_norm"].append(float(engine.get_global_grad_norm() or float("nan")))
+        run["skipped"].append(skipped(engine.get_layer_grad_norms() if adapter is not None else None, step))
+        if step % plan.eval_every == 0 or step == plan.steps:
+            run["val"].append((step, validation_loss(engine.module, val_batches)))
+    engine.destroy()
+    return run
+
+
+@dataclass
+class Job:
+    """One run: its arm and seed, at the plan's lr with its faults, or (a sweep point) at ``lr`` without."""
+    arm: str
+    seed: int
+    lr: Optional[float] = None
+
+    def plan(self, plan: Plan) -> Plan:
+        return plan if self.lr is None else replace(plan, lr=self.lr, faults=[])
+
+
+def run_order(arms: Sequence[str], seeds: Sequence[int], lr: Optional[float] = None) -> List[Job]:
+    """Seed after seed; within a seed the arms' order rotates, so that no arm always runs first."""
+    return [Job(arms[(index + offset) % len(arms)], seed, lr) for offset, seed in enumerate(seeds)
+            for index in range(len(arms))]
+
+
+def train_all(plan: Plan, jobs: List[Job]) -> int:
+    """Every run in one process, each appended to ``plan.raw`` as one JSON line as it ends; returns the count."""
+    import deepspeed_patch
+
+    deepspeed_patch.install()
+    torch.set_num_threads(plan.threads)
+    train, val, _ = corpus()
+    val_generator = torch.Generator().manual_seed(12345)
+    val_batches = [windows(val, 16, plan.seq_len + 1, val_generator) for _ in range(plan.eval_batches)]
+    for number, job in enumerate(jobs, 1):
+        started = time.time()
+        run = train_run(job.plan(plan), job.arm, job.seed, train, val_batches)
+        with open(plan.raw, "a", encoding="utf-8") as out:
+            out.write(json.dumps(run) + "\n")
+        print(f"[spike_prone] run {number}/{len(jobs)} {job.arm} seed {job.seed} lr {run['lr']:g}: "
+              f"{time.time() - started:.0f} s, final loss {run['loss'][-1]:.3f}, val {run['val'][-1][1]:.3f}, "
+              f"skipped {sum(run['skipped'])}", file=sys.stderr, flush=True)
+    return len(jobs)
+
+
+# ---------------------------------------------------------------- metrics
+
+
+def spikes(losses: Sequence[float], excluded: set) -> List[int]:
+    """Steps (1-based) whose loss exceeds ``SPIKE_FACTOR`` x the median of the previous ``SPIKE_WINDOW``;
+    the steps in ``excluded`` (a data fault's own batches) are not counted."""
+    return [index + 1 for index in range(SPIKE_WINDOW, len(losses))
+            if index + 1 not in excluded
+            and losses[index] > SPIKE_FACTOR * statistics.median(losses[index - SPIKE_WINDOW:index])]
+
+
+def recovery(losses: Sequence[float], first: int, last: int) -> Tuple[int, bool]:
+    """Steps after ``last`` (1-based) until the mean of the next ``RECOVERY_SPAN`` losses is within
+    ``RECOVERY_TOLERANCE`` of the median of the ``SPIKE_WINDOW`` before ``first``; and whether it got there
+    before the run ended (if not, the steps to the end)."""
+    before = statistics.median(losses[max(0, first - 1 - SPIKE_WINDOW):first - 1])
+    for index in range(last, len(losses) - RECOVERY_SPAN + 1):
+        if statistics.fmean(losses[index:index + RECOVERY_SPAN]) <= (1 + RECOVERY_TOLERANCE) * before:
+            return index - last, True
+    return len(losses) - last, False
+
+
+def events(spike_steps: List[int], faults: List[Fault]) -> List[Tuple[int, int, str]]:
+    """Spikes and faults as (first step, last step, kind), in order; a spike inside a fault's steps or right
+    after another spike belongs to that event."""
+    found = sorted([(min(f.steps()), max(f.steps()), f.kind) for f in faults]
+                   + [(step, step, "spike") for step in spike_steps])
+    merged: List[Tuple[int, int, str]] = []
+    for first, last, kind in found:
+        if merged and first <= merged[-1][1] + 1:
+            merged[-1] = (merged[-1][0], max(last, merged[-1][1]), merged[-1][2])
+        else:
+            merged.append((first, last, kind))
+    return merged
+
+
+def run_metrics(run: dict, plan: Plan) -> dict:
+    losses = run["loss"]
+    corrupted = {step for fault in plan.faults if fault.kind == "data" for step in fault.steps()}
+    found = spikes(losses, corrupted)
+    lost, recoveries = 0, []
+    for first, last, kind in events(found, plan.faults):
+        steps, recovered = recovery(losses, first, last)
+        lost += steps
+        recoveries.append({"first": first, "last": last, "kind": kind, "steps": steps, "recovered": recovered})
+    ratios = [losses[i] / statistics.median(losses[i - SPIKE_WINDOW:i]) for i in range(SPIKE_WINDOW, len(losses))
+              if i + 1 not in corrupted]
+    vals = [value for _, value in run["val"]]
+    timed = [seconds for step, seconds in enumerate(run["seconds"], 1) if step > 10]
+    return {"spikes": len(found), "spike_steps": found, "steps_lost": lost, "recoveries": recoveries,
+            "max_loss_over_median": max(ratios) if ratios else float("nan"), "final_val": vals[-1],
+            "best_val": min(vals), "skipped": sum(run["skipped"]), "step_seconds": statistics.median(timed)}
+
+
+def fault_sizes(runs: List[dict], plan: Plan) -> List[dict]:
+    """How big each injected fault was in the baseline runs: its loss and global norm over the medians of the
+    ``SPIKE_WINDOW`` steps before it (median over seeds)."""
+    sizes = []
+    for fault in plan.faults:
+        loss_x, norm_x = [], []
+        for run in runs:
+            if run["arm"] != BASELINE or fault.step <= SPIKE_WINDOW:
+                continue
+            window = slice(fault.step - 1 - SPIKE_WINDOW, fault.step - 1)
+            span = slice(fault.step - 1, max(fault.steps()))
+            loss_x.append(max(run["loss"][span]) / statistics.median(run["loss"][window]))
+            norm_x.append(max(run["grad_norm"][span]) / statistics.median(run["grad_norm"][window]))
+        sizes.append({**asdict(fault), "loss_over_median": statistics.median(loss_x) if loss_x else None,
+                      "grad_norm_over_median": statistics.median(norm_x) if norm_x else None})
+    return sizes
+
+
+def spread(values: Sequence[float]) -> dict:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
+
+
+def summarize(runs: List[dict], plan: Plan) -> dict:
+    """Per arm: each metric's median and range over seeds, and the step-time ratio to the baseline run of the
+    same seed."""
+    metrics = {(run["arm"], run["seed"]): run_metrics(run, plan) for run in runs}
+    arms = [arm for arm in ARM_LABELS if any(key[0] == arm for key in metrics)]
+    summary = {}
+    for arm in arms:
+        mine = {seed: value for (name, seed), value in metrics.items() if name == arm}
+        row = {key: spread([value[key] for value in mine.values()])
+               for key in ("spikes", "steps_lost", "max_loss_over_median", "final_val", "best_val", "skipped",
+                           "step_seconds")}
+        ratios = [value["step_seconds"] / metrics[(BASELINE, seed)]["step_seconds"] for seed, value in mine.items()
+                  if (BASELINE, seed) in metrics]
+        row["cost_ratio"] = spread(ratios) if ratios else None
+        row["per_seed"] = {seed: mine[seed] for seed in sorted(mine)}
+        summary[arm] = row
+    return summary
+
+
+# ---------------------------------------------------------------- report and figure
+
+
+def cell(values: dict, digits: int = 3) -> str:
+    if values is None:
+        return "n/a"
+    return f"{values['median']:.{digits}f} ({values['min']:.{digits}f}-{values['max']:.{digits}f})"
+
+
+def report(summary: dict, plan: Plan, sizes: List[dict], setup: dict) -> List[str]:
+    seeds = sorted({seed for row in summary.values() for seed in row["per_seed"]})
+    lines = [
+        "# Spike-prone runs: global clipping, per-layer adaptive clipping, skip-step",
+        "",
+        f"Made by `python benchmarks/spike_prone.py {setup['argv']}` on {setup['date']}.",
+        "",
+        f"- Model: tiny Pre-LN GPT (`megatron_integration/tiny_gpt.py`), {plan.num_layers} layers, hidden "
+        f"{plan.hidden}, {plan.heads} heads, byte level (vocabulary 256), sequence {plan.seq_len}, "
+        f"{setup['parameters'] / 1e6:.2f} M parameters.",
+        f"- Data: the Python standard library's top-level `*.py` files ({setup['files']} files, "
+        f"{setup['train_bytes'] / 1e6:.2f} MB train, {setup['val_bytes'] / 1e6:.2f} MB validation: every tenth "
+        f"file held out); micro-batch {plan.micro_batch} random windows a step, the same for every arm of a seed; "
+        f"validation loss on {plan.eval_batches} x 16 fixed held-out windows every {plan.eval_every} steps.",
+        f"- Training: DeepSpeed ZeRO-2, 1 CPU rank, fp32, torch AdamW (betas 0.9/0.95, weight decay 0.1), "
+        f"lr {plan.lr:g} (linear warm-up {plan.lr_warmup} steps, cosine to a tenth), {plan.steps} steps, "
+        f"gradient_clipping 1.0 in every arm; seeds {seeds} (initial weights and batch order).",
+        f"- Arms: adaptive clipping `beta 0.98, factor 1.05, warmup_steps {plan.clip_warmup}`; skip-step "
+        f"`sigma {plan.skip_sigma:g}, window {plan.skip_window}`; both: the two blocks together.",
+        "- Faults: " + ("; ".join(fault_line(size) for size in sizes) if sizes else "none") + ".",
+        f"- Machine: {setup['machine']}; {plan.threads} torch thread(s).",
+        "",
+        f"Spikes: clean steps whose training loss exceeds {SPIKE_FACTOR}x the median of the previous {SPIKE_WINDOW} "
+        f"steps (a data fault's own batches are not counted). Steps lost: for each spike or fault, the steps from "
+        f"its end to the first step whose next {RECOVERY_SPAN} losses average within {RECOVERY_TOLERANCE:.0%} of "
+        f"the median of the {SPIKE_WINDOW} steps before it (to the run's end if never), summed over the run. "
+        "Cost: each run's median step time (steps after the 10th, validation excluded) over the baseline run of "
+        "the same seed, run next to it in the same process. Cells: median (min-max) over seeds.",
+        "",
+        "| arm | spikes | steps lost | max loss / running median | final val loss | best val loss | skipped steps "
+        "| step time ratio |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for arm, row in summary.items():
+        lines.append(f"| {ARM_LABELS[arm]} | {cell(row['spikes'], 0)} | {cell(row['steps_lost'], 0)} | "
+                     f"{cell(row['max_loss_over_median'])} | {cell(row['final_val'])} | {cell(row['best_val'])} | "
+                     f"{cell(row['skipped'], 0)} | {cell(row['cost_ratio'], 2)} |")
+    lines += ["", "Per seed (final val loss; steps lost):", ""]
+    for arm, row in summary.items():
+        per_seed = ", ".join(f"{seed}: {value['final_val']:.3f}; {value['steps_lost']}"
+                             for seed, value in row["per_seed"].items())
+        lines.append(f"- {ARM_LABELS[arm]}: {per_seed}")
+    lines += ["", "Figure: [docs/spike_prone.png](../../docs/spike_prone.png). Raw runs: spike_prone.json."]
+    return lines
+
+
+def fault_line(size: dict) -> str:
+    if size["kind"] == "data":
+        what = f"{int(size['size'])} batch(es) of uniformly random bytes from step {size['step']}"
+    else:
+        what = f"learning rate x{size['size']:g} at step {size['step']}"
+    if size["loss_over_median"] is None:
+        return what
+    return (f"{what} (in the baseline: loss {size['loss_over_median']:.2f}x and global gradient norm "
+            f"{size['grad_norm_over_median']:.1f}x their medians of the {SPIKE_WINDOW} steps before)")
+
+
+def band(curves: List[List[float]]) -> Tuple[List[float], List[float], List[float]]:
+    columns = list(zip(*curves))
+    return ([statistics.median(c) for c in columns], [min(c) for c in columns], [max(c) for c in columns])
+
+
+def smooth(values: Sequence[float], span: int = RECOVERY_SPAN) -> List[float]:
+    return [statistics.fmean(values[max(0, i - span + 1):i + 1]) for i in range(len(values))]
+
+
+def plot(runs: List[dict], plan: Plan, path: str = FIGURE) -> None:
+    """Training loss (mean of the last ``RECOVERY_SPAN`` steps), the same around the first fault, and the
+    validation loss: median and range over seeds per arm."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = 3 if plan.faults else 2
+    fig, axes = plt.subplots(1, panels, figsize=(5 * panels, 4))
+    arms = [arm for arm in ARM_LABELS if any(run["arm"] == arm for run in runs)]
+    for arm in arms:
+        mine = [run for run in runs if run["arm"] == arm]
+        median, low, high = band([smooth(run["loss"]) for run in mine])
+        steps = list(range(1, len(median) + 1))
+        for ax in axes[:panels - 1]:
+            line, = ax.plot(steps, median, label=ARM_LABELS[arm], linewidth=1)
+            ax.fill_between(steps, low, high, alpha=0.2, color=line.get_color())
+        val_steps = [step for step, _ in mine[0]["val"]]
+        median, low, high = band([[value for _, value in run["val"]] for run in mine])
+        line, = axes[-1].plot(val_steps, median, marker=".", label=ARM_LABELS[arm], linewidth=1)
+        axes[-1].fill_between(val_steps, low, high, alpha=0.2, color=line.get_color())
+    axes[0].set_title(f"training loss ({RECOVERY_SPAN}-step mean), lr {plan.lr:g}")
+    if plan.faults:
+        first = plan.faults[0]
+        axes[1].set_xlim(first.step - 30, min(plan.steps, max(first.steps()) + 120))
+        axes[1].set_title(f"around the {first.kind} fault at step {first.step}")
+        for ax in axes[:2]:
+            ax.axvspan(first.step, max(first.steps()) + 1, color="red", alpha=0.1)
+        lows = [min(smooth(run["loss"])[first.step - 30:]) for run in runs]
+        highs = [max(smooth(run["loss"])[first.step - 30:max(first.steps()) + 120]) for run in runs]
+        axes[1].set_ylim(min(lows) * 0.98, max(highs) * 1.02)
+    axes[-1].set_title("validation loss")
+    for ax in axes:
+        ax.set_xlabel("step")
+        ax.set_ylabel("loss (nats/byte)")
+        ax.legend(fontsize=7)
+    seeds = len({run["seed"] for run in runs})
+    fig.suptitle(f"Tiny Pre-LN GPT, ZeRO-2, stdlib bytes: median and range over {seeds} seeds", fontsize=10)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    fig.savefig(path, dpi=120)
+
+
+def read_raw(paths: Sequence[str]) -> Tuple[Plan, List[dict]]:
+    """The plan (the first line of the first file) and the runs (one a line) of raw files."""
+    plans, runs = [], []
+    for path in paths:
+        with open(path, encoding="utf-8") as handle:
+            header, *mine = [json.loads(line) for line in handle if line.strip()]
+        plans.append(header["plan"])
+        runs += mine
+    faults = [Fault(**fault) for fault in plans[0].pop("faults")]
+    return Plan(**plans[0], faults=faults), runs
+
+
+def write_all(runs: List[dict], plan: Plan, argv: str, name: str = "spike_prone") -> str:
+    """The table, the JSON (plan, summary, every run's curves) and the figure; returns the table."""
+    train, val, files = corpus()
+    parameters = sum(p.numel() for p in TinyGPT(TinyGPTConfig(
+        vocab_size=256, seq_len=plan.seq_len, hidden=plan.hidden, num_layers=plan.num_layers,
+        num_heads=plan.heads)).parameters())
+    setup = {"argv": argv, "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+             "machine": machine(), "files": files, "train_bytes": len(train), "val_bytes": len(val),
+             "parameters": parameters}
+    main_runs = [run for run in runs if is_main(run, plan)]
+    summary, sizes, sweep = summarize(main_runs, plan), fault_sizes(main_runs, plan), sweep_summary(runs, plan)
+    lines = report(summary, plan, sizes, setup) + sweep_report(sweep, plan)
+    write_results(name, lines, {"plan": asdict(plan), "setup": setup, "faults": sizes, "summary": summary,
+                                "sweep": sweep, "runs": runs})
+    plot(main_runs, plan)
+    return "\n".join(lines)
+
+
+def is_main(run: dict, plan: Plan) -> bool:
+    """Whether a run belongs to the arms' comparison (the plan's lr and faults), not to the lr sweep."""
+    return run.get("lr", plan.lr) == plan.lr and run.get("faulted", bool(plan.faults)) == bool(plan.faults)
+
+
+def sweep_summary(runs: List[dict], plan: Plan) -> List[dict]:
+    """The runs without faults by arm and learning rate: final and best validation loss, spikes and the largest
+    loss over its running median, each as median and range over seeds (Wortsman et al.'s lr sensitivity)."""
+    groups: Dict[Tuple[str, float], List[dict]] = {}
+    for run in runs:
+        if not run.get("faulted", bool(plan.faults)):
+            metrics = run_metrics(run, replace(plan, faults=[]))
+            groups.setdefault((run["arm"], run.get("lr", plan.lr)), []).append(metrics)
+    return [{"arm": arm, "lr": lr, **{key: spread([m[key] for m in found])
+                                      for key in ("final_val", "best_val", "spikes", "max_loss_over_median")}}
+            for (arm, lr), found in sorted(groups.items(), key=lambda item: (list(ARM_LABELS).index(item[0][0]),
+                                                                              item[0][1]))]
+
+
+def sweep_report(sweep: List[dict], plan: Plan) -> List[str]:
+    if not sweep:
+        return []
+    lines = ["", "## Learning-rate sweep, no faults", "",
+             f"The same runs without injected faults, {plan.steps} steps, at each learning rate: where the final loss "
+             "rises with the learning rate, training is in its unstable region (Wortsman et al. 2023).", "",
+             "| arm | lr | seeds | final val loss | best val loss | spikes | max loss / running median |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
+    for row in sweep:
+        lines.append(f"| {ARM_LABELS[row['arm']]} | {row['lr']:g} | {row['final_val']['n']} | "
+                     f"{cell(row['final_val'])} | {cell(row['best_val'])} | {cell(row['spikes'], 0)} | "
+                     f"{cell(row['max_loss_over_median'])} |")
+    return lines
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--arms", nargs="+", default=list(ARM_LABELS), choices=list(ARM_LABELS))
+    parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2, 3, 4])
+    parser.add_argument("--fault", action="append", type=Fault.parse,
+                        help=f"data:STEP:LEN (random-byte batches) or lr:STEP:FACTOR; repeatable (default: "
+                        f"{' '.join(DEFAULT_FAULTS)})")
+    parser.add_argument("--no-faults", action="store_true", help="no injected fault")
+    parser.add_argument("--sweep-lrs", nargs="*", type=float, default=[],
+                        help="also run --sweep-arms at these learning rates, without faults")
+    parser.add_argument("--sweep-arms", nargs="+", default=[BASELINE], choices=list(ARM_LABELS))
+    parser.add_argument("--sweep-seeds", nargs="+", type=int, default=[0])
+    parser.add_argument("--summarize", metavar="RAW", nargs="+",
+                        help="only rebuild the table and figure from these raw files (the first one's plan)")
+    parser.add_argument("--name", default="spike_prone", help="result file name in benchmarks/results")
+    for key, value in asdict(Plan()).items():
+        if key not in ("faults",):
+            parser.add_argument(f"--{key.replace('_', '-')}", type=type(value), default=value)
+    args = parser.parse_args()
+    faults = [] if args.no_faults else args.fault or [Fault.parse(text) for text in DEFAULT_FAULTS]
+    plan = Plan(**{key: getattr(args, key) for key in asdict(Plan()) if key != "faults"}, faults=faults)
+    argv = " ".join(sys.argv[1:])
+    if not args.summarize:
+        from megatron_integration.cpu_launch import launch
+
+        with open(plan.raw, "w", encoding="utf-8") as out:
+            out.write(json.dumps({"plan": asdict(plan)}) + "\n")
+        jobs = run_order(args.arms, args.seeds)
+        jobs += [job for lr in args.sweep_lrs for job in run_order(args.sweep_arms, args.sweep_seeds, lr)]
+        launch(train_all, 1, plan, jobs, timeout=6 * 3600)
+    plan, runs = read_raw(args.summarize or [plan.raw])
+    print(write_all(runs, plan, argv, args.name))
+
+
+if __name__ == "__main__":
+    main()

@@ -118,6 +118,30 @@ class DumpConfig(DeepSpeedConfigModel):
     backups: int = Field(3, ge=0)
 
 
+class AdaptiveClippingConfig(DeepSpeedConfigModel):
+    """Per-bucket adaptive gradient clipping (AdaGC, arXiv 2502.11034): after ``warmup_steps`` applied steps of
+    DeepSpeed's global clipping, each bucket's gradient is scaled by ``min(1, factor * ema / norm)``, ``ema``
+    the bucket's exponential moving average (``beta``) of its own clipped norms (``adaptive_clipping.py``)."""
+
+    enabled: StrictBool = False
+    beta: float = Field(0.98, gt=0.0, lt=1.0)
+    """The EMA's weight of its previous value (AdaGC's beta)."""
+    factor: float = Field(1.05, gt=0.0)
+    """How far above its EMA a bucket's norm may go before it is clipped (AdaGC's lambda_rel)."""
+    warmup_steps: int = Field(100, ge=1)
+    """Applied optimizer steps under global clipping before the per-bucket rule takes over (AdaGC's T_start);
+    meanwhile each bucket's EMA holds the smallest clipped norm seen."""
+
+
+class SkipStepConfig(DeepSpeedConfigModel):
+    """Skip the optimizer step whose loss or global gradient norm lies more than ``sigma`` standard deviations
+    above the mean of its last ``window`` values (OLMo-core's ``SkipStepOptimizer``; ``skip_step.py``)."""
+
+    enabled: StrictBool = False
+    sigma: float = Field(6.0, gt=0.0)
+    window: int = Field(128, ge=2)
+
+
 class LayerGradNormsConfig(DeepSpeedConfigModel):
     """Per-layer gradient statistics inside the ZeRO-1/2 optimizer."""
 
@@ -164,6 +188,17 @@ class LayerGradNormsConfig(DeepSpeedConfigModel):
     monitor: StrictBool = True
     """Also write the selected buckets' statistics to DeepSpeed's monitors (TensorBoard, W&B, CSV),
     when the ds_config enables any."""
+
+    adaptive_clipping: AdaptiveClippingConfig = Field(default_factory=AdaptiveClippingConfig)
+    """Per-bucket adaptive clipping from the measured norms (off by default); see ``AdaptiveClippingConfig``."""
+
+    skip_step: SkipStepConfig = Field(default_factory=SkipStepConfig)
+    """Skipping a spiking step (off by default); see ``SkipStepConfig``."""
+
+    def acts(self) -> bool:
+        """Whether a remedy (``adaptive_clipping``, ``skip_step``) changes the optimizer step: then every step is
+        measured, and its reduction comes before the optimizer step."""
+        return self.adaptive_clipping.enabled or self.skip_step.enabled
 
     @field_validator("layers", mode="before")
     @classmethod

@@ -104,6 +104,9 @@ def _optimizer(path_and_class: Tuple[str, str], *read_points: tuple) -> Tuple[Ca
 
 
 _GROUPS_AND_NORM = ("grad_groups_flat", "total_norm")
+# The remedies' state (adaptive clipping's averages) in the optimizer's checkpoint.
+_REMEDY_STATE = (("state_dict", RESULT, AdapterCall(Adapter.save_remedies, (RETURNED, ))),
+                 ("load_state_dict", START, AdapterCall(Adapter.load_remedies, ("state_dict_list", ))))
 
 CALL_SITES = (
     CallSite(*_CONFIG, "_initialize_params", START, Assign("layer_grad_norms_config", load_config, ("param_dict", ))),
@@ -115,11 +118,12 @@ CALL_SITES = (
     CallSite(*_ENGINE, "set_layer_grad_norms", METHOD, Method(set_layer_grad_norms)),
     *_optimizer(_ZERO,
                 ("unscale_and_clip_grads", START, AdapterCall(ZeroAdapter.unscale_and_clip_grads, _GROUPS_AND_NORM)),
-                ("_update_scale", START, AdapterCall(ZeroAdapter.update_scale, ("has_overflow", )))),
+                ("_update_scale", START, AdapterCall(ZeroAdapter.update_scale, ("has_overflow", ))),
+                *_REMEDY_STATE),
     *_optimizer(_ZERO3, ("unscale_and_clip_grads", START,
                           AdapterCall(Zero3Adapter.unscale_and_clip_grads, ("sub_group_id", "total_norm"))),
                 ("_update_scale", START, AdapterCall(Zero3Adapter.update_scale, ("has_overflow", )))),
-    *_optimizer(_BF16),  # BF16Adapter reads when the engine's step begins and ends
+    *_optimizer(_BF16, *_REMEDY_STATE),  # BF16Adapter reads when the engine's step begins and ends
     *_optimizer(
         _FUSED,
         ("unscale_and_clip_grads", START,

@@ -26,7 +26,9 @@ import torch
 from .clipping import torch_clip_divisor
 from .partition_stats import ChunkPlan, accumulate_partition, accumulate_runs
 from .reduction import reduce_stats
+from .remedies import Action
 from .statistics import MAX, NEG_MIN, NUMEL, SUMSQ, bucket_results, empty_stats, reset_stats, total_norm
+from .tags import ADAPTIVE_CLIP, SKIPPED
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +68,10 @@ class Measurement:
         self.scale_of_norm: Optional["NormFormula"] = None
         self.failed = failed
         self.finished = False
+        self.reduced: Optional[torch.Tensor] = None
+        """The table reduced before the optimizer step (``reduce_now``), on the host; ``finish`` reuses it."""
+        self.action: Optional[Action] = None
+        """What the remedies did to the step (``remedies.Remedies.decide``), if any is on."""
 
     @contextlib.contextmanager
     def guarded(self, what: str):
@@ -146,7 +152,8 @@ class Measurement:
                           self.clip_norm,
                           self.scale_of_norm,
                           clip_by_status=self.clip_square is not None,
-                          kinds=self.kinds)
+                          kinds=self.kinds,
+                          action=self.action)
 
     def finish(self, group, overflow: bool, keys: Sequence[Hashable], selected: Sequence[Hashable]) -> Optional[dict]:
         """Reduce the step across ``group`` (``reduce_stats``; every rank must call it) and return the
@@ -155,8 +162,18 @@ class Measurement:
         ``overflow``: the loss scaler skipped the step; pre-clip statistics only.
         """
         self.finished = True
-        stats, scales = host_copy(reduce_stats(self.local_table(), group), [self.scales(overflow)])
+        if self.reduced is not None:
+            stats, scales = self.reduced, resolve_scales([self.scales(overflow)])
+        else:
+            stats, scales = host_copy(reduce_stats(self.local_table(), group), [self.scales(overflow)])
         return step_result(stats, scales[0], keys, selected, self.extra)
+
+    def reduce_now(self, group) -> Optional[torch.Tensor]:
+        """Reduce the gradient observed so far across ``group`` before the optimizer steps (every rank must call
+        it), for the remedies to act on: the host table, kept for ``finish``, which then issues no collective;
+        ``None`` when a rank failed to measure the step (the status row says so)."""
+        self.reduced = reduce_stats(self.local_table(), group).cpu()
+        return None if self.reduced[-1, NUMEL] > 0 else self.reduced
 
 
 NormFormula = Tuple[torch.Tensor, Callable[[float], float]]
@@ -187,6 +204,8 @@ class StepScales:
     """``clip_norm`` applies to the norm whose square the status row carries, not to the table's total."""
     kinds: Tuple[str, ...] = ()
     """The optimizer statistics whose blocks of rows follow the gradient's in the table."""
+    action: Optional[Action] = None
+    """What the remedies did to the step (skipped it, or scaled each bucket), if any is on."""
 
 
 def host_copy(reduced: torch.Tensor, scales: Sequence[StepScales]) -> Tuple[torch.Tensor, List[StepScales]]:
@@ -200,6 +219,11 @@ def host_copy(reduced: torch.Tensor, scales: Sequence[StepScales]) -> Tuple[torc
             entry, applied_scale=float(entry.scale_of_norm[1](next(values))), scale_of_norm=None) for entry in scales
     ]
     return host[:reduced.numel()].view(reduced.shape), resolved
+
+
+def resolve_scales(scales: Sequence[StepScales]) -> List[StepScales]:
+    """``scales`` with the applied scales of their global norms resolved, for a table already on the host."""
+    return host_copy(torch.zeros(0, dtype=torch.float64), scales)[1]
 
 
 def step_result(stats: torch.Tensor, scales: StepScales, keys: Sequence[Hashable], selected: Sequence[Hashable],
@@ -216,11 +240,12 @@ def step_result(stats: torch.Tensor, scales: StepScales, keys: Sequence[Hashable
     if scales.clip_norm:
         norm = math.sqrt(stats[-1, SUMSQ]) if scales.clip_by_status else total_norm(gradient)
         applied_scale = torch_clip_divisor(norm, scales.clip_norm)
+    action = scales.action or Action()
     pre_clip = bucket_results(gradient, keys, selected, 1.0 / scales.gradient_scale, extra)
     clip_coef = post_clip = None
-    if not scales.overflow:
+    if not (scales.overflow or action.skipped):
         clip_coef = scales.gradient_scale / applied_scale
-        post_clip = bucket_results(gradient, keys, selected, 1.0 / applied_scale, extra)
+        post_clip = bucket_results(gradient, keys, selected, 1.0 / applied_scale, extra, action.factors)
     result = {
         "step": scales.step,
         "overflow": scales.overflow,
@@ -228,6 +253,23 @@ def step_result(stats: torch.Tensor, scales: StepScales, keys: Sequence[Hashable
         "pre_clip": pre_clip,
         "post_clip": post_clip
     }
+    result.update(remedy_fields(action, keys, selected))
     result.update(
         (kind, bucket_results(block, keys, selected, 1.0, extra)) for kind, block in zip(scales.kinds, blocks[1:]))
     return result
+
+
+def remedy_fields(action: Action, keys: Sequence[Hashable], selected: Sequence[Hashable]) -> dict:
+    """The result's fields of the remedies that are on: ``skipped`` and ``skip_reason`` (``skip_step``), and
+    ``adaptive_clip``, each selected bucket's factor (1.0: not clipped; ``None`` in the warm-up, on a skipped or
+    overflowed step: global clipping applied, or nothing)."""
+    fields = {}
+    if action.skipping:
+        fields.update({SKIPPED: action.skipped, "skip_reason": action.skip_reason})
+    if action.adaptive:
+        factors = None
+        if action.factors is not None:
+            position = {key: index for index, key in enumerate(keys)}
+            factors = {key: action.factors[position[key]] for key in selected}
+        fields[ADAPTIVE_CLIP] = factors
+    return fields

@@ -12,7 +12,7 @@ module turns a reduced table into the reported numbers.
 """
 
 import math
-from typing import Collection, Dict, Hashable, List, Sequence
+from typing import Collection, Dict, Hashable, List, Optional, Sequence
 
 import torch
 
@@ -37,11 +37,14 @@ def bucket_results(stats: torch.Tensor,
                    keys: Sequence[Hashable],
                    selected: Sequence[Hashable],
                    scale: float,
-                   extra: Collection[str] = ()) -> Dict[Hashable, Dict[str, float]]:
-    """The reported statistics of the ``selected`` buckets, each value multiplied by ``scale``.
+                   extra: Collection[str] = (),
+                   factors: Optional[Sequence[float]] = None) -> Dict[Hashable, Dict[str, float]]:
+    """The reported statistics of the ``selected`` buckets, each value multiplied by ``scale`` (and by the
+    bucket's own entry of ``factors``, the rows' multipliers, where given).
 
     ``scale`` is ``1 / loss_scale`` before clipping; clipping multiplies every gradient by one positive
-    factor, so the post-clip statistics are the same table times that factor (counts do not scale).
+    factor, so the post-clip statistics are the same table times that factor (counts do not scale); adaptive
+    clipping multiplies each bucket by its own.
     """
     rows: List[List[float]] = stats.tolist()
     position = {key: index for index, key in enumerate(keys)}
@@ -50,17 +53,18 @@ def bucket_results(stats: torch.Tensor,
         row = rows[position[key]]
         if row[NUMEL] == 0:
             continue  # no element anywhere: a frozen layer, or a pipeline spec without parameters
+        scale_of_row = scale if factors is None else scale * factors[position[key]]
         result = {
-            "norm": math.sqrt(row[SUMSQ]) * scale,
-            "min": -row[NEG_MIN] * scale,
-            "max": row[MAX] * scale,
-            "abs_min": -row[NEG_ABS_MIN] * scale,
-            "abs_max": max(row[MAX], row[NEG_MIN]) * scale,
+            "norm": math.sqrt(row[SUMSQ]) * scale_of_row,
+            "min": -row[NEG_MIN] * scale_of_row,
+            "max": row[MAX] * scale_of_row,
+            "abs_min": -row[NEG_ABS_MIN] * scale_of_row,
+            "abs_max": max(row[MAX], row[NEG_MIN]) * scale_of_row,
             "nonfinite": int(row[NONFINITE]),
         }
         optional = {
-            "l1": row[L1] * scale,
-            "mean": row[SUM] / row[NUMEL] * scale,
+            "l1": row[L1] * scale_of_row,
+            "mean": row[SUM] / row[NUMEL] * scale_of_row,
             "zeros": int(row[ZEROS]),
             "numel": int(row[NUMEL])
         }

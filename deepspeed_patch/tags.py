@@ -36,7 +36,8 @@ __all__ = [
     "TAG_ROOT", "OUTSIDE_LAYERS_ROOT", "VALUES", "LOGGED_PHASES", "LOGGED_STATISTICS", "OPTIMIZER_KINDS",
     "UPDATE_TO_WEIGHT", "ALL_PHASES", "update_to_weight", "norm_ratio", "logged_result", "LayerKey", "LayerId",
     "is_layer", "layer_position", "bucket_label", "layer_of_label", "phase_label", "phase_statistics", "scalar_tag",
-    "run_name", "flat_scalars", "HISTORY_ROOT", "HISTORY_RUN", "history_root", "history_run_name"
+    "run_name", "flat_scalars", "HISTORY_ROOT", "HISTORY_RUN", "history_root", "history_run_name", "ADAPTIVE_CLIP",
+    "SKIPPED", "SKIPPED_TAG", "step_scalars"
 ]
 
 TAG_ROOT = "layer-grad-norms"
@@ -56,7 +57,15 @@ as phases of their own (``layer-grad-norms/update``, ``layer-grad-norms/values/m
 UPDATE_TO_WEIGHT = "update_to_weight"
 """The phase derived for logs where a result holds both ``update`` and ``param``: per bucket, the norm of the
 update over the norm of the weights (``update_to_weight``)."""
-ALL_PHASES = LOGGED_PHASES + OPTIMIZER_KINDS + (UPDATE_TO_WEIGHT, )
+ADAPTIVE_CLIP = "adaptive_clip"
+"""The result's key of adaptive clipping's factors (``adaptive_clipping``): ``{bucket: factor}``, 1.0 where a bucket
+was not clipped; logged as a phase of its own (``layer-grad-norms/adaptive-clip``, each bucket's factor as its
+"norm"), so that which layers were clipped, and by how much, is one chart."""
+SKIPPED = "skipped"
+"""The result's key saying that ``skip_step`` skipped the step (with ``skip_reason``), present while it is on."""
+SKIPPED_TAG = f"{TAG_ROOT}/skipped-step"
+"""The scalar of a step ``skip_step`` judged: 1 skipped, 0 applied; one per step, in the writer's own run."""
+ALL_PHASES = LOGGED_PHASES + OPTIMIZER_KINDS + (UPDATE_TO_WEIGHT, ADAPTIVE_CLIP)
 """Every phase a log may hold, in the order the logs list them."""
 
 _LAYER_LABEL = re.compile(r"^(?:(.+)\.)?layer(\d+)$")
@@ -123,8 +132,9 @@ def phase_label(phase: str) -> str:
 
 
 def phase_statistics(phase: str) -> Tuple[str, ...]:
-    """The statistics logged of a phase: ``LOGGED_STATISTICS``, the norm alone of the ``update_to_weight`` ratio."""
-    return ("norm", ) if phase == UPDATE_TO_WEIGHT else LOGGED_STATISTICS
+    """The statistics logged of a phase: ``LOGGED_STATISTICS``, the "norm" alone of the ``update_to_weight`` ratio
+    and of the ``adaptive_clip`` factors."""
+    return ("norm", ) if phase in (UPDATE_TO_WEIGHT, ADAPTIVE_CLIP) else LOGGED_STATISTICS
 
 
 def scalar_tag(phase: str, statistic: str, bucket: Optional[Hashable] = None, root: str = TAG_ROOT) -> str:
@@ -153,9 +163,21 @@ def norm_ratio(numerator: float, denominator: float) -> float:
 
 
 def logged_result(result: dict) -> dict:
-    """A result as logs see it: ``result`` with the ``update_to_weight`` phase added where it can be derived."""
+    """A result as logs see it: ``result`` with the ``update_to_weight`` phase added where it can be derived, and
+    the ``adaptive_clip`` factors shaped as a phase (``{bucket: {"norm": factor}}``)."""
+    derived = {}
     ratio = update_to_weight(result)
-    return result if ratio is None else {**result, UPDATE_TO_WEIGHT: ratio}
+    if ratio is not None:
+        derived[UPDATE_TO_WEIGHT] = ratio
+    factors = result.get(ADAPTIVE_CLIP)
+    if factors:
+        derived[ADAPTIVE_CLIP] = {bucket: {"norm": factor} for bucket, factor in factors.items()}
+    return {**result, **derived} if derived else result
+
+
+def step_scalars(result: dict) -> Dict[str, float]:
+    """The scalars of a result that belong to the step, not to a bucket: ``SKIPPED_TAG`` while ``skip_step`` is on."""
+    return {SKIPPED_TAG: float(result[SKIPPED])} if SKIPPED in result else {}
 
 
 def run_name(bucket: Hashable) -> str:
@@ -172,10 +194,13 @@ def flat_scalars(result: dict,
     statistic a phase lacks (the ``update_to_weight`` ratio has only its norm)."""
     logged = logged_result(result)
     return {
-        scalar_tag(phase, name, key): values[name]
-        for phase in phases
-        for key, values in (logged.get(phase) or {}).items()
-        for name in statistics if name in values
+        **{
+            scalar_tag(phase, name, key): values[name]
+            for phase in phases
+            for key, values in (logged.get(phase) or {}).items()
+            for name in statistics if name in values
+        },
+        **step_scalars(result)
     }
 
 

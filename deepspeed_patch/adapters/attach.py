@@ -32,6 +32,7 @@ from .refusals import (
     check_moe,
     check_no_sequence_parallel,
     check_optimizer_statistics,
+    check_remedies,
     check_param_grad_trigger,
     check_param_grads,
     check_supported,
@@ -50,8 +51,8 @@ def attach(engine) -> Optional[LayerGradNormsAdapter]:
     """The adapter for ``engine`` (also set as its optimizer's ``layer_grad_norms``), or ``None`` when the
     ds_config does not ask for per-layer statistics."""
     config: LayerGradNormsConfig = engine._config.layer_grad_norms_config
-    if not (config.enabled or config.trigger is not None or config.control_file is not None):
-        return None  # a trigger or a control file can switch measuring on later: they need the adapter
+    if not (config.enabled or config.trigger is not None or config.control_file is not None or config.acts()):
+        return None  # a trigger or a control file can switch measuring on later, a remedy acts: they need the adapter
     if not _steps_an_optimizer(engine):
         logger.warning(f"{CONFIG_KEY}: this engine has no optimizer ({type(engine.optimizer).__name__}), so no "
                        "gradient step to measure; per-layer statistics are off")
@@ -60,6 +61,7 @@ def attach(engine) -> Optional[LayerGradNormsAdapter]:
     family = next((family for family in OPTIMIZER_FAMILIES if family.handles(optimizer)), None)
     check_moe(engine, family)
     check_optimizer_statistics(optimizer, family, config)
+    check_remedies(optimizer, family, config)
     if family is None:
         return _param_grad_adapter(engine, config)
     check_supported(optimizer, family.unsupported(optimizer, engine.param_names, capabilities.installed()))

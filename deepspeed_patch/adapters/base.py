@@ -43,6 +43,7 @@ from ..optimizer_stats import OptimizerStatistics
 from ..partition_stats import ChunkPlan
 from ..publish import Publisher
 from ..recorder import FlightRecorder, Replay
+from ..remedies import CHECKPOINT_KEY, Action, Remedies, scale_runs
 from ..statistics import empty_stats
 from ..steps import FailureLatch, StepPlan
 from ..trigger import Fire, History, TriggerState
@@ -95,14 +96,20 @@ class LayerGradNormsAdapter:
         self.reporting = False
         """Whether the step under way is measured (reduced and published), not only recorded."""
         trigger = setup.config.trigger
-        self.wants_loss = trigger is not None and trigger.loss_factor is not None
-        """Whether ``report_loss`` is needed: a trigger watches the loss (``trigger.loss_factor``)."""
+        self.remedies = Remedies.wanted(setup.config, self.layer_map.keys)
+        """``adaptive_clipping`` and ``skip_step``, when either is on: then every step is measured, and reduced
+        before the optimizer steps (``act``)."""
+        self.capture_steps = trigger.capture_steps if trigger is not None else None
+        self.wants_loss = (trigger is not None and trigger.loss_factor is not None) or setup.config.skip_step.enabled
+        """Whether ``report_loss`` is needed: a trigger watches the loss (``trigger.loss_factor``), or ``skip_step``."""
+        self.saved_clip_grad: Optional[float] = None
+        """The optimizer's ``clip_grad`` while adaptive clipping replaces it for one step (``suspend_global_clipping``)."""
         history = trigger.history if trigger is not None else 0
         self.recorder = FlightRecorder(history, self.layer_map.num_rows, device, self.kinds) if history else None
 
     def begin_step(self) -> None:
         """Top of the engine's optimizer step: open a measurement if this step is measured or recorded."""
-        self.reporting = self.plan.next_step() and not self.latch.broken
+        self.reporting = (self.plan.next_step() or self.remedies is not None) and not self.latch.broken
         if not (self.reporting or (self.recorder is not None and not self.latch.broken)):
             return
         self.measurement = Measurement(self.plan.step,
@@ -124,16 +131,21 @@ class LayerGradNormsAdapter:
         trigger, and when it fires reduce the recorded steps. What leads to a collective here (``reporting``,
         the fire) is the same on every rank, whatever failed on one."""
         measurement, self.measurement = self.measurement, None
+        self.resume_global_clipping()
         with self.latch.failing_locally("ending the step", self.plan.step):  # the last resort: never into training
             self._end(measurement)
 
     def _end(self, measurement: Optional[Measurement]) -> None:
-        overflow = self.overflow()
+        action = measurement.action if measurement is not None else None
+        skipped = action is not None and action.skipped
+        overflow = self.overflow() and not skipped  # a step skip_step skipped goes the overflow's way in DeepSpeed
         if measurement is not None:
             self._close(measurement, overflow)
         if self.latch.broken:
             return
-        fired = self.trigger.after_step(self.plan.step, self.global_norm(), overflow)
+        fired = self.trigger.after_step(self.plan.step, action.global_norm if skipped else self.global_norm(), overflow)
+        if fired is None and skipped:
+            fired = self._skip_fire(action)
         if fired is not None:
             self.plan.open_capture(fired)
             if self.recorder is not None:
@@ -162,6 +174,81 @@ class LayerGradNormsAdapter:
                 self.publisher.publish(result, self.plan.capture if self.plan.capturing() else None)
         if measurement.failed:
             self.latch.failed_locally = True
+
+    def _skip_fire(self, action: Action) -> Optional[dict]:
+        """A step ``skip_step`` skipped opens the trigger's capture (and reduces its recorder) like a fire."""
+        if self.capture_steps is None:
+            return None
+        step = self.plan.step
+        return {"fired_at": step, "reason": f"skip_step: {action.skip_reason}", "capture_until": step + self.capture_steps}
+
+    def act(self, measurement: Measurement) -> None:
+        """Before the optimizer steps, on a step the loss scaler does not skip, with every group observed: reduce
+        the step now (its only reduction) and let the remedies decide, from that table, the same on every rank.
+        A skipped step then goes the way DeepSpeed skips an overflowed one (``skip_optimizer_step``); adaptive
+        factors replace global clipping for the step (``suspend_global_clipping``) and are applied to each
+        group's partition by the family's read point (``scale_buckets``)."""
+        step = measurement.step
+        reduced = None
+        with self.latch.failing_locally("reducing the step before the optimizer step", step):
+            reduced = measurement.reduce_now(self.group)
+        if reduced is None:  # a rank failed to measure: finish switches the statistics off on every rank
+            return
+        with self.latch.failing_locally("deciding the remedies", step):
+            action = self.remedies.decide(reduced, measurement.gradient_scale, self.clip_divisor)
+            measurement.action = action
+            if action.skipped:
+                logger.warning("layer_grad_norms: skip_step skips step %d (%s)", step, action.skip_reason)
+                self.skip_optimizer_step()
+            elif action.factors is not None:
+                self.suspend_global_clipping()
+
+    def scale_buckets(self, measurement: Measurement, index: int, flat_grad: torch.Tensor) -> None:
+        """Multiply group ``index``'s flat partition by each bucket's adaptive factor, in place, where the step has
+        them; before the optimizer divides it by the loss scale."""
+        factors = measurement.action.factors if measurement.action is not None else None
+        if factors is not None:
+            slices = self.plans[index].slices
+            scale_runs(flat_grad, slices.starts, slices.lengths, self.run_buckets[index], factors)
+
+    @functools.cached_property
+    def run_buckets(self) -> List[List[int]]:
+        """Each group's runs' bucket rows, on the host (``plans`` holds them on the partition's device)."""
+        return [plan.slices.buckets.tolist() for plan in self.plans]
+
+    def clip_divisor(self, global_norm: float) -> float:
+        """What the optimizer's global clipping divides a gradient of unscaled norm ``global_norm`` by."""
+        raise NotImplementedError
+
+    def skip_optimizer_step(self) -> None:
+        """Make the optimizer skip the step under way as it skips an overflowed one (refused where it cannot)."""
+        raise NotImplementedError
+
+    def suspend_global_clipping(self) -> None:
+        """No global clipping for the step under way (adaptive clipping replaces it); ``end_step`` restores it."""
+        self.saved_clip_grad = self.optimizer.clip_grad
+        self.optimizer.clip_grad = 0.0
+
+    def resume_global_clipping(self) -> None:
+        if self.saved_clip_grad is not None:
+            self.optimizer.clip_grad, self.saved_clip_grad = self.saved_clip_grad, None
+
+    def save_remedies(self, state_dict: dict) -> None:
+        """At the end of the optimizer's ``state_dict``: the remedies' state joins the checkpoint it writes."""
+        if self.remedies is not None:
+            state_dict[CHECKPOINT_KEY] = self.remedies.state_dict()
+
+    def load_remedies(self, state_dict_list) -> None:
+        """At the top of the optimizer's ``load_state_dict``: the remedies' state from the checkpoint (the same in
+        every rank's file; the first that has it is read)."""
+        if self.remedies is None:
+            return
+        states = state_dict_list if isinstance(state_dict_list, (list, tuple)) else [state_dict_list]
+        saved = next((state[CHECKPOINT_KEY] for state in states if CHECKPOINT_KEY in state), None)
+        if saved is None:
+            logger.warning("layer_grad_norms: the checkpoint holds no adaptive_clipping state; it starts afresh")
+        else:
+            self.remedies.load_state_dict(saved)
 
     def _replay(self, fired: dict) -> None:
         """At a fire: the recorded steps no earlier fire published, reduced, kept and published. A rank's
@@ -219,8 +306,10 @@ class LayerGradNormsAdapter:
         of that step or after it; it is judged at the end of the next optimizer step. A rank that reports
         another value, or none, could fire alone and hang the others in the recorder's collective. Without
         a ``loss_factor`` (``wants_loss`` false) the loss is ignored, not read: a device tensor stays there."""
-        if self.wants_loss:
+        if self.trigger.trigger is not None and self.trigger.trigger.loss_factor is not None:
             self.trigger.report_loss(loss)
+        if self.remedies is not None:
+            self.remedies.report_loss(loss)
 
     def set_options(self,
                     enabled: Optional[bool] = None,
@@ -273,15 +362,28 @@ class ZeroPartitionsAdapter(OptimizerAdapter):
 
     def update_scale(self, has_overflow=False) -> None:
         """Top of ``_update_scale``: once per step, before the loss scale changes and before a skipped
-        step's gradients are dropped."""
+        step's gradients are dropped. With a remedy on, a step the loss scaler does not skip is read here
+        too, and reduced, for the remedies to act before the optimizer steps (``act``)."""
         measurement = self.measurement
         if measurement is None:
             return
-        with measurement.guarded("reading a skipped step's gradients"):
+        acting = self.remedies is not None and not has_overflow
+        with measurement.guarded("reading the gradients before the step"):
             measurement.set_gradient_scale(self.optimizer.loss_scale)
-            if has_overflow:
+            if has_overflow or acting:
                 for index, plan in enumerate(self.plans):
                     self.observe_skipped(measurement, index, plan)
+        if acting:
+            self.act(measurement)
+
+    def clip_divisor(self, global_norm: float) -> float:
+        return zero_unscale_divisor(global_norm, clip_grad=self.optimizer.clip_grad, loss_scale=1.0)
+
+    def skip_optimizer_step(self) -> None:
+        """``_update_scale``'s caller tests ``self.overflow`` right after it: set, the step goes DeepSpeed's own
+        overflow path (gradients dropped, no parameter or moment change, the engine counts a skipped step and
+        does not step the learning-rate schedule); the loss scaler itself saw no overflow."""
+        self.optimizer.overflow = True
 
     def observe_skipped(self, measurement: Measurement, index: int, plan: ChunkPlan) -> None:
         """Fold in group ``index``'s gradient on a skipped step, wherever the family holds it then."""

@@ -90,6 +90,27 @@ def check_optimizer_statistics(optimizer, family: Optional[type], config: LayerG
                                         f"this engine steps {err}") from None
 
 
+# The families whose step the remedies can act on, and which of them.
+REMEDY_FAMILIES = {ZeroAdapter: ("adaptive_clipping", "skip_step"), BF16Adapter: ("adaptive_clipping", )}
+
+
+def check_remedies(optimizer, family: Optional[type], config: LayerGradNormsConfig) -> None:
+    """``adaptive_clipping`` acts in ZeRO-1/2 and BF16_Optimizer, ``skip_step`` in ZeRO-1/2, where the step's reduction
+    can come before the optimizer step and a read point sees every partition first; and neither together with
+    ``optimizer_statistics``, which are reduced with the step after the optimizer steps."""
+    wanted = [name for name in ("adaptive_clipping", "skip_step") if getattr(config, name).enabled]
+    if not wanted:
+        return
+    refused = [name for name in wanted if name not in REMEDY_FAMILIES.get(family, ())]
+    if refused:
+        raise UnsupportedSetupError(f"{CONFIG_KEY}.{refused[0]} is supported under ZeRO stage 1 and 2"
+                                    f"{' and BF16_Optimizer' if refused[0] == 'adaptive_clipping' else ''} only yet; "
+                                    f"this engine uses {type(optimizer).__name__}")
+    if config.optimizer_statistics:
+        raise UnsupportedSetupError(f"{CONFIG_KEY}.{wanted[0]} with optimizer_statistics is not supported yet (the "
+                                    "step is reduced before the optimizer steps); leave one of them out")
+
+
 def check_moe(engine, family: Optional[type]) -> None:
     """Mixture-of-Experts is measured under ZeRO stage 1 and 2 without model parallelism.
 

@@ -49,7 +49,8 @@ class ZeroAdapter(ZeroPartitionsAdapter):
 
     def unscale_and_clip_grads(self, grad_groups_flat, total_norm) -> None:
         """Top of ``unscale_and_clip_grads``, once per group: the flat fp32 partition about to be divided by
-        the loss scale and the clip factor. The global norm stays on the device until ``finish``."""
+        the loss scale and the clip factor (and, with adaptive clipping, multiplied by each bucket's factor
+        first). The global norm stays on the device until ``finish``."""
         measurement = self.measurement
         if measurement is None:
             return
@@ -57,6 +58,7 @@ class ZeroAdapter(ZeroPartitionsAdapter):
             flat_grad = grad_groups_flat[0]
             index = group_of(self.optimizer.single_partition_of_fp32_groups, flat_grad)
             self.observe_group(measurement, index, flat_grad, total_norm, self.capabilities.zero_zeroes_invalid_norm)
+            self.scale_buckets(measurement, index, flat_grad)
 
     def observe_skipped(self, measurement, index: int, plan: ChunkPlan) -> None:
         """Group ``index``'s gradient on a skipped step: the offloaded fp32 partition, the flat partition a

@@ -1,0 +1,68 @@
+# Copyright (c) Microsoft Corporation.
+# SPDX-License-Identifier: Apache-2.0
+
+# DeepSpeed Team
+"""Whether to skip a spiking optimizer step: OLMo-core's ``SkipStepOptimizer`` rule.
+
+A step is skipped when its loss, or its global gradient norm, lies more than ``sigma`` standard deviations
+(unbiased, as ``torch.std``) above the mean of the previous ``window`` values. Every step's value joins its
+window, a skipped step's included (as in OLMo-core); values are judged once the window holds
+``min(window, max(20, window // 2))`` of them. Two deliberate differences from OLMo-core: only a value *above*
+the mean counts (OLMo-core takes the absolute deviation, so a sudden drop of the loss is skipped as well), and
+a window of identical values skips any larger value instead of every value (OLMo-core divides by a zero standard
+deviation). A non-finite loss or norm on a step the loss scaler did not skip is skipped at once and stays out
+of its window.
+
+Its inputs are the same on every rank: the global norm from the step's reduced table, and the loss the training
+loop reports on every rank (``report_loss``), so every rank takes the same decision.
+"""
+
+import math
+import statistics
+from collections import deque
+from typing import Optional, Union
+
+import torch
+
+from .config import SkipStepConfig
+
+MIN_JUDGED = 20
+"""OLMo-core's least number of values before any is judged (or half the window, if larger)."""
+
+
+class SkipStep:
+    """The windows of the loss and of the global norm, and the decision of each step."""
+
+    def __init__(self, config: SkipStepConfig) -> None:
+        self.sigma = config.sigma
+        self.least = min(config.window, max(MIN_JUDGED, config.window // 2))
+        self.losses: deque = deque(maxlen=config.window)
+        self.norms: deque = deque(maxlen=config.window)
+        self.loss: Union[None, float, torch.Tensor] = None
+
+    def report_loss(self, loss: Union[float, torch.Tensor]) -> None:
+        """The loss of the step about to be taken, the same on every rank; read when the step is judged."""
+        self.loss = loss.detach() if isinstance(loss, torch.Tensor) else float(loss)
+
+    def judge(self, global_norm: float) -> Optional[str]:
+        """Why the step whose global gradient norm is ``global_norm`` is skipped, or ``None``; the loss reported
+        since the last step (if any) is judged with it."""
+        loss, self.loss = self.loss, None
+        reasons = [
+            reason for reason in (self._outlier("loss", None if loss is None else float(loss), self.losses),
+                                  self._outlier("grad norm", global_norm, self.norms)) if reason
+        ]
+        return "; ".join(reasons) or None
+
+    def _outlier(self, name: str, value: Optional[float], window: deque) -> Optional[str]:
+        if value is None:
+            return None
+        if not math.isfinite(value):
+            return f"{name} {value}"
+        reason = None
+        if len(window) >= self.least:
+            mean, std = statistics.fmean(window), statistics.stdev(window)
+            if value > mean + self.sigma * std:
+                reason = f"{name} {value:.4g} > mean {mean:.4g} + {self.sigma:g} x std {std:.4g}"
+        window.append(value)
+        return reason

@@ -1,7 +1,8 @@
 """Spike-prone training under ZeRO-2 on CPU: global clipping against per-layer adaptive clipping and skip-step.
 
-    python benchmarks/spike_prone.py [--seeds 0 1 2 3 4] [--arms ...] [--steps N] [--lr LR] [--fault data:STEP:LEN]
-    python benchmarks/spike_prone.py --summarize RAW.jsonl      # table and figure again from the raw runs
+    python benchmarks/spike_prone.py [--seeds 0 1 2 3 4] [--arms ...] [--steps N] [--lr LR] [--fault KIND:STEP:SIZE]
+                                     [--sweep-lrs LR ...]          # also each arm at these lrs, without faults
+    python benchmarks/spike_prone.py --summarize RAW.jsonl ...     # table and figure again from raw runs
 
 A small Pre-LN GPT (``megatron_integration.tiny_gpt``, byte level) learns the Python standard library's own
 top-level ``*.py`` sources (about 4.7 MB; every tenth file, in name order, is held out for validation), on one
@@ -12,15 +13,16 @@ sweep (Wortsman et al. 2023, arXiv 2309.14322), and optionally with faults of kn
 - ``lr:STEP:FACTOR``: the learning rate FACTOR times its schedule's value at STEP only.
 
 Every arm trains from the same initial weights on the same batches for a given seed; only the remedy differs
-(``ARMS``). The runs of one seed follow each other in one process (the arms' order rotates with the seed), so the
-step-time ratio of an arm to the baseline is taken between neighbouring runs of the same process.
+(``arm_block``). The arms of a seed train in lockstep in one process (each step's batch goes to every arm's engine,
+in an order shuffled per step), so an arm's step time over the baseline's at the same step compares two steps
+taken within a second of each other, under the same load of the shared machine.
 
 Measured per run: loss spikes (a clean step whose training loss exceeds ``SPIKE_FACTOR`` x the median of the
 previous ``SPIKE_WINDOW`` steps), steps lost to recovery (from the end of each spike or fault to the first step
 whose next ``RECOVERY_SPAN`` losses average within ``RECOVERY_TOLERANCE`` of the median of the ``SPIKE_WINDOW``
-steps before it), the largest loss over its running median, final and best validation loss, and the median step
-time. Writes ``benchmarks/results/spike_prone.{md,json}`` (median and range over seeds per arm) and
-``docs/spike_prone.png`` (loss curves, median and range over seeds per arm).
+steps before it), the largest loss over its running median, final and best validation loss, skipped and clipped
+steps, and the step-time ratio to the baseline. Writes ``benchmarks/results/spike_prone.{md,json}`` (median and
+range over seeds per arm) and ``docs/spike_prone.png`` (loss curves, median and range over seeds per arm).
 """
 
 import argparse
@@ -29,6 +31,7 @@ import glob
 import json
 import math
 import os
+import random
 import statistics
 import sys
 import sysconfig
@@ -45,6 +48,8 @@ SPIKE_FACTOR = 1.5
 SPIKE_WINDOW = 50
 RECOVERY_SPAN = 10
 RECOVERY_TOLERANCE = 0.05
+TIMING_WARMUP = 10
+"""Steps left out of the step times (first calls, builds, allocations)."""
 FIGURE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "spike_prone.png")
 BASELINE = "global_clip"
 ARM_LABELS = {
@@ -74,11 +79,16 @@ class Fault:
         """The steps the fault acts on (1-based)."""
         return range(self.step, self.step + (int(self.size) if self.kind == "data" else 1))
 
+    def shown(self) -> slice:
+        """The losses and norms (0-based) that show its size: a data fault's own steps; the step after an lr
+        fault (its update has moved the weights)."""
+        return slice(self.step - 1, max(self.steps())) if self.kind == "data" else slice(self.step, self.step + 1)
+
 
 @dataclass
 class Plan:
     """Everything a run depends on besides its arm and seed."""
-    steps: int = 300
+    steps: int = 250
     lr: float = 3e-2
     lr_warmup: int = 20
     num_layers: int = 4
@@ -97,9 +107,10 @@ class Plan:
     raw: str = "/tmp/spike_prone_raw.jsonl"
 
 
-DEFAULT_FAULTS = ("data:100:5", "lr:200:20")
-"""Five batches of random bytes at step 100, then the learning rate x20 at step 200: each a spike of known size,
-far enough apart for the loss to settle in between (a few to ten steps in the baseline)."""
+DEFAULT_FAULTS = ("data:90:5", "lr:170:20")
+"""Five batches of random bytes from step 90, then the learning rate x20 at step 170: each a spike of known size,
+after skip-step's window is judged (64 steps) and adaptive clipping's warm-up, and far enough apart for the loss
+to settle in between (a few to twenty steps in the baseline)."""
 
 
 def arm_block(arm: str, plan: Plan) -> Optional[dict]:
@@ -185,63 +196,81 @@ def validation_loss(model: torch.nn.Module, batches: Sequence[torch.Tensor]) -> 
         return statistics.fmean(model(batch).item() for batch in batches)
 
 
-def skipped(result: Optional[dict], step: int) -> bool:
-    """Whether the feature reports this step as skipped (its result's ``skipped``, if it has one)."""
-    return bool(result and result.get("step") == step and result.get("skipped"))
+def remedy_record(result: Optional[dict], step: int) -> Tuple[bool, int, float]:
+    """From the step's result: whether ``skip_step`` skipped it, how many buckets adaptive clipping scaled down,
+    and the smallest factor (1.0: none)."""
+    if not result or result.get("step") != step:
+        return False, 0, 1.0
+    factors = list((result.get("adaptive_clip") or {}).values())
+    return bool(result.get("skipped")), sum(factor < 1.0 for factor in factors), min(factors, default=1.0)
 
 
-def train_run(plan: Plan, arm: str, seed: int, train: torch.Tensor, val_batches: List[torch.Tensor]) -> dict:
-    """One arm and seed: the per-step loss, global norm, time and skip, and the validation losses."""
-    import deepspeed
+class Arm:
+    """One arm's engine in a seed's lockstep training, and what its steps recorded."""
 
-    torch.manual_seed(seed)
-    model = TinyGPT(TinyGPTConfig(vocab_size=256, seq_len=plan.seq_len, hidden=plan.hidden,
-                                  num_layers=plan.num_layers, num_heads=plan.heads))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=plan.lr, betas=(0.9, 0.95), weight_decay=0.1)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor(plan))
-    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
-                                      config=ds_config(arm, plan))
-    adapter = getattr(engine, "layer_grad_norms", None)
-    batches = Batches(train, plan, seed)
-    run = {"arm": arm, "seed": seed, "lr": plan.lr, "faulted": bool(plan.faults), "loss": [], "grad_norm": [],
-           "seconds": [], "skipped": [], "val": []}
+    def __init__(self, plan: Plan, arm: str, seed: int) -> None:
+        import deepspeed
+
+        torch.manual_seed(seed)
+        model = TinyGPT(TinyGPTConfig(vocab_size=256, seq_len=plan.seq_len, hidden=plan.hidden,
+                                      num_layers=plan.num_layers, num_heads=plan.heads))
+        optimizer = torch.optim.AdamW(model.parameters(), lr=plan.lr, betas=(0.9, 0.95), weight_decay=0.1)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor(plan))
+        self.engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
+                                               config=ds_config(arm, plan))
+        self.adapter = getattr(self.engine, "layer_grad_norms", None)
+        self.run = {"arm": arm, "seed": seed, "lr": plan.lr, "faulted": bool(plan.faults), "loss": [],
+                    "grad_norm": [], "seconds": [], "skipped": [], "clipped_buckets": [], "min_factor": [], "val": []}
+
+    def step(self, step: int, tokens: torch.Tensor) -> None:
+        """One training step, timed from the forward to the end of the optimizer step."""
+        start = time.perf_counter()
+        loss = self.engine(tokens)
+        self.engine.backward(loss)
+        if self.adapter is not None:
+            self.adapter.report_loss(loss.detach())
+        self.engine.step()
+        self.run["loss"].append(loss.item())
+        self.run["seconds"].append(time.perf_counter() - start)
+        self.run["grad_norm"].append(float(self.engine.get_global_grad_norm() or float("nan")))
+        result = self.engine.get_layer_grad_norms() if self.adapter is not None else None
+        for key, value in zip(("skipped", "clipped_buckets", "min_factor"), remedy_record(result, step)):
+            self.run[key].append(value)
+
+
+def train_seed(plan: Plan, arms: Sequence[str], seed: int, train: torch.Tensor,
+               val_batches: List[torch.Tensor]) -> List[dict]:
+    """Every arm of one seed in lockstep: each step's batch goes to every arm's engine in turn, in an order
+    shuffled per step, so that neighbouring steps of different arms share the machine's load of the moment and
+    their times compare (the step-time ratio). Returns each arm's record."""
+    engines = [Arm(plan, arm, seed) for arm in arms]
+    batches, shuffler = Batches(train, plan, seed), random.Random(seed)
     for step in range(1, plan.steps + 1):
         tokens = batches.next(step)
-        start = time.perf_counter()
-        loss = engine(tokens)
-        engine.backward(loss)
-        if adapter is not None:
-            adapter.report_loss(loss.detach())
-        engine.step()
-        run["loss"].append(loss.item())
-        run["seconds"].append(time.perf_counter() - start)
-        run["grad_norm"].append(float(engine.get_global_grad_norm() or float("nan")))
-        run["skipped"].append(skipped(engine.get_layer_grad_norms() if adapter is not None else None, step))
+        for arm in shuffler.sample(engines, len(engines)):
+            arm.step(step, tokens)
         if step % plan.eval_every == 0 or step == plan.steps:
-            run["val"].append((step, validation_loss(engine.module, val_batches)))
-    engine.destroy()
-    return run
+            for arm in engines:
+                arm.run["val"].append((step, validation_loss(arm.engine.module, val_batches)))
+    for arm in engines:
+        arm.engine.destroy()
+    return [arm.run for arm in engines]
 
 
 @dataclass
 class Job:
-    """One run: its arm and seed, at the plan's lr with its faults, or (a sweep point) at ``lr`` without."""
-    arm: str
+    """One seed's arms in lockstep, at the plan's lr with its faults, or (a sweep point) at ``lr`` without."""
     seed: int
+    arms: List[str]
     lr: Optional[float] = None
 
     def plan(self, plan: Plan) -> Plan:
         return plan if self.lr is None else replace(plan, lr=self.lr, faults=[])
 
 
-def run_order(arms: Sequence[str], seeds: Sequence[int], lr: Optional[float] = None) -> List[Job]:
-    """Seed after seed; within a seed the arms' order rotates, so that no arm always runs first."""
-    return [Job(arms[(index + offset) % len(arms)], seed, lr) for offset, seed in enumerate(seeds)
-            for index in range(len(arms))]
-
-
 def train_all(plan: Plan, jobs: List[Job]) -> int:
-    """Every run in one process, each appended to ``plan.raw`` as one JSON line as it ends; returns the count."""
+    """Every job in one process, each run appended to ``plan.raw`` as one JSON line as its job ends; returns
+    the number of runs."""
     import deepspeed_patch
 
     deepspeed_patch.install()
@@ -251,13 +280,13 @@ def train_all(plan: Plan, jobs: List[Job]) -> int:
     val_batches = [windows(val, 16, plan.seq_len + 1, val_generator) for _ in range(plan.eval_batches)]
     for number, job in enumerate(jobs, 1):
         started = time.time()
-        run = train_run(job.plan(plan), job.arm, job.seed, train, val_batches)
+        runs = train_seed(job.plan(plan), job.arms, job.seed, train, val_batches)
         with open(plan.raw, "a", encoding="utf-8") as out:
-            out.write(json.dumps(run) + "\n")
-        print(f"[spike_prone] run {number}/{len(jobs)} {job.arm} seed {job.seed} lr {run['lr']:g}: "
-              f"{time.time() - started:.0f} s, final loss {run['loss'][-1]:.3f}, val {run['val'][-1][1]:.3f}, "
-              f"skipped {sum(run['skipped'])}", file=sys.stderr, flush=True)
-    return len(jobs)
+            out.writelines(json.dumps(run) + "\n" for run in runs)
+        finals = ", ".join(f"{run['arm']} {run['val'][-1][1]:.3f} ({sum(run['skipped'])} skipped)" for run in runs)
+        print(f"[spike_prone] job {number}/{len(jobs)} seed {job.seed} lr {runs[0]['lr']:g}: "
+              f"{time.time() - started:.0f} s; final val loss {finals}", file=sys.stderr, flush=True)
+    return sum(len(job.arms) for job in jobs)
 
 
 # ---------------------------------------------------------------- metrics
@@ -283,35 +312,44 @@ def recovery(losses: Sequence[float], first: int, last: int) -> Tuple[int, bool]
 
 
 def events(spike_steps: List[int], faults: List[Fault]) -> List[Tuple[int, int, str]]:
-    """Spikes and faults as (first step, last step, kind), in order; a spike inside a fault's steps or right
-    after another spike belongs to that event."""
-    found = sorted([(min(f.steps()), max(f.steps()), f.kind) for f in faults]
-                   + [(step, step, "spike") for step in spike_steps])
-    merged: List[Tuple[int, int, str]] = []
+    """Faults (first and last step they act on) and spikes (their step), as (first, last, kind), in order."""
+    return sorted([(min(f.steps()), max(f.steps()), f.kind) for f in faults]
+                  + [(step, step, "spike") for step in spike_steps])
+
+
+def recoveries(losses: Sequence[float], found: List[Tuple[int, int, str]]) -> List[dict]:
+    """Each event's recovery (``recovery``); a spike before the end of an earlier event's recovery is part of
+    that event, not one of its own."""
+    done, until = [], 0
     for first, last, kind in found:
-        if merged and first <= merged[-1][1] + 1:
-            merged[-1] = (merged[-1][0], max(last, merged[-1][1]), merged[-1][2])
-        else:
-            merged.append((first, last, kind))
-    return merged
+        if kind == "spike" and first <= until:
+            continue
+        steps, recovered = recovery(losses, first, last)
+        until = last + steps
+        done.append({"first": first, "last": last, "kind": kind, "steps": steps, "recovered": recovered})
+    return done
 
 
 def run_metrics(run: dict, plan: Plan) -> dict:
     losses = run["loss"]
     corrupted = {step for fault in plan.faults if fault.kind == "data" for step in fault.steps()}
     found = spikes(losses, corrupted)
-    lost, recoveries = 0, []
-    for first, last, kind in events(found, plan.faults):
-        steps, recovered = recovery(losses, first, last)
-        lost += steps
-        recoveries.append({"first": first, "last": last, "kind": kind, "steps": steps, "recovered": recovered})
+    recovered = recoveries(losses, events(found, plan.faults))
     ratios = [losses[i] / statistics.median(losses[i - SPIKE_WINDOW:i]) for i in range(SPIKE_WINDOW, len(losses))
               if i + 1 not in corrupted]
     vals = [value for _, value in run["val"]]
-    timed = [seconds for step, seconds in enumerate(run["seconds"], 1) if step > 10]
-    return {"spikes": len(found), "spike_steps": found, "steps_lost": lost, "recoveries": recoveries,
-            "max_loss_over_median": max(ratios) if ratios else float("nan"), "final_val": vals[-1],
-            "best_val": min(vals), "skipped": sum(run["skipped"]), "step_seconds": statistics.median(timed)}
+    return {"spikes": len(found), "spike_steps": found, "steps_lost": sum(event["steps"] for event in recovered),
+            "recoveries": recovered, "max_loss_over_median": max(ratios) if ratios else float("nan"),
+            "final_val": vals[-1], "best_val": min(vals), "skipped": sum(run["skipped"]),
+            "clipped_steps": sum(count > 0 for count in run.get("clipped_buckets", [])),
+            "step_seconds": statistics.median(run["seconds"][TIMING_WARMUP:])}
+
+
+def step_time_ratio(run: dict, baseline: dict) -> float:
+    """The median over steps of a run's step time over the baseline's at the same step (the two ran next to
+    each other in the lockstep), the first ``TIMING_WARMUP`` steps left out."""
+    pairs = list(zip(run["seconds"], baseline["seconds"]))[TIMING_WARMUP:]
+    return statistics.median(mine / base for mine, base in pairs)
 
 
 def fault_sizes(runs: List[dict], plan: Plan) -> List[dict]:
@@ -324,7 +362,7 @@ def fault_sizes(runs: List[dict], plan: Plan) -> List[dict]:
             if run["arm"] != BASELINE or fault.step <= SPIKE_WINDOW:
                 continue
             window = slice(fault.step - 1 - SPIKE_WINDOW, fault.step - 1)
-            span = slice(fault.step - 1, max(fault.steps()))
+            span = fault.shown()
             loss_x.append(max(run["loss"][span]) / statistics.median(run["loss"][window]))
             norm_x.append(max(run["grad_norm"][span]) / statistics.median(run["grad_norm"][window]))
         sizes.append({**asdict(fault), "loss_over_median": statistics.median(loss_x) if loss_x else None,
@@ -338,17 +376,18 @@ def spread(values: Sequence[float]) -> dict:
 
 def summarize(runs: List[dict], plan: Plan) -> dict:
     """Per arm: each metric's median and range over seeds, and the step-time ratio to the baseline run of the
-    same seed."""
-    metrics = {(run["arm"], run["seed"]): run_metrics(run, plan) for run in runs}
+    same seed (``step_time_ratio``)."""
+    by_key = {(run["arm"], run["seed"]): run for run in runs}
+    metrics = {key: run_metrics(run, plan) for key, run in by_key.items()}
     arms = [arm for arm in ARM_LABELS if any(key[0] == arm for key in metrics)]
     summary = {}
     for arm in arms:
         mine = {seed: value for (name, seed), value in metrics.items() if name == arm}
         row = {key: spread([value[key] for value in mine.values()])
                for key in ("spikes", "steps_lost", "max_loss_over_median", "final_val", "best_val", "skipped",
-                           "step_seconds")}
-        ratios = [value["step_seconds"] / metrics[(BASELINE, seed)]["step_seconds"] for seed, value in mine.items()
-                  if (BASELINE, seed) in metrics]
+                           "clipped_steps", "step_seconds")}
+        ratios = [step_time_ratio(by_key[(arm, seed)], by_key[(BASELINE, seed)]) for seed in mine
+                  if (BASELINE, seed) in by_key]
         row["cost_ratio"] = spread(ratios) if ratios else None
         row["per_seed"] = {seed: mine[seed] for seed in sorted(mine)}
         summary[arm] = row
@@ -390,17 +429,19 @@ def report(summary: dict, plan: Plan, sizes: List[dict], setup: dict) -> List[st
         f"steps (a data fault's own batches are not counted). Steps lost: for each spike or fault, the steps from "
         f"its end to the first step whose next {RECOVERY_SPAN} losses average within {RECOVERY_TOLERANCE:.0%} of "
         f"the median of the {SPIKE_WINDOW} steps before it (to the run's end if never), summed over the run. "
-        "Cost: each run's median step time (steps after the 10th, validation excluded) over the baseline run of "
-        "the same seed, run next to it in the same process. Cells: median (min-max) over seeds.",
+        f"Clipped steps: steps where adaptive clipping scaled at least one layer down. Step time ratio: the median "
+        f"over steps (after the {TIMING_WARMUP}th) of the arm's step time over the baseline's at the same step, "
+        "taken next to each other in the lockstep (forward, backward and optimizer step; validation excluded); "
+        "the baseline runs with the feature off. Cells: median (min-max) over seeds.",
         "",
         "| arm | spikes | steps lost | max loss / running median | final val loss | best val loss | skipped steps "
-        "| step time ratio |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| clipped steps | step time ratio |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for arm, row in summary.items():
         lines.append(f"| {ARM_LABELS[arm]} | {cell(row['spikes'], 0)} | {cell(row['steps_lost'], 0)} | "
                      f"{cell(row['max_loss_over_median'])} | {cell(row['final_val'])} | {cell(row['best_val'])} | "
-                     f"{cell(row['skipped'], 0)} | {cell(row['cost_ratio'], 2)} |")
+                     f"{cell(row['skipped'], 0)} | {cell(row['clipped_steps'], 0)} | {cell(row['cost_ratio'], 2)} |")
     lines += ["", "Per seed (final val loss; steps lost):", ""]
     for arm, row in summary.items():
         per_seed = ", ".join(f"{seed}: {value['final_val']:.3f}; {value['steps_lost']}"
@@ -565,8 +606,8 @@ def main() -> None:
 
         with open(plan.raw, "w", encoding="utf-8") as out:
             out.write(json.dumps({"plan": asdict(plan)}) + "\n")
-        jobs = run_order(args.arms, args.seeds)
-        jobs += [job for lr in args.sweep_lrs for job in run_order(args.sweep_arms, args.sweep_seeds, lr)]
+        jobs = [Job(seed, args.arms) for seed in args.seeds]
+        jobs += [Job(seed, args.sweep_arms, lr) for lr in args.sweep_lrs for seed in args.sweep_seeds]
         launch(train_all, 1, plan, jobs, timeout=6 * 3600)
     plan, runs = read_raw(args.summarize or [plan.raw])
     print(write_all(runs, plan, argv, args.name))

@@ -176,16 +176,21 @@ class Batches:
 
 
 def lr_factor(plan: Plan):
-    """The schedule (linear warm-up, cosine to a tenth) times any lr fault, by the optimizer step (0-based)."""
-    jumps = {fault.step: fault.size for fault in plan.faults if fault.kind == "lr"}
+    """The schedule (linear warm-up, cosine to a tenth) by the schedule's step (0-based): DeepSpeed does not step
+    it on a skipped step, so after a skip it lags the global step, as after an fp16 overflow."""
 
     def factor(index: int) -> float:
         step = index + 1
         warm = min(1.0, step / plan.lr_warmup)
         progress = min(1.0, max(0.0, (step - plan.lr_warmup) / max(1, plan.steps - plan.lr_warmup)))
-        return warm * (0.1 + 0.45 * (1 + math.cos(math.pi * progress))) * jumps.get(step, 1.0)
+        return warm * (0.1 + 0.45 * (1 + math.cos(math.pi * progress)))
 
     return factor
+
+
+def lr_jumps(plan: Plan) -> Dict[int, float]:
+    """The lr faults' factors by global step (1-based): applied at that step in every arm, whatever it skipped."""
+    return {fault.step: fault.size for fault in plan.faults if fault.kind == "lr"}
 
 
 # ---------------------------------------------------------------- training (inside the launched rank)
@@ -222,20 +227,36 @@ class Arm:
         self.run = {"arm": arm, "seed": seed, "lr": plan.lr, "faulted": bool(plan.faults), "loss": [],
                     "grad_norm": [], "seconds": [], "skipped": [], "clipped_buckets": [], "min_factor": [], "val": []}
 
-    def step(self, step: int, tokens: torch.Tensor) -> None:
-        """One training step, timed from the forward to the end of the optimizer step."""
+    def step(self, step: int, tokens: torch.Tensor, lr_jump: float = 1.0) -> None:
+        """One training step, timed from the forward to the end of the optimizer step; its learning rate
+        ``lr_jump`` times the schedule's."""
         start = time.perf_counter()
         loss = self.engine(tokens)
         self.engine.backward(loss)
         if self.adapter is not None:
             self.adapter.report_loss(loss.detach())
-        self.engine.step()
+        if lr_jump == 1.0:
+            self.engine.step()
+        else:
+            self.jumped_step(lr_jump)
         self.run["loss"].append(loss.item())
         self.run["seconds"].append(time.perf_counter() - start)
         self.run["grad_norm"].append(float(self.engine.get_global_grad_norm() or float("nan")))
         result = self.engine.get_layer_grad_norms() if self.adapter is not None else None
         for key, value in zip(("skipped", "clipped_buckets", "min_factor"), remedy_record(result, step)):
             self.run[key].append(value)
+
+    def jumped_step(self, factor: float) -> None:
+        """``engine.step()`` with every group's learning rate ``factor`` times its own; the schedule sets the next
+        step's after an applied step, and the saved one comes back after a skipped step."""
+        groups = self.engine.optimizer.param_groups
+        saved = [group["lr"] for group in groups]
+        for group in groups:
+            group["lr"] *= factor
+        self.engine.step()
+        for group, lr in zip(groups, saved):
+            if group["lr"] == lr * factor:
+                group["lr"] = lr
 
 
 def train_seed(plan: Plan, arms: Sequence[str], seed: int, train: torch.Tensor,
@@ -244,11 +265,11 @@ def train_seed(plan: Plan, arms: Sequence[str], seed: int, train: torch.Tensor,
     shuffled per step, so that neighbouring steps of different arms share the machine's load of the moment and
     their times compare (the step-time ratio). Returns each arm's record."""
     engines = [Arm(plan, arm, seed) for arm in arms]
-    batches, shuffler = Batches(train, plan, seed), random.Random(seed)
+    batches, shuffler, jumps = Batches(train, plan, seed), random.Random(seed), lr_jumps(plan)
     for step in range(1, plan.steps + 1):
         tokens = batches.next(step)
         for arm in shuffler.sample(engines, len(engines)):
-            arm.step(step, tokens)
+            arm.step(step, tokens, jumps.get(step, 1.0))
         if step % plan.eval_every == 0 or step == plan.steps:
             for arm in engines:
                 arm.run["val"].append((step, validation_loss(arm.engine.module, val_batches)))
@@ -341,7 +362,8 @@ def run_metrics(run: dict, plan: Plan) -> dict:
     return {"spikes": len(found), "spike_steps": found, "steps_lost": sum(event["steps"] for event in recovered),
             "recoveries": recovered, "max_loss_over_median": max(ratios) if ratios else float("nan"),
             "final_val": vals[-1], "best_val": min(vals), "skipped": sum(run["skipped"]),
-            "clipped_steps": sum(count > 0 for count in run.get("clipped_buckets", [])),
+            "clipped_steps": sum(count > 0 for count in run["clipped_buckets"]),
+            "smallest_factor": statistics.median(run["min_factor"][plan.clip_warmup:]),
             "step_seconds": statistics.median(run["seconds"][TIMING_WARMUP:])}
 
 
@@ -385,7 +407,7 @@ def summarize(runs: List[dict], plan: Plan) -> dict:
         mine = {seed: value for (name, seed), value in metrics.items() if name == arm}
         row = {key: spread([value[key] for value in mine.values()])
                for key in ("spikes", "steps_lost", "max_loss_over_median", "final_val", "best_val", "skipped",
-                           "clipped_steps", "step_seconds")}
+                           "clipped_steps", "smallest_factor", "step_seconds")}
         ratios = [step_time_ratio(by_key[(arm, seed)], by_key[(BASELINE, seed)]) for seed in mine
                   if (BASELINE, seed) in by_key]
         row["cost_ratio"] = spread(ratios) if ratios else None
@@ -429,19 +451,22 @@ def report(summary: dict, plan: Plan, sizes: List[dict], setup: dict) -> List[st
         f"steps (a data fault's own batches are not counted). Steps lost: for each spike or fault, the steps from "
         f"its end to the first step whose next {RECOVERY_SPAN} losses average within {RECOVERY_TOLERANCE:.0%} of "
         f"the median of the {SPIKE_WINDOW} steps before it (to the run's end if never), summed over the run. "
-        f"Clipped steps: steps where adaptive clipping scaled at least one layer down. Step time ratio: the median "
+        "Clipped steps: steps where adaptive clipping scaled at least one bucket (layer, embedding, head...) down; "
+        "smallest factor: the median over the steps after its warm-up of the step's smallest bucket factor. "
+        "Step time ratio: the median "
         f"over steps (after the {TIMING_WARMUP}th) of the arm's step time over the baseline's at the same step, "
         "taken next to each other in the lockstep (forward, backward and optimizer step; validation excluded); "
         "the baseline runs with the feature off. Cells: median (min-max) over seeds.",
         "",
         "| arm | spikes | steps lost | max loss / running median | final val loss | best val loss | skipped steps "
-        "| clipped steps | step time ratio |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| clipped steps | smallest factor | step time ratio |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for arm, row in summary.items():
         lines.append(f"| {ARM_LABELS[arm]} | {cell(row['spikes'], 0)} | {cell(row['steps_lost'], 0)} | "
                      f"{cell(row['max_loss_over_median'])} | {cell(row['final_val'])} | {cell(row['best_val'])} | "
-                     f"{cell(row['skipped'], 0)} | {cell(row['clipped_steps'], 0)} | {cell(row['cost_ratio'], 2)} |")
+                     f"{cell(row['skipped'], 0)} | {cell(row['clipped_steps'], 0)} | "
+                     f"{cell(row['smallest_factor'], 2)} | {cell(row['cost_ratio'], 2)} |")
     lines += ["", "Per seed (final val loss; steps lost):", ""]
     for arm, row in summary.items():
         per_seed = ", ".join(f"{seed}: {value['final_val']:.3f}; {value['steps_lost']}"

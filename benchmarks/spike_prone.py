@@ -52,6 +52,9 @@ TIMING_WARMUP = 10
 """Steps left out of the step times (first calls, builds, allocations)."""
 FIGURE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "spike_prone.png")
 BASELINE = "global_clip"
+ARM_COLORS = {"global_clip": "tab:blue", "adaptive": "tab:orange", "skip": "tab:green", "both": "tab:red"}
+ARM_STYLES = {"global_clip": "-", "adaptive": "--", "skip": ":", "both": "-."}
+"""Line styles, so that arms whose curves coincide (skip-step before its first skip) stay visible."""
 ARM_LABELS = {
     "global_clip": "global clipping 1.0",
     "adaptive": "per-layer adaptive clipping",
@@ -430,7 +433,8 @@ def report(summary: dict, plan: Plan, sizes: List[dict], setup: dict) -> List[st
     lines = [
         "# Spike-prone runs: global clipping, per-layer adaptive clipping, skip-step",
         "",
-        f"Made by `python benchmarks/spike_prone.py {setup['argv']}` on {setup['date']}.",
+        "Made by " + " and ".join(f"`python benchmarks/spike_prone.py {argv}` (started {date})"
+                                  for argv, date in setup["commands"]) + f"; summarized on {setup['date']}.",
         "",
         f"- Model: tiny Pre-LN GPT (`megatron_integration/tiny_gpt.py`), {plan.num_layers} layers, hidden "
         f"{plan.hidden}, {plan.heads} heads, byte level (vocabulary 256), sequence {plan.seq_len}, "
@@ -496,69 +500,120 @@ def smooth(values: Sequence[float], span: int = RECOVERY_SPAN) -> List[float]:
     return [statistics.fmean(values[max(0, i - span + 1):i + 1]) for i in range(len(values))]
 
 
-def plot(runs: List[dict], plan: Plan, path: str = FIGURE) -> None:
-    """Training loss (mean of the last ``RECOVERY_SPAN`` steps), the same around the first fault, and the
-    validation loss: median and range over seeds per arm."""
+def plot(runs: List[dict], plan: Plan, sweep: List[dict], path: str = FIGURE) -> None:
+    """Six panels, median and range over seeds per arm: the training loss (mean of the last ``RECOVERY_SPAN``
+    steps); the loss step by step around each of the first two faults; the validation loss; the lr sweep's final
+    validation loss; the smallest adaptive factor of each step, and the skipped steps."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    panels = 3 if plan.faults else 2
-    fig, axes = plt.subplots(1, panels, figsize=(5 * panels, 4))
-    arms = [arm for arm in ARM_LABELS if any(run["arm"] == arm for run in runs)]
-    for arm in arms:
+    fig, axes = plt.subplots(2, 3, figsize=(15, 8))
+    (full, *zooms), (val_ax, sweep_ax, remedy_ax) = axes
+    for arm in [arm for arm in ARM_LABELS if any(run["arm"] == arm for run in runs)]:
         mine = [run for run in runs if run["arm"] == arm]
-        median, low, high = band([smooth(run["loss"]) for run in mine])
-        steps = list(range(1, len(median) + 1))
-        for ax in axes[:panels - 1]:
-            line, = ax.plot(steps, median, label=ARM_LABELS[arm], linewidth=1)
-            ax.fill_between(steps, low, high, alpha=0.2, color=line.get_color())
+        draw_band(full, [smooth(run["loss"]) for run in mine], arm)
+        for zoom in zooms:
+            draw_band(zoom, [run["loss"] for run in mine], arm)
         val_steps = [step for step, _ in mine[0]["val"]]
-        median, low, high = band([[value for _, value in run["val"]] for run in mine])
-        line, = axes[-1].plot(val_steps, median, marker=".", label=ARM_LABELS[arm], linewidth=1)
-        axes[-1].fill_between(val_steps, low, high, alpha=0.2, color=line.get_color())
-    axes[0].set_title(f"training loss ({RECOVERY_SPAN}-step mean), lr {plan.lr:g}")
-    if plan.faults:
-        first = plan.faults[0]
-        axes[1].set_xlim(first.step - 30, min(plan.steps, max(first.steps()) + 120))
-        axes[1].set_title(f"around the {first.kind} fault at step {first.step}")
-        for ax in axes[:2]:
-            ax.axvspan(first.step, max(first.steps()) + 1, color="red", alpha=0.1)
-        lows = [min(smooth(run["loss"])[first.step - 30:]) for run in runs]
-        highs = [max(smooth(run["loss"])[first.step - 30:max(first.steps()) + 120]) for run in runs]
-        axes[1].set_ylim(min(lows) * 0.98, max(highs) * 1.02)
-    axes[-1].set_title("validation loss")
-    for ax in axes:
+        draw_band(val_ax, [[value for _, value in run["val"]] for run in mine], arm, val_steps)
+        if arm in ("adaptive", "both"):
+            draw_band(remedy_ax, [run["min_factor"] for run in mine], arm)
+        skips = [step for run in mine for step, skipped in enumerate(run["skipped"], 1) if skipped]
+        if skips:
+            remedy_ax.plot(skips, [1.1 + 0.05 * list(ARM_LABELS).index(arm)] * len(skips), "|", color=ARM_COLORS[arm],
+                           markersize=10, label=f"{ARM_LABELS[arm]}: skipped steps (all seeds)")
+    full.set_title(f"training loss ({RECOVERY_SPAN}-step mean), lr {plan.lr:g}")
+    for fault in plan.faults:
+        full.axvspan(fault.step, max(fault.steps()) + 1, color="red", alpha=0.1)
+    for zoom, fault in zip(zooms, plan.faults):
+        zoom_on(zoom, fault, runs)
+    for zoom in zooms[len(plan.faults):]:
+        zoom.axis("off")
+    val_ax.set_title("validation loss")
+    sweep_panel(sweep_ax, sweep)
+    remedy_ax.set_title("smallest adaptive factor of each step; skipped steps")
+    remedy_ax.set_yscale("log")
+    for ax in (full, *zooms, val_ax, remedy_ax):
         ax.set_xlabel("step")
+    for ax in (full, *zooms, val_ax):
         ax.set_ylabel("loss (nats/byte)")
-        ax.legend(fontsize=7)
+    for ax in axes.flat:
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=7)
     seeds = len({run["seed"] for run in runs})
-    fig.suptitle(f"Tiny Pre-LN GPT, ZeRO-2, stdlib bytes: median and range over {seeds} seeds", fontsize=10)
+    fig.suptitle(f"Tiny Pre-LN GPT ({plan.num_layers} layers, hidden {plan.hidden}), ZeRO-2, Python stdlib bytes: "
+                 f"median and range over {seeds} seeds per arm", fontsize=11)
     fig.tight_layout()
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=110)
 
 
-def read_raw(paths: Sequence[str]) -> Tuple[Plan, List[dict]]:
-    """The plan (the first line of the first file) and the runs (one a line) of raw files."""
-    plans, runs = [], []
+def draw_band(ax, curves: List[List[float]], arm: str, xs: Optional[List[int]] = None) -> None:
+    """The median of ``curves`` as the arm's line, their range as a band of its colour."""
+    median, low, high = band(curves)
+    xs = xs or list(range(1, len(median) + 1))
+    ax.plot(xs, median, color=ARM_COLORS[arm], linestyle=ARM_STYLES[arm], label=ARM_LABELS[arm], linewidth=1.2,
+            marker="." if len(xs) < 30 else None)
+    ax.fill_between(xs, low, high, color=ARM_COLORS[arm], alpha=0.15)
+
+
+def zoom_on(ax, fault: Fault, runs: List[dict]) -> None:
+    """The losses step by step from 15 steps before ``fault`` to 45 after its last step."""
+    first, last = fault.step - 15, max(fault.steps()) + 45
+    ax.set_xlim(first, last)
+    ax.axvspan(fault.step, max(fault.steps()) + 1, color="red", alpha=0.1)
+    clean = [loss for run in runs for step, loss in enumerate(run["loss"], 1)
+             if first <= step <= last and step not in (fault.steps() if fault.kind == "data" else ())]
+    ax.set_ylim(min(clean) * 0.95, max(clean) * 1.05)
+    what = f"{int(fault.size)} random-byte batches" if fault.kind == "data" else f"lr x{fault.size:g}"
+    ax.set_title(f"loss per step around the fault at step {fault.step} ({what})")
+
+
+def sweep_panel(ax, sweep: List[dict]) -> None:
+    ax.set_title("lr sweep without faults: final validation loss")
+    if not sweep:
+        ax.axis("off")
+        return
+    for arm in [arm for arm in ARM_LABELS if any(row["arm"] == arm for row in sweep)]:
+        rows = [row for row in sweep if row["arm"] == arm]
+        lrs = [row["lr"] for row in rows]
+        median = [row["final_val"]["median"] for row in rows]
+        errors = [[m - row["final_val"]["min"] for m, row in zip(median, rows)],
+                  [row["final_val"]["max"] - m for m, row in zip(median, rows)]]
+        ax.errorbar(lrs, median, yerr=errors, marker="o", color=ARM_COLORS[arm], linestyle=ARM_STYLES[arm],
+                    label=ARM_LABELS[arm], capsize=3)
+    ax.set_xscale("log")
+    ax.set_xlabel("peak learning rate")
+    ax.set_ylabel("final validation loss")
+
+
+def now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+
+
+def read_raw(paths: Sequence[str]) -> Tuple[Plan, List[dict], List[dict]]:
+    """The plan of the first file, the runs (one a line after each file's header) and the headers (plan, the
+    command's arguments, when it started) of raw files."""
+    headers, runs = [], []
     for path in paths:
         with open(path, encoding="utf-8") as handle:
             header, *mine = [json.loads(line) for line in handle if line.strip()]
-        plans.append(header["plan"])
+        headers.append(header)
         runs += mine
-    faults = [Fault(**fault) for fault in plans[0].pop("faults")]
-    return Plan(**plans[0], faults=faults), runs
+    plan = dict(headers[0]["plan"])
+    faults = [Fault(**fault) for fault in plan.pop("faults")]
+    return Plan(**plan, faults=faults), runs, headers
 
 
-def write_all(runs: List[dict], plan: Plan, argv: str, name: str = "spike_prone") -> str:
+def write_all(runs: List[dict], plan: Plan, headers: List[dict], name: str = "spike_prone") -> str:
     """The table, the JSON (plan, summary, every run's curves) and the figure; returns the table."""
     train, val, files = corpus()
     parameters = sum(p.numel() for p in TinyGPT(TinyGPTConfig(
         vocab_size=256, seq_len=plan.seq_len, hidden=plan.hidden, num_layers=plan.num_layers,
         num_heads=plan.heads)).parameters())
-    setup = {"argv": argv, "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+    setup = {"commands": [(header["argv"], header["date"]) for header in headers], "date": now(),
              "machine": machine(), "files": files, "train_bytes": len(train), "val_bytes": len(val),
              "parameters": parameters}
     main_runs = [run for run in runs if is_main(run, plan)]
@@ -566,7 +621,7 @@ def write_all(runs: List[dict], plan: Plan, argv: str, name: str = "spike_prone"
     lines = report(summary, plan, sizes, setup) + sweep_report(sweep, plan)
     write_results(name, lines, {"plan": asdict(plan), "setup": setup, "faults": sizes, "summary": summary,
                                 "sweep": sweep, "runs": runs})
-    plot(main_runs, plan)
+    plot(main_runs, plan, sweep)
     return "\n".join(lines)
 
 
@@ -607,7 +662,7 @@ def sweep_report(sweep: List[dict], plan: Plan) -> List[str]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--arms", nargs="+", default=list(ARM_LABELS), choices=list(ARM_LABELS))
-    parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2, 3, 4])
+    parser.add_argument("--seeds", nargs="*", type=int, default=[0, 1, 2, 3, 4])
     parser.add_argument("--fault", action="append", type=Fault.parse,
                         help=f"data:STEP:LEN (random-byte batches) or lr:STEP:FACTOR; repeatable (default: "
                         f"{' '.join(DEFAULT_FAULTS)})")
@@ -630,12 +685,12 @@ def main() -> None:
         from megatron_integration.cpu_launch import launch
 
         with open(plan.raw, "w", encoding="utf-8") as out:
-            out.write(json.dumps({"plan": asdict(plan)}) + "\n")
+            out.write(json.dumps({"plan": asdict(plan), "argv": argv, "date": now()}) + "\n")
         jobs = [Job(seed, args.arms) for seed in args.seeds]
         jobs += [Job(seed, args.sweep_arms, lr) for lr in args.sweep_lrs for seed in args.sweep_seeds]
         launch(train_all, 1, plan, jobs, timeout=6 * 3600)
-    plan, runs = read_raw(args.summarize or [plan.raw])
-    print(write_all(runs, plan, argv, args.name))
+    plan, runs, headers = read_raw(args.summarize or [plan.raw])
+    print(write_all(runs, plan, headers, args.name))
 
 
 if __name__ == "__main__":

@@ -367,7 +367,18 @@ def run_metrics(run: dict, plan: Plan) -> dict:
             "final_val": vals[-1], "best_val": min(vals), "skipped": sum(run["skipped"]),
             "clipped_steps": sum(count > 0 for count in run["clipped_buckets"]),
             "smallest_factor": statistics.median(run["min_factor"][plan.clip_warmup:]),
-            "step_seconds": statistics.median(run["seconds"][TIMING_WARMUP:])}
+            "step_seconds": statistics.median(run["seconds"][TIMING_WARMUP:]),
+            "faults": [fault_damage(run, fault, recovered) for fault in plan.faults]}
+
+
+def fault_damage(run: dict, fault: Fault, recovered: List[dict]) -> dict:
+    """One fault in one run: the steps lost to it, the highest loss of the ``RECOVERY_SPAN`` steps after it over
+    the median of the ``SPIKE_WINDOW`` before it, and the first validation loss after it."""
+    losses, last = run["loss"], max(fault.steps())
+    before = statistics.median(losses[max(0, fault.step - 1 - SPIKE_WINDOW):fault.step - 1])
+    lost = next(event["steps"] for event in recovered if event["first"] == fault.step and event["kind"] == fault.kind)
+    return {"steps_lost": lost, "peak_after": max(losses[last:last + RECOVERY_SPAN]) / before,
+            "val_after": next(value for step, value in run["val"] if step > last)}
 
 
 def step_time_ratio(run: dict, baseline: dict) -> float:
@@ -414,6 +425,8 @@ def summarize(runs: List[dict], plan: Plan) -> dict:
         ratios = [step_time_ratio(by_key[(arm, seed)], by_key[(BASELINE, seed)]) for seed in mine
                   if (BASELINE, seed) in by_key]
         row["cost_ratio"] = spread(ratios) if ratios else None
+        row["faults"] = [{key: spread([value["faults"][index][key] for value in mine.values()])
+                          for key in ("steps_lost", "peak_after", "val_after")} for index in range(len(plan.faults))]
         row["per_seed"] = {seed: mine[seed] for seed in sorted(mine)}
         summary[arm] = row
     return summary
@@ -471,12 +484,33 @@ def report(summary: dict, plan: Plan, sizes: List[dict], setup: dict) -> List[st
                      f"{cell(row['max_loss_over_median'])} | {cell(row['final_val'])} | {cell(row['best_val'])} | "
                      f"{cell(row['skipped'], 0)} | {cell(row['clipped_steps'], 0)} | "
                      f"{cell(row['smallest_factor'], 2)} | {cell(row['cost_ratio'], 2)} |")
-    lines += ["", "Per seed (final val loss; steps lost):", ""]
+    lines += fault_table(summary, plan)
+    lines += ["", "Per seed (final validation loss / steps lost):", ""]
     for arm, row in summary.items():
-        per_seed = ", ".join(f"{seed}: {value['final_val']:.3f}; {value['steps_lost']}"
+        per_seed = ", ".join(f"seed {seed}: {value['final_val']:.3f} / {value['steps_lost']}"
                              for seed, value in row["per_seed"].items())
         lines.append(f"- {ARM_LABELS[arm]}: {per_seed}")
     lines += ["", "Figure: [docs/spike_prone.png](../../docs/spike_prone.png). Raw runs: spike_prone.json."]
+    return lines
+
+
+def fault_table(summary: dict, plan: Plan) -> List[str]:
+    """Each fault's damage per arm: steps lost, the highest loss of the next steps over the median before, and
+    the first validation loss after it."""
+    if not plan.faults:
+        return []
+    lines = ["", f"Each fault alone: steps lost to it; the highest training loss of the {RECOVERY_SPAN} steps after "
+             f"it over the median of the {SPIKE_WINDOW} before it; the first validation loss after it.", ""]
+    header, rule = "| arm |", "| --- |"
+    for fault in plan.faults:
+        name = f"{fault.kind} fault at {fault.step}"
+        header += f" {name}: steps lost | peak after | val loss after |"
+        rule += " --- | --- | --- |"
+    lines += [header, rule]
+    for arm, row in summary.items():
+        cells = [f"{cell(f['steps_lost'], 0)} | {cell(f['peak_after'], 2)} | {cell(f['val_after'])}"
+                 for f in row["faults"]]
+        lines.append(f"| {ARM_LABELS[arm]} | " + " | ".join(cells) + " |")
     return lines
 
 
@@ -541,7 +575,7 @@ def plot(runs: List[dict], plan: Plan, sweep: List[dict], path: str = FIGURE) ->
         ax.set_ylabel("loss (nats/byte)")
     for ax in axes.flat:
         if ax.get_legend_handles_labels()[0]:
-            ax.legend(fontsize=7)
+            ax.legend(fontsize=7, loc="lower left" if ax is remedy_ax else "best")
     seeds = len({run["seed"] for run in runs})
     fig.suptitle(f"Tiny Pre-LN GPT ({plan.num_layers} layers, hidden {plan.hidden}), ZeRO-2, Python stdlib bytes: "
                  f"median and range over {seeds} seeds per arm", fontsize=11)
@@ -620,9 +654,16 @@ def write_all(runs: List[dict], plan: Plan, headers: List[dict], name: str = "sp
     summary, sizes, sweep = summarize(main_runs, plan), fault_sizes(main_runs, plan), sweep_summary(runs, plan)
     lines = report(summary, plan, sizes, setup) + sweep_report(sweep, plan)
     write_results(name, lines, {"plan": asdict(plan), "setup": setup, "faults": sizes, "summary": summary,
-                                "sweep": sweep, "runs": runs})
-    plot(main_runs, plan, sweep)
+                                "sweep": sweep, "runs": [rounded(run) for run in runs]})
+    if main_runs:
+        plot(main_runs, plan, sweep)
     return "\n".join(lines)
+
+
+def rounded(run: dict) -> dict:
+    """A run's per-step series to 4 significant digits, for the JSON file (the raw file keeps them whole)."""
+    return {key: [float(f"{value:.4g}") if isinstance(value, float) else value for value in values]
+            if isinstance(values, list) and key != "val" else values for key, values in run.items()}
 
 
 def is_main(run: dict, plan: Plan) -> bool:

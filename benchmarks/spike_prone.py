@@ -40,7 +40,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
-from common import machine, write_results
+from common import RESULTS, machine, write_results
 
 from megatron_integration.tiny_gpt import TinyGPT, TinyGPTConfig
 
@@ -530,8 +530,15 @@ def band(curves: List[List[float]]) -> Tuple[List[float], List[float], List[floa
     return ([statistics.median(c) for c in columns], [min(c) for c in columns], [max(c) for c in columns])
 
 
-def smooth(values: Sequence[float], span: int = RECOVERY_SPAN) -> List[float]:
-    return [statistics.fmean(values[max(0, i - span + 1):i + 1]) for i in range(len(values))]
+def smooth(values: Sequence[float], excluded: set, span: int = RECOVERY_SPAN) -> List[float]:
+    """The mean of the last ``span`` values, those of the steps in ``excluded`` (1-based) left out: a data
+    fault's random bytes, whose loss says nothing of the model's state (NaN where only they remain)."""
+    kept = [math.nan if index + 1 in excluded else value for index, value in enumerate(values)]
+    means = []
+    for index in range(len(kept)):
+        window = [value for value in kept[max(0, index - span + 1):index + 1] if not math.isnan(value)]
+        means.append(statistics.fmean(window) if window else math.nan)
+    return means
 
 
 def plot(runs: List[dict], plan: Plan, sweep: List[dict], path: str = FIGURE) -> None:
@@ -544,10 +551,11 @@ def plot(runs: List[dict], plan: Plan, sweep: List[dict], path: str = FIGURE) ->
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(2, 3, figsize=(15, 8))
+    corrupted = {step for fault in plan.faults if fault.kind == "data" for step in fault.steps()}
     (full, *zooms), (val_ax, sweep_ax, remedy_ax) = axes
     for arm in [arm for arm in ARM_LABELS if any(run["arm"] == arm for run in runs)]:
         mine = [run for run in runs if run["arm"] == arm]
-        draw_band(full, [smooth(run["loss"]) for run in mine], arm)
+        draw_band(full, [smooth(run["loss"], corrupted) for run in mine], arm)
         for zoom in zooms:
             draw_band(zoom, [run["loss"] for run in mine], arm)
         val_steps = [step for step, _ in mine[0]["val"]]
@@ -558,7 +566,7 @@ def plot(runs: List[dict], plan: Plan, sweep: List[dict], path: str = FIGURE) ->
         if skips:
             remedy_ax.plot(skips, [1.1 + 0.05 * list(ARM_LABELS).index(arm)] * len(skips), "|", color=ARM_COLORS[arm],
                            markersize=10, label=f"{ARM_LABELS[arm]}: skipped steps (all seeds)")
-    full.set_title(f"training loss ({RECOVERY_SPAN}-step mean), lr {plan.lr:g}")
+    full.set_title(f"training loss, lr {plan.lr:g}\n({RECOVERY_SPAN}-step mean, random-byte batches left out)")
     for fault in plan.faults:
         full.axvspan(fault.step, max(fault.steps()) + 1, color="red", alpha=0.1)
     for zoom, fault in zip(zooms, plan.faults):
@@ -567,7 +575,7 @@ def plot(runs: List[dict], plan: Plan, sweep: List[dict], path: str = FIGURE) ->
         zoom.axis("off")
     val_ax.set_title("validation loss")
     sweep_panel(sweep_ax, sweep)
-    remedy_ax.set_title("smallest adaptive factor of each step; skipped steps")
+    remedy_ax.set_title("smallest adaptive factor of each step\nand the skipped steps")
     remedy_ax.set_yscale("log")
     for ax in (full, *zooms, val_ax, remedy_ax):
         ax.set_xlabel("step")
@@ -602,11 +610,11 @@ def zoom_on(ax, fault: Fault, runs: List[dict]) -> None:
              if first <= step <= last and step not in (fault.steps() if fault.kind == "data" else ())]
     ax.set_ylim(min(clean) * 0.95, max(clean) * 1.05)
     what = f"{int(fault.size)} random-byte batches" if fault.kind == "data" else f"lr x{fault.size:g}"
-    ax.set_title(f"loss per step around the fault at step {fault.step} ({what})")
+    ax.set_title(f"loss per step around the fault at step {fault.step}\n({what})")
 
 
 def sweep_panel(ax, sweep: List[dict]) -> None:
-    ax.set_title("lr sweep without faults: final validation loss")
+    ax.set_title("lr sweep without faults\nfinal validation loss")
     if not sweep:
         ax.axis("off")
         return
@@ -653,8 +661,10 @@ def write_all(runs: List[dict], plan: Plan, headers: List[dict], name: str = "sp
     main_runs = [run for run in runs if is_main(run, plan)]
     summary, sizes, sweep = summarize(main_runs, plan), fault_sizes(main_runs, plan), sweep_summary(runs, plan)
     lines = report(summary, plan, sizes, setup) + sweep_report(sweep, plan)
-    write_results(name, lines, {"plan": asdict(plan), "setup": setup, "faults": sizes, "summary": summary,
-                                "sweep": sweep, "runs": [rounded(run) for run in runs]})
+    write_results(name, lines)
+    with open(os.path.join(RESULTS, f"{name}.json"), "w", encoding="utf-8") as out:  # compact: every step of every run
+        json.dump({"plan": asdict(plan), "setup": setup, "faults": sizes, "summary": summary, "sweep": sweep,
+                   "runs": [rounded(run) for run in runs]}, out, separators=(",", ":"))
     if main_runs:
         plot(main_runs, plan, sweep)
     return "\n".join(lines)

@@ -18,16 +18,27 @@ facts are those of the checkout, written in as constants), the plain-PyTorch pat
 import argparse
 import ast
 import difflib
+import json
 import os
 import re
+import subprocess
 from typing import Dict, List, Optional, Set, Tuple
 
 from yapf.yapflib.yapf_api import FormatCode
 
 from ..capabilities import of_source_tree
 from ..hooks import CALL_SITES, CallSite
-from .build import DOCS_ANCHOR, DOCS_PAGE, DOCS_SECTION, PACKAGE_DIR, UPSTREAM_PACKAGE, \
-    _import_insertion, deepspeed_version, patch_source, upstream_modules
+from .build import (
+    DOCS_ANCHOR,
+    DOCS_PAGE,
+    DOCS_SECTION,
+    PACKAGE_DIR,
+    UPSTREAM_PACKAGE,
+    _import_insertion,
+    deepspeed_version,
+    patch_source,
+    upstream_modules,
+)
 from .series_spec import PACKAGE_ONLY, SERIES, SERIES_TREE, PullRequest
 from .source_edit import Cut, apply_cut, drop_unused, module_level_names, resolve_capabilities
 
@@ -35,6 +46,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 SERIES_DIR = os.path.join(HERE, "series")
 STYLE = os.path.join(os.path.dirname(os.path.dirname(HERE)), ".style.yapf")
 MAX_ADDED_LINES = 1000
+FACTS_FILE = "master.json"  # the checkout the series was generated against: release, commit, capabilities facts
 
 PACKAGE_ONLY_MODULES = ("capabilities.py", "plain.py", "tags.py")
 TAGS = "tags.py"
@@ -66,11 +78,15 @@ def _tags_statements() -> List[Tuple[Set[str], Set[str], str, bool]]:
     for node in tree.body[1:]:
         if isinstance(node, ast.Assign) and any(getattr(t, "id", "") == "__all__" for t in node.targets):
             continue
-        defines = {(alias.asname or alias.name) for alias in getattr(node, "names", [])} if isinstance(
-            node, (ast.Import, ast.ImportFrom)) else module_level_names(ast.unparse(node))
+        defines = {(alias.asname or alias.name)
+                   for alias in getattr(node, "names", [])} if isinstance(
+                       node, (ast.Import, ast.ImportFrom)) else module_level_names(ast.unparse(node))
         uses = {child.id for child in ast.walk(node) if isinstance(child, ast.Name)}
-        uses |= {word for child in ast.walk(node) if isinstance(child, ast.Constant) and isinstance(child.value, str)
-                 for word in re.findall(r"[A-Za-z_]\w*", child.value)}  # string annotations
+        uses |= {
+            word
+            for child in ast.walk(node) if isinstance(child, ast.Constant) and isinstance(child.value, str)
+            for word in re.findall(r"[A-Za-z_]\w*", child.value)
+        }  # string annotations
         source = "".join(lines[node.lineno - 1:node.end_lineno])
         following = tree.body[tree.body.index(node) + 1] if node is not tree.body[-1] else None
         if (isinstance(following, ast.Expr) and isinstance(following.value, ast.Constant)
@@ -263,10 +279,15 @@ def _diff(path: str, old: Optional[str], new: str) -> str:
     return header + "".join(body)
 
 
+def release_facts(root: str) -> Tuple[object, Dict[str, bool]]:
+    """The ``capabilities`` record of the DeepSpeed under ``root``, and its facts by name."""
+    release = of_source_tree(os.path.join(root, "deepspeed"), deepspeed_version(root))
+    return release, {name: release.has(name) for name in release.__dataclass_fields__ if name != "release"}
+
+
 def make_series(root: str) -> List[Tuple[PullRequest, str]]:
     """``(pull request, patch)`` of each pull request of the series, against the DeepSpeed checkout ``root``."""
-    release = of_source_tree(os.path.join(root, "deepspeed"), deepspeed_version(root))
-    facts = {name: release.has(name) for name in release.__dataclass_fields__ if name != "release"}
+    release, facts = release_facts(root)
     full = full_texts(facts)
     previous: Dict[str, str] = {}
     patches = []
@@ -299,6 +320,11 @@ def write_series(root: str, folder: str = SERIES_DIR) -> List[Tuple[str, int]]:
         with open(os.path.join(folder, request.file_name + ".patch"), "w", encoding="utf-8") as handle:
             handle.write(patch)
         written.append((request.file_name, count))
+    _, facts = release_facts(root)
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True).stdout.strip()
+    with open(os.path.join(folder, FACTS_FILE), "w", encoding="utf-8") as handle:
+        json.dump({"deepspeed": deepspeed_version(root), "commit": commit, "facts": facts}, handle, indent=1)
+        handle.write("\n")
     return written
 
 

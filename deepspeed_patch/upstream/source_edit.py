@@ -159,8 +159,8 @@ def _capability(node: ast.AST, facts: Dict[str, bool]) -> Optional[bool]:
     """The fact ``node`` reads (``<x>.capabilities.<fact>`` or ``capabilities.<fact>``), else ``None``."""
     if isinstance(node, ast.Attribute) and node.attr in facts:
         holder = node.value
-        if (isinstance(holder, ast.Attribute) and holder.attr == "capabilities") or (isinstance(
-                holder, ast.Name) and holder.id == "capabilities"):
+        if (isinstance(holder, ast.Attribute) and holder.attr == "capabilities") or (isinstance(holder, ast.Name)
+                                                                                     and holder.id == "capabilities"):
             return facts[node.attr]
     return None
 
@@ -316,8 +316,8 @@ def drop_unused(text: str, exported: Iterable[str] = ()) -> str:
             node, kept = edits[0]
             names = ", ".join(alias.name if alias.asname is None else f"{alias.name} as {alias.asname}"
                               for alias in kept)
-            prefix = f"from {'.' * node.level}{node.module or ''} import " if isinstance(
-                node, ast.ImportFrom) else "import "
+            prefix = f"from {'.' * node.level}{node.module or ''} import " if isinstance(node,
+                                                                                         ast.ImportFrom) else "import "
             new = " " * node.col_offset + prefix + names + "\n"
             lines[node.lineno - 1:node.end_lineno] = [new]
             text = "".join(lines)

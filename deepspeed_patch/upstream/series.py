@@ -184,6 +184,11 @@ def full_texts(facts: Dict[str, bool]) -> Dict[str, str]:
             for name in names:
                 path = os.path.relpath(os.path.join(root, name), folder).replace(os.sep, "/")
                 texts[f"tree:{path}"] = _read(os.path.join(root, name))
+    unowned = [name for name in texts if name != DOCS_KEY and _owner(name) is None]
+    unknown = [cut.path for request in SERIES for cut in request.cuts + PACKAGE_ONLY if cut.path not in texts]
+    if unowned or unknown:
+        raise ValueError(f"series_spec: give each module to a pull request ({unowned}); cuts of unknown files "
+                         f"({unknown})")
     texts = _cut_all(texts, PACKAGE_ONLY)
     return {name: resolve_capabilities(text, facts) if name.endswith(".py") else text for name, text in texts.items()}
 
@@ -259,7 +264,8 @@ def stage_tree(root: str, upto: int, full: Dict[str, str], release) -> Dict[str,
     files: Dict[str, str] = {}
     for name, text in stage_texts(full, upto).items():
         if name == DOCS_KEY:
-            files[DOCS_PAGE] = _docs_page(root, text)[1]
+            if os.path.isfile(os.path.join(root, DOCS_PAGE)):  # an installed package has no docs
+                files[DOCS_PAGE] = _docs_page(root, text)[1]
         elif name.startswith("tree:"):
             files[name[5:]] = text
         else:

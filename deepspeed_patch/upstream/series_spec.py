@@ -81,6 +81,13 @@ PACKAGE_ONLY = (
                   "them itself)."), )),
 )
 
+PACKAGE_ONLY += (
+    Cut("clipping.py",
+        replace=(("", " Where a formula differs between DeepSpeed releases the\ncaller passes the "
+                  "``capabilities.Capabilities`` fact that decides it.", ""), )),
+    Cut("monitor.py", replace=(("", "named as every other writer names them (``tags``), ", ""), )),
+)
+
 _FAMILIES = "(ZeroAdapter, Zero3Adapter, BF16Adapter, FusedFP16Adapter, UnfusedFP16Adapter)"
 
 SERIES = (

@@ -86,6 +86,7 @@ PACKAGE_ONLY += (
         replace=(("", " Where a formula differs between DeepSpeed releases the\ncaller passes the "
                   "``capabilities.Capabilities`` fact that decides it.", ""), )),
     Cut("monitor.py", replace=(("", "named as every other writer names them (``tags``), ", ""), )),
+    Cut("adapters/fused_fp16.py", replace=(("", "\n(``capabilities.Capabilities.fp16_skip_method``)", ""), )),
 )
 
 _FAMILIES = "(ZeroAdapter, Zero3Adapter, BF16Adapter, FusedFP16Adapter, UnfusedFP16Adapter)"

@@ -55,6 +55,7 @@ class PullRequest:
 
 INIT = "tree:deepspeed/runtime/layer_grad_norms/__init__.py"
 DOCS = "config-json-section.md"
+ZERO_TESTS = "tree:tests/unit/runtime/zero/test_layer_grad_norms.py"  # each family's PR adds its stage to them
 
 # Package behaviour that stays in the package: none of the series' trees has it.
 PACKAGE_ONLY = (
@@ -129,6 +130,7 @@ SERIES = (
             Cut(DOCS,
                 replace=(("", "ZeRO stage 1 and 2, `BF16_Optimizer`, and the fp16/bf16\noptimizers without ZeRO",
                           "ZeRO stage 1 and 2"), )),
+            Cut(ZERO_TESTS, replace=(("", "[0, 1, 2]", "[1, 2]"), )),
         ),
     ),
     PullRequest(
@@ -136,7 +138,8 @@ SERIES = (
         "zero3",
         ("adapters/zero3.py", ),
         ("DeepSpeedZeroOptimizer_Stage3", ),
-        cuts=(Cut("adapters/attach.py", replace=(("", _FAMILIES, _FAMILIES.replace(" Zero3Adapter,", "")), )), ),
+        cuts=(Cut("adapters/attach.py", replace=(("", _FAMILIES, _FAMILIES.replace(" Zero3Adapter,", "")), )),
+              Cut(ZERO_TESTS, replace=(("", "[0, 1, 2, 3]", "[0, 1, 2]"), ))),
     ),
     PullRequest(
         "06",

@@ -91,7 +91,7 @@ def check_steps(zero_stage, dtype, clip):
     assert checked == 3 * NUM_LAYERS
 
 
-@pytest.mark.parametrize("zero_stage", [1, 2])
+@pytest.mark.parametrize("zero_stage", [0, 1, 2, 3])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("clip", [0.0, 0.05])
 class TestLayerGradNorms(DistributedTest):
@@ -101,7 +101,7 @@ class TestLayerGradNorms(DistributedTest):
         check_steps(zero_stage, dtype, clip)
 
 
-@pytest.mark.parametrize("zero_stage", [1, 2])
+@pytest.mark.parametrize("zero_stage", [0, 1, 2, 3])
 class TestLayerGradNormsOneRank(DistributedTest):
     world_size = 1
 

@@ -188,6 +188,15 @@ SERIES = (
                          ("LayerGradNormsAdapter._close",
                           "self.publisher.publish(result, self.plan.capture if self.plan.capturing() else None)",
                           "self.publisher.publish(result)")),
+                docstrings=(
+                    ("", "; the trigger (``trigger.TriggerState``) sees the global norm.", "."),
+                    ("", "With a flight recorder (``trigger.history``) every step opens a measurement; one that is "
+                     "only recorded\nis pushed into the recorder's ring instead of being reduced, and the whole ring "
+                     "is reduced when the\ntrigger fires. Without it, unmeasured", "Unmeasured"),
+                    ("", "(a measured step's reduction, the ring's at a fire)", "(a measured step's reduction)"),
+                    ("LayerGradNormsAdapter", "the open measurement, the trigger and the\n    recorder, the published",
+                     "the open measurement, the\n    published"),
+                ),
                 drop=("LayerGradNormsAdapter._replay", "LayerGradNormsAdapter.history",
                       "LayerGradNormsAdapter.report_loss", "LayerGradNormsAdapter.global_norm",
                       "OptimizerAdapter.global_norm")),

@@ -34,6 +34,8 @@ class Cut:
     replace: Tuple[Tuple[Scope, str, str], ...] = ()
     """``(scope, old, new)``: ``old`` (it must occur) replaced by ``new`` inside ``scope``; for a file that is
     not Python, ``scope`` is ``""``."""
+    docstrings: Tuple[Tuple[Scope, str, str], ...] = ()
+    """Like ``replace``, for the text of docstrings that name what the pull request brings."""
     rows: Tuple[str, ...] = ()
     """Markdown table rows, by the key in their first cell (the docs section)."""
 
@@ -138,7 +140,7 @@ def replace_text(text: str, scope: Scope, old: str, new: str, path: str) -> str:
 
 def apply_cut(text: str, cut: Cut) -> str:
     """``text`` (the file ``cut.path``) without what ``cut`` names."""
-    for scope, old, new in cut.replace:
+    for scope, old, new in cut.replace + cut.docstrings:
         text = replace_text(text, scope, old, new, cut.path)
     for scope, pattern in cut.statements:
         text = drop_statements(text, scope, pattern, cut.path)

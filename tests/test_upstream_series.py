@@ -20,8 +20,8 @@ from zero_workers import CASES_ENV, FAMILY_CASES, UPSTREAM_ENV
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PATCHES = sorted(glob.glob(os.path.join(series.SERIES_DIR, "*.patch")))
-PRECOMMIT_TOOLS = os.path.join(os.environ.get("LGN_RELEASE_VENVS", os.path.expanduser("~/.cache/layer-grad-norms/venvs")),
-                               "precommit", "bin")
+VENVS = os.environ.get("LGN_RELEASE_VENVS", os.path.expanduser("~/.cache/layer-grad-norms/venvs"))
+PRECOMMIT_TOOLS = os.path.join(VENVS, "precommit", "bin")  # .ci/precommit prepare builds it
 
 
 def _read(path: str) -> str:

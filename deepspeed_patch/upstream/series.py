@@ -17,7 +17,6 @@ facts are those of the checkout, written in as constants), the plain-PyTorch pat
 
 import argparse
 import ast
-import difflib
 import json
 import os
 import re
@@ -34,6 +33,7 @@ from .build import (
     DOCS_SECTION,
     PACKAGE_DIR,
     UPSTREAM_PACKAGE,
+    _diff,
     _import_insertion,
     deepspeed_version,
     patch_source,
@@ -276,13 +276,6 @@ def stage_tree(root: str, upto: int, full: Dict[str, str], release) -> Dict[str,
     for path, sites in by_path.items():
         files[path] = patch_source(_read(os.path.join(root, path)), sites)
     return files
-
-
-def _diff(path: str, old: Optional[str], new: str) -> str:
-    header = f"diff --git a/{path} b/{path}\n" + ("new file mode 100644\n" if old is None else "")
-    body = difflib.unified_diff([] if old is None else old.splitlines(keepends=True), new.splitlines(keepends=True),
-                                "/dev/null" if old is None else f"a/{path}", f"b/{path}")
-    return header + "".join(body)
 
 
 def release_facts(root: str) -> Tuple[object, Dict[str, bool]]:

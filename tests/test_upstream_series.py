@@ -86,6 +86,7 @@ def test_only_what_belongs_in_deepspeed(tmp_path):
     assert "misspelling" not in config and "difflib" not in config  # no refusal of keys without the block
 
 
+@pytest.mark.extended  # CI's .ci/precommit test runs the same check on every run
 @pytest.mark.skipif(not os.path.isfile(os.path.join(PRECOMMIT_TOOLS, "flake8")),
                     reason="the pre-commit tools' environment is not prepared (.ci/precommit prepare; CI does)")
 def test_every_patch_passes_deepspeeds_precommit_hooks(tmp_path):

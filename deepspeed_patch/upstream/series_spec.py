@@ -1,0 +1,287 @@
+"""Which pull request of the upstream series brings what: its package modules, its call sites, its own files
+(``series_tree/NN/``), and the cuts that take what it brings out of the modules of earlier pull requests.
+
+A cut belongs to the pull request that brings the code it names; the trees before that pull request lack it.
+When a package module changes so that a cut no longer matches, ``series.py`` stops with ``StaleCut`` naming
+the cut: change the cut here, not the module. A new package module must be given to a pull request here.
+"""
+
+import os
+from dataclasses import dataclass
+from typing import Tuple
+
+from ..hooks import CallSite
+from .source_edit import Cut
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+SERIES_TREE = os.path.join(HERE, "series_tree")
+HISTORY = "get_layer_grad_norms_history"
+
+
+@dataclass(frozen=True)
+class PullRequest:
+    number: str
+    name: str
+    modules: Tuple[str, ...]
+    """The package modules it adds (paths relative to the package)."""
+    classes: Tuple[str, ...]
+    """The DeepSpeed classes whose call sites it places (all but ``get_layer_grad_norms_history``)."""
+    cuts: Tuple[Cut, ...] = ()
+    history_sites: bool = False
+    """It places every ``get_layer_grad_norms_history`` method."""
+    docs: bool = False
+    """It adds the docs section (the later ones add their rows)."""
+
+    @property
+    def file_name(self) -> str:
+        return f"{self.number}-{self.name}"
+
+    def owns(self, site: CallSite) -> bool:
+        if site.method == HISTORY:
+            return self.history_sites
+        return site.cls in self.classes
+
+    def tree_files(self) -> Tuple[str, ...]:
+        """Its own files (``tree:`` + path in DeepSpeed)."""
+        folder = os.path.join(SERIES_TREE, self.number)
+        found = []
+        for root, _, names in os.walk(folder):
+            found += [
+                "tree:" + os.path.relpath(os.path.join(root, name), folder).replace(os.sep, "/") for name in names
+                if "__pycache__" not in root
+            ]
+        return tuple(sorted(found))
+
+
+INIT = "tree:deepspeed/runtime/layer_grad_norms/__init__.py"
+DOCS = "config-json-section.md"
+ZERO_TESTS = "tree:tests/unit/runtime/zero/test_layer_grad_norms.py"  # each family's PR adds its stage to them
+
+# Package behaviour that stays in the package: none of the series' trees has it.
+PACKAGE_ONLY = (
+    # load_config reads every DeepSpeed config: without the block it must change nothing, not refuse keys
+    # that look like a misspelling of it
+    Cut("config.py",
+        statements=(("load_config", r"misspelled = "), ("load_config", r"if misspelled:")),
+        drop=("MISSPELLING_CUTOFF", ),
+        replace=(("load_config", 'absent means disabled.\n\n    A top-level key that looks like a misspelling of the '
+                  "block's name is an error: DeepSpeed ignores\n    keys it does not know, so the block would be "
+                  'dropped and nothing measured, without a word.\n    """', 'absent means disabled."""'), )),
+    # the release table: its facts are written in as constants (series.resolve_capabilities)
+    Cut("adapters/base.py",
+        drop=("Setup.capabilities", ),
+        statements=(("OptimizerAdapter.__init__", r"self\.capabilities = setup\.capabilities"), ),
+        replace=(("OptimizerAdapter.unsupported", ", capabilities: Capabilities)", ")"), )),
+    Cut("adapters/zero3.py", replace=(("Zero3Adapter.unsupported", ", capabilities: Capabilities)", ")"), )),
+    Cut("adapters/attach.py",
+        replace=(("attach", "engine.param_names, capabilities.installed())", "engine.param_names)"),
+                 ("_setup", ",\n                 capabilities=capabilities.installed())", ")"))),
+    Cut("adapters/param_grads.py",
+        replace=(("", "DeepSpeed without ZeRO\nin fp32 (the engine clips them itself), plain PyTorch and "
+                  "DistributedDataParallel (``plain.py``).", "DeepSpeed without ZeRO\nin fp32 (the engine clips "
+                  "them itself)."), )),
+)
+
+PACKAGE_ONLY += (
+    Cut("clipping.py",
+        replace=(("", " Where a formula differs between DeepSpeed releases the\ncaller passes the "
+                  "``capabilities.Capabilities`` fact that decides it.", ""), )),
+    Cut("monitor.py", replace=(("", "named as every other writer names them (``tags``), ", ""), )),
+    Cut("adapters/fused_fp16.py", replace=(("", "\n(``capabilities.Capabilities.fp16_skip_method``)", ""), )),
+)
+
+_FAMILIES = "(ZeroAdapter, Zero3Adapter, BF16Adapter, FusedFP16Adapter, UnfusedFP16Adapter)"
+
+SERIES = (
+    PullRequest("01", "config-and-layer-map", ("config.py", "layer_map.py"), ("DeepSpeedConfig", )),
+    PullRequest("02", "statistics-table", ("measurement.py", "statistics.py", "partition_slices.py",
+                                           "partition_stats.py", "reduction.py", "clipping.py"), ()),
+    PullRequest(
+        "03",
+        "zero12-layer-grad-norms",
+        ("steps.py", "publish.py", "monitor.py", "on_demand.py", "adapters/__init__.py", "adapters/attach.py",
+         "adapters/base.py", "adapters/zero.py", "adapters/refusals.py"),
+        ("DeepSpeedEngine", "DeepSpeedZeroOptimizer"),
+        docs=True,
+    ),
+    PullRequest(
+        "04",
+        "bf16-fp16-stage0",
+        ("adapters/bf16.py", "adapters/fused_fp16.py", "adapters/unfused_fp16.py", "adapters/param_grads.py"),
+        ("BF16_Optimizer", "FP16_Optimizer", "FP16_UnfusedOptimizer"),
+        cuts=(
+            Cut("adapters/attach.py",
+                drop=("REPLICATED_FAMILIES", ),
+                replace=(
+                    ("", "(ZeroAdapter, BF16Adapter, FusedFP16Adapter, UnfusedFP16Adapter)", "(ZeroAdapter, )"),
+                    ("", "the last two holds its complete gradient", "ZeRO-1/2's"),
+                    ("attach", """    if family in REPLICATED_FAMILIES:
+        group = _stage0_group(engine)
+    else:
+        group = _stats_group(engine, optimizer)""", "    group = _stats_group(engine, optimizer)"),
+                    ("attach", "        return _param_grad_adapter(engine, config)",
+                     "        raise UnsupportedSetupError(f\"{CONFIG_KEY} needs a ZeRO stage 1 or 2 optimizer; this "
+                     "engine uses {type(optimizer).__name__}\")"),
+                )),
+            Cut("adapters/refusals.py", drop=("check_param_grads", )),
+            Cut("clipping.py", drop=("bf16_clip_divisor", "engine_fp32_clip_square")),
+            Cut("adapters/base.py", drop=("LayerGradNormsAdapter.applied_scale", )),
+            Cut("partition_slices.py", drop=("back_to_back_ranges", )),
+            Cut(DOCS,
+                replace=(("", "ZeRO stage 1 and 2, `BF16_Optimizer`, and the fp16/bf16\noptimizers without ZeRO",
+                          "ZeRO stage 1 and 2"), )),
+            Cut(ZERO_TESTS, replace=(("", "[0, 1, 2]", "[1, 2]"), )),
+        ),
+    ),
+    PullRequest(
+        "05",
+        "zero3",
+        ("adapters/zero3.py", ),
+        ("DeepSpeedZeroOptimizer_Stage3", ),
+        cuts=(Cut("adapters/attach.py", replace=(("", _FAMILIES, _FAMILIES.replace(" Zero3Adapter,", "")), )),
+              Cut(ZERO_TESTS, replace=(("", "[0, 1, 2, 3]", "[0, 1, 2]"), ))),
+    ),
+    PullRequest(
+        "06",
+        "trigger-flight-recorder",
+        ("trigger.py", "recorder.py"),
+        (),
+        history_sites=True,
+        cuts=(
+            Cut("config.py",
+                drop=("TriggerConfig", "DumpConfig", "LayerGradNormsConfig.trigger",
+                      "LayerGradNormsConfig.control_file", "LayerGradNormsConfig.control_interval",
+                      "LayerGradNormsConfig.dump")),
+            Cut("on_demand.py", drop=("WARM_UP", "SpikeTrigger", "ControlFile", "JsonlDump")),
+            Cut("steps.py",
+                statements=(("StepPlan.__init__", r"self\.control = "), ("StepPlan.__init__", r"self\.capture: "),
+                            ("StepPlan.next_step", r"settings = "), ("StepPlan.next_step", r"if settings:")),
+                replace=(("StepPlan.next_step", "return on_interval or self.capturing()", "return on_interval"),
+                         ("StepPlan.reported_keys", "self.layer_map.keys if self.capturing() else self.selected",
+                          "self.selected")),
+                drop=("StepPlan.capturing", "StepPlan.open_capture", "StepPlan._apply_control")),
+            Cut("publish.py",
+                statements=(("Publisher.__init__", r"self\.dump = None"), ("Publisher.__init__", r"if dump and "),
+                            ("Publisher.publish", r"if capture is not None:")),
+                replace=(("Publisher.__init__", "dump: Optional[DumpConfig], ",
+                          ""), ("Publisher.__init__", "``dump``: the block's ``dump`` key (written by rank 0); ",
+                                ""), ("Publisher.publish", ", capture: Optional[dict])",
+                                      ")"), ("Publisher.publish", "; ``capture``: the fire whose window it is in", ""),
+                         ("Publisher.publish", "(self.dump, self.monitor)", "(self.monitor, )")),
+                drop=("Publisher.publish_history", )),
+            Cut("adapters/base.py",
+                statements=(("LayerGradNormsAdapter.__init__", r"self\.trigger = TriggerState"),
+                            ("LayerGradNormsAdapter.__init__", r"trigger = setup\.config\.trigger"),
+                            ("LayerGradNormsAdapter.__init__", r"self\.wants_loss = "),
+                            ("LayerGradNormsAdapter.__init__",
+                             r"history = trigger\.history"), ("LayerGradNormsAdapter.__init__", r"self\.recorder = "),
+                            ("LayerGradNormsAdapter._end", r"if self\.latch\.broken:"), ("LayerGradNormsAdapter._end",
+                                                                                         r"fired = self\.trigger"),
+                            ("LayerGradNormsAdapter._end",
+                             r"if fired is not None:"), ("LayerGradNormsAdapter._close",
+                                                         r"if self\.recorder is not None:")),
+                replace=(("LayerGradNormsAdapter.__init__", "Publisher(setup.config.dump, setup.monitor)",
+                          "Publisher(setup.monitor)"),
+                         ("LayerGradNormsAdapter.begin_step",
+                          "if not (self.reporting or (self.recorder is not None and not self.latch.broken)):",
+                          "if not self.reporting:"),
+                         ("LayerGradNormsAdapter._close",
+                          "self.publisher.publish(result, self.plan.capture if self.plan.capturing() else None)",
+                          "self.publisher.publish(result)")),
+                docstrings=(
+                    ("", "; the trigger (``trigger.TriggerState``) sees the global norm.", "."),
+                    ("", "With a flight recorder (``trigger.history``) every step opens a measurement; one that is "
+                     "only recorded\nis pushed into the recorder's ring instead of being reduced, and the whole ring "
+                     "is reduced when the\ntrigger fires. Without it, unmeasured", "Unmeasured"),
+                    ("", "(a measured step's reduction, the ring's at a fire)", "(a measured step's reduction)"),
+                    ("LayerGradNormsAdapter", "the open measurement, the trigger and the\n    recorder, the published",
+                     "the open measurement, the\n    published"),
+                ),
+                drop=("LayerGradNormsAdapter._replay", "LayerGradNormsAdapter.history",
+                      "LayerGradNormsAdapter.report_loss", "LayerGradNormsAdapter.global_norm",
+                      "OptimizerAdapter.global_norm")),
+            Cut("adapters/param_grads.py",
+                statements=(("ParamGradAdapter.__init__", r"self\.norm: "), ),
+                drop=("ParamGradAdapter.read_at_end", "ParamGradAdapter.global_norm")),
+            Cut("adapters/__init__.py", drop=(HISTORY, ), replace=(("", f'"{HISTORY}", ', ""), )),
+            Cut("adapters/attach.py",
+                replace=(("attach", "if not (config.enabled or config.trigger is not None or config.control_file is "
+                          "not None):", "if not config.enabled:"),
+                         ("attach", "return None  # a trigger or a control file can switch measuring on later: they "
+                          "need the adapter", "return None")),
+                statements=(("_param_grad_adapter", r"check_param_grad_trigger\("), )),
+            Cut("adapters/refusals.py",
+                statements=(("check_param_grads", r"if config\.trigger is not None"), ),
+                drop=("check_param_grad_trigger", )),
+            Cut(INIT, replace=(("", f"{HISTORY}, ", ""), ("", f'"{HISTORY}", ', ""))),
+            Cut(DOCS, rows=("trigger", "control_file", "control_interval", "dump")),
+        ),
+    ),
+    PullRequest(
+        "07",
+        "optimizer-statistics",
+        ("optimizer_stats.py", ),
+        (),
+        cuts=(
+            Cut("config.py",
+                drop=("OPTIMIZER_STATISTICS", "OPTIMIZER_KINDS", "LayerGradNormsConfig.optimizer_statistics",
+                      "LayerGradNormsConfig._validate_optimizer_statistics")),
+            Cut("monitor.py",
+                replace=(("", "ALL_PHASES = LOGGED_PHASES + OPTIMIZER_KINDS + (UPDATE_TO_WEIGHT, )",
+                          "ALL_PHASES = LOGGED_PHASES"), ("flat_scalars", "logged = logged_result(result)",
+                                                          "logged = result")),
+                drop=("UPDATE_TO_WEIGHT", "update_to_weight", "norm_ratio", "logged_result")),
+            Cut("adapters/base.py",
+                statements=(("LayerGradNormsAdapter.__init__", r"self\.kinds = "), ("LayerGradNormsAdapter.__init__",
+                                                                                    r"self\.optimizer_statistics: "),
+                            ("LayerGradNormsAdapter.begin_step", r"if self\.optimizer_statistics is not None"),
+                            ("LayerGradNormsAdapter._close", r"if measurement\.kinds:")),
+                replace=(("LayerGradNormsAdapter.__init__", "table_rows(self.layer_map.num_rows, self.kinds)",
+                          "table_rows(self.layer_map.num_rows)"), ("LayerGradNormsAdapter.__init__",
+                                                                   "device, self.kinds)", "device)"),
+                         ("LayerGradNormsAdapter.begin_step", ",\n                                       "
+                          "kinds=self.kinds)", ")")),
+                drop=("LayerGradNormsAdapter.read_optimizer_state", )),
+            Cut("adapters/zero.py", statements=(("ZeroAdapter.__init__", r"self\.optimizer_statistics = "), )),
+            Cut("adapters/zero3.py",
+                statements=(("Zero3Adapter.__init__", r"self\.optimizer_statistics = "), ),
+                drop=("Zero3Adapter.state_elsewhere", )),
+            Cut("adapters/bf16.py", statements=(("BF16Adapter.__init__", r"self\.optimizer_statistics = "), )),
+            Cut("adapters/fused_fp16.py",
+                statements=(("FusedFP16Adapter.__init__", r"self\.optimizer_statistics = "), )),
+            Cut("adapters/unfused_fp16.py",
+                statements=(("UnfusedFP16Adapter.__init__", r"self\.optimizer_statistics = "), )),
+            Cut("adapters/param_grads.py", statements=(("ParamGradAdapter.__init__", r"if optimizer is not None:"), )),
+            Cut("adapters/refusals.py", drop=("OPTIMIZER_STATISTICS_FAMILIES", "check_optimizer_statistics")),
+            Cut("adapters/attach.py", statements=(("attach", r"check_optimizer_statistics\("), )),
+            Cut(DOCS, rows=("optimizer_statistics", )),
+        ),
+    ),
+    PullRequest(
+        "08",
+        "fused-statistics-kernels",
+        ("partition_stats_cpu.py", "partition_stats_triton.py", "csrc/partition_stats.cpp"),
+        (),
+        cuts=(
+            Cut("partition_stats.py",
+                replace=(("chunk_plan", "kernel=kernel or _best_kernel(device))", "kernel=kernel or STOCK)"),
+                         ("accumulate_partition",
+                          "    if plan.kernel == STOCK or flat.dtype not in KERNEL_DTYPES or not "
+                          "flat.is_contiguous():\n"
+                          "        accumulate_runs(stats, plan.slices.views(flat), plan.slices.buckets, extra)\n"
+                          "        return\n",
+                          "    accumulate_runs(stats, plan.slices.views(flat), plan.slices.buckets, extra)\n")),
+                statements=(("accumulate_partition", r"bits = "), ("accumulate_partition",
+                                                                   r"if plan\.kernel == HOST")),
+                drop=("KERNEL_DTYPES", "EXTRA_BITS")),
+            Cut("optimizer_stats.py",
+                replace=(("OptimizerStatistics.accumulate",
+                          "            if not group.accumulate_fused(kind_stats, skipped):\n"
+                          "                for kind in self.kinds:\n"
+                          "                    group.accumulate(kind, kind_stats[kind], self.scratch, skipped)",
+                          "            for kind in self.kinds:\n"
+                          "                group.accumulate(kind, kind_stats[kind], self.scratch, skipped)"), ),
+                drop=("GroupState.accumulate_fused", )),
+        ),
+    ),
+)

@@ -1,0 +1,134 @@
+# Copyright (c) Microsoft Corporation.
+# SPDX-License-Identifier: Apache-2.0
+
+# DeepSpeed Team
+
+import math
+
+import deepspeed
+import pytest
+import torch
+from deepspeed.accelerator import get_accelerator
+from deepspeed.runtime.layer_grad_norms import LayerGradNormsConfigError
+from deepspeed.utils import safe_get_full_grad
+from unit.common import DistributedTest
+from unit.simple_model import SimpleModel, random_dataloader
+
+HIDDEN_DIM = 16
+NUM_LAYERS = 4
+BLOCK = {"enabled": True, "layer_pattern": r"linears\.(\d+)\."}
+
+
+def get_config(zero_stage, dtype, clip, layer_grad_norms=None):
+    config = {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_clipping": clip,
+        "optimizer": {
+            "type": "SGD",
+            "params": {
+                "lr": 0.1
+            }
+        },
+        "zero_optimization": {
+            "stage": zero_stage
+        },
+        "zero_allow_untested_optimizer": True,
+    }
+    if dtype == torch.float16:
+        config["fp16"] = {"enabled": True, "initial_scale_power": 8}
+    elif dtype == torch.bfloat16:
+        config["bf16"] = {"enabled": True}
+    if layer_grad_norms is not None:
+        config["layer_grad_norms"] = layer_grad_norms
+    return config
+
+
+def skip_unsupported(dtype):
+    if dtype == torch.float16 and not get_accelerator().is_fp16_supported():
+        pytest.skip("fp16 is not supported by this accelerator")
+    if dtype == torch.bfloat16 and not get_accelerator().is_bf16_supported():
+        pytest.skip("bf16 is not supported by this accelerator")
+
+
+def reference_grads(engine, loss_scale):
+    """Per layer, the full unscaled gradient DeepSpeed gathers after backward, in float64."""
+    grads = {}
+    for name, param in engine.module.named_parameters():
+        grads.setdefault(int(name.split(".")[1]), []).append(safe_get_full_grad(param).double().flatten() / loss_scale)
+    return {key: torch.cat(parts) for key, parts in grads.items()}
+
+
+def check_steps(zero_stage, dtype, clip):
+    skip_unsupported(dtype)
+    model = SimpleModel(hidden_dim=HIDDEN_DIM, nlayers=NUM_LAYERS)
+    engine, _, _, _ = deepspeed.initialize(model=model,
+                                           model_parameters=model.parameters(),
+                                           config=get_config(zero_stage, dtype, clip, BLOCK))
+    loader = random_dataloader(model=engine, total_samples=6, hidden_dim=HIDDEN_DIM, device=engine.device, dtype=dtype)
+    tolerance = 1e-5 if dtype == torch.float32 else 1e-3
+    checked = 0
+    for step, batch in enumerate(loader, start=1):
+        engine.backward(engine(batch[0], batch[1]))
+        loss_scale = engine.optimizer.loss_scale if dtype == torch.float16 else 1.0
+        reference = reference_grads(engine, loss_scale)
+        engine.step()
+        stats = engine.get_layer_grad_norms()
+        assert stats is not None and stats["step"] == step
+        assert set(stats["pre_clip"]) == set(range(NUM_LAYERS))
+        for key, grad in reference.items():
+            measured = stats["pre_clip"][key]
+            assert measured["norm"] == pytest.approx(grad.norm().item(), rel=tolerance)
+            assert measured["max"] == pytest.approx(grad.max().item(), rel=tolerance)
+            assert measured["min"] == pytest.approx(grad.min().item(), rel=tolerance)
+            checked += 1
+        if stats["overflow"]:
+            continue
+        total = math.sqrt(sum(grad.norm()**2 for grad in reference.values()))
+        expected_coef = min(1.0, clip / (total + 1e-6)) if clip > 0 else 1.0
+        assert stats["clip_coef"] == pytest.approx(expected_coef, rel=tolerance)
+        for key, measured in stats["pre_clip"].items():
+            assert stats["post_clip"][key]["norm"] == pytest.approx(measured["norm"] * stats["clip_coef"])
+    assert checked == 3 * NUM_LAYERS
+
+
+@pytest.mark.parametrize("zero_stage", [0, 1, 2, 3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("clip", [0.0, 0.05])
+class TestLayerGradNorms(DistributedTest):
+    world_size = 2
+
+    def test(self, zero_stage, dtype, clip):
+        check_steps(zero_stage, dtype, clip)
+
+
+@pytest.mark.parametrize("zero_stage", [0, 1, 2, 3])
+class TestLayerGradNormsOneRank(DistributedTest):
+    world_size = 1
+
+    def test(self, zero_stage):
+        check_steps(zero_stage, torch.float32, 0.05)
+
+
+class TestLayerGradNormsOff(DistributedTest):
+    world_size = 1
+
+    def test_absent_block_changes_nothing(self):
+        model = SimpleModel(hidden_dim=HIDDEN_DIM, nlayers=2)
+        config = get_config(2, torch.float32, 0.0)
+        config["layer_grad_norm"] = {"enabled": True}  # an unknown key, as DeepSpeed treats any other
+        engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+        assert engine.layer_grad_norms is None and engine.optimizer.layer_grad_norms is None
+        batch = next(iter(random_dataloader(engine, 2, HIDDEN_DIM, engine.device, torch.float)))
+        engine.backward(engine(batch[0], batch[1]))
+        engine.step()
+        assert engine.get_layer_grad_norms() is None
+
+    def test_bad_value_names_key(self):
+        model = SimpleModel(hidden_dim=HIDDEN_DIM, nlayers=2)
+        with pytest.raises(LayerGradNormsConfigError, match="layer_grad_norms.interval=0"):
+            deepspeed.initialize(model=model,
+                                 model_parameters=model.parameters(),
+                                 config=get_config(2, torch.float32, 0.0, {
+                                     "enabled": True,
+                                     "interval": 0
+                                 }))

@@ -1,0 +1,149 @@
+"""The upstream series (deepspeed_patch/upstream/series/): current with the package, small, with a PR text each,
+free of what belongs to the package only, clean under DeepSpeed's pre-commit hooks, and, applied whole to a
+copy of the installed DeepSpeed, passing the core correctness tests without ``deepspeed_patch``."""
+
+import glob
+import json
+import os
+import shutil
+import subprocess
+import sys
+from typing import Dict
+
+import pytest
+
+from deepspeed_patch.upstream import precommit, series
+from deepspeed_patch.upstream.build import installed_deepspeed_root
+from deepspeed_patch.upstream.series_spec import SERIES
+from deepspeed_patch.upstream.source_edit import Cut, StaleCut, apply_cut, drop_unused, resolve_capabilities
+from zero_workers import CASES_ENV, FAMILY_CASES, UPSTREAM_ENV
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PATCHES = sorted(glob.glob(os.path.join(series.SERIES_DIR, "*.patch")))
+VENVS = os.environ.get("LGN_RELEASE_VENVS", os.path.expanduser("~/.cache/layer-grad-norms/venvs"))
+PRECOMMIT_TOOLS = os.path.join(VENVS, "precommit", "bin")  # .ci/precommit prepare builds it
+
+
+def _read(path: str) -> str:
+    with open(path, encoding="utf-8") as handle:
+        return handle.read()
+
+
+def test_one_small_patch_with_its_pr_text_per_pull_request():
+    assert [os.path.basename(path) for path in PATCHES] == [f"{request.file_name}.patch" for request in SERIES]
+    assert len(PATCHES) == 8
+    for path in PATCHES:
+        assert series.added_lines(_read(path)) <= series.MAX_ADDED_LINES, path
+        text = _read(path[:-len(".patch")] + ".md")
+        assert "all-reduce" in text and "Tests" in text, path
+
+
+def _new_files(upto: int, root: str) -> Dict[str, str]:
+    """The files patches 1..``upto`` add, as ``git apply`` leaves them (DeepSpeed's own files left out)."""
+    files = [precommit.patch_files(_read(path)) for path in PATCHES]
+    added = {name for patch in files for name, (new, _) in patch.items() if new}
+    changed = {name for patch in files for name in patch} - added
+    subprocess.run(["git", "init", "-q", root], check=True)
+    for path in PATCHES[:upto]:
+        excluded = [f"--exclude={name}" for name in sorted(changed)]
+        subprocess.run(["git", "apply", *excluded, path], cwd=root, check=True)
+    found = {}
+    for folder, dirs, names in os.walk(root):
+        dirs[:] = [name for name in dirs if name != ".git"]
+        for name in names:
+            found[os.path.relpath(os.path.join(folder, name), root)] = _read(os.path.join(folder, name))
+    return found
+
+
+@pytest.mark.parametrize("upto", [pytest.param(3, marks=pytest.mark.extended), 8])
+def test_committed_series_carries_the_current_package(tmp_path, upto):
+    """The series is generated against a master checkout (CI has none, so its call-site and docs hunks are checked
+    in a session: git apply --check); here, every file it adds after the first ``upto`` patches must be what the
+    generator writes today from the package, with master's recorded capabilities facts."""
+    facts = json.loads(_read(os.path.join(series.SERIES_DIR, series.FACTS_FILE)))["facts"]
+    expected = {}
+    for name, text in series.stage_texts(series.full_texts(facts), upto).items():
+        if name.startswith("tree:"):
+            expected[name[5:]] = text
+        elif name != series.DOCS_KEY:
+            expected[f"{series.UPSTREAM_PACKAGE}/{name}"] = text
+    committed = _new_files(upto, str(tmp_path))
+    assert committed.keys() == expected.keys()
+    stale = [path for path in expected if committed[path] != expected[path]]
+    assert not stale, f"stale series, run python -m deepspeed_patch.upstream.series --deepspeed MASTER: {stale}"
+
+
+def test_only_what_belongs_in_deepspeed(tmp_path):
+    added = _new_files(len(PATCHES), str(tmp_path))
+    modules = [path for path in added if path.startswith(series.UPSTREAM_PACKAGE)]
+    assert len(modules) >= 25
+    for name in ("capabilities.py", "plain.py", "tags.py", "hooks.py", "hf.py"):
+        assert f"{series.UPSTREAM_PACKAGE}/{name}" not in added
+    for path, text in added.items():
+        assert "deepspeed_patch" not in text and "megatron_integration" not in text, path
+        assert "capabilities" not in text, path
+    config = added[f"{series.UPSTREAM_PACKAGE}/config.py"]
+    assert "misspelling" not in config and "difflib" not in config  # no refusal of keys without the block
+
+
+@pytest.mark.extended  # CI's .ci/precommit test runs the same check on every run
+@pytest.mark.skipif(not os.path.isfile(os.path.join(PRECOMMIT_TOOLS, "flake8")),
+                    reason="the pre-commit tools' environment is not prepared (.ci/precommit prepare; CI does)")
+def test_every_patch_passes_deepspeeds_precommit_hooks(tmp_path):
+    results = precommit.check_series(PRECOMMIT_TOOLS)
+    assert list(results) == [os.path.basename(path) for path in PATCHES]
+    assert all(not problems for problems in results.values()), results
+    bad = tmp_path / "01-bad.patch"  # the check itself: a misspelling, torch.distributed, no license
+    bad.write_text("diff --git a/deepspeed/x.py b/deepspeed/x.py\nnew file mode 100644\n--- /dev/null\n"
+                   "+++ b/deepspeed/x.py\n@@ -0,0 +1,2 @@\n+import torch.distributed as dist\n"
+                   "+x = 1  # recieve  \n")
+    problems = precommit.check_series(PRECOMMIT_TOOLS, series=str(tmp_path))["01-bad.patch"]
+    text = "\n".join(problems)
+    for hook in ("trailing whitespace", "codespell", "check-license.py", "check-torchdist.py"):
+        assert hook in text, text
+
+
+def test_capabilities_are_folded_and_cuts_fail_loudly():
+    source = ("def f(self, x):\n    if self.capabilities.new:\n        return x\n    else:\n        return -x\n\n\n"
+              "def g(self, x):\n    return self.capabilities.old and bool(x)\n")
+    assert resolve_capabilities(source, {"new": True, "old": False}) == (
+        "def f(self, x):\n    return x\n\n\ndef g(self, x):\n    return False\n")
+    assert resolve_capabilities(source, {"new": False, "old": True}) == (
+        "def f(self, x):\n    return -x\n\n\ndef g(self, x):\n    return bool(x)\n")
+    with pytest.raises(StaleCut, match="nothing defines 'h'"):
+        apply_cut(source, Cut("m.py", drop=("h", )))
+    cut = apply_cut("import os\nimport re\n\n\ndef _used():\n    return re\n\n\ndef f():\n    return 1\n",
+                    Cut("m.py", statements=(("", r"^def f"), )))
+    assert drop_unused(cut).strip() == ""
+
+
+def _patched_copy(root) -> str:
+    """A copy of the installed DeepSpeed with the whole series, generated against it, applied."""
+    shutil.copytree(os.path.join(installed_deepspeed_root(), "deepspeed"), os.path.join(root, "deepspeed"),
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    for request, patch in series.make_series(str(root)):
+        path = os.path.join(root, f"{request.file_name}.patch")
+        with open(path, "w", encoding="utf-8") as handle:
+            handle.write(patch)
+        subprocess.run(["git", "apply", "--include=deepspeed/*", path], cwd=root, check=True)
+    return str(root)
+
+
+@pytest.mark.extended
+def test_whole_series_gives_the_packages_results(tmp_path):
+    """tests/test_zero_stats.py's one case per optimizer family, against the whole series applied to the installed
+    DeepSpeed (generated against it: its call sites and capabilities facts are 0.19.8's), with deepspeed_patch
+    unimportable: the same checks against the plain-PyTorch reference that the package passes."""
+    root = _patched_copy(tmp_path)
+    env = {**os.environ, "PYTHONPATH": root, UPSTREAM_ENV: root, CASES_ENV: ",".join(FAMILY_CASES)}
+    command = [sys.executable, "-m", "pytest", "-q", "-rfEp", "-p", "no:cacheprovider", "tests/test_zero_stats.py"]
+    result = subprocess.run(command, capture_output=True, text=True, cwd=REPO, env=env, timeout=1500)
+    lines = result.stdout.splitlines()
+    failed = [line for line in lines if line.startswith(("FAILED", "ERROR"))]
+    assert result.returncode == 0 and not failed, "\n".join(failed) + result.stdout[-3000:]
+    checked = 0
+    for test in ("test_pre_clip_matches_reference", "test_post_clip_is_what_the_optimizer_applied"):
+        for name in FAMILY_CASES:
+            assert f"PASSED tests/test_zero_stats.py::{test}[2-{name}]" in lines, f"{test}[2-{name}]"
+            checked += 1
+    assert checked == 2 * len(FAMILY_CASES)

@@ -17,7 +17,7 @@ from typing import Dict, Iterable, List
 from deepspeed_patch.tags import UPDATE_TO_WEIGHT, LayerId, layer_position
 
 from .fires import Fire, read_fires
-from .spike import localise, spiked_layers
+from .spike import localise_all, spiked_layers
 from .tensorboard_reader import LayerSeries, layer_title, read_layer_series
 
 LINE_STYLES = ("-", "--", ":", "-.")
@@ -78,7 +78,7 @@ def plot_layer_norms(series: LayerSeries, out: str, spiked: Iterable[LayerId] = 
 def plot_run(source: str, out: str):
     """``plot``'s figure of any log ``source`` (``log_sources``), the layer that rose most at each of its fires
     among the lines; returns the matplotlib Figure."""
-    spikes = [localise(fire) for fire in read_fires(source)]
+    spikes = localise_all(read_fires(source))
     return plot_layer_norms(read_layer_series(source), out, spiked_layers(spikes))
 
 

@@ -8,8 +8,8 @@ configured interval.
 Each signal of each layer is judged against its level before the window (``judge``), not against the window's own
 median, which a cause that began before the window raises with the rest: a learning rate set too high and held
 there leaves the update at its own median throughout the window. The level before the window is the median of the
-last ``LEVEL_SPAN`` observations before it: the recorder's blocks or the interval steps, whichever is denser where
-both reach (``before``). A signal that left its level abruptly before the window and is still there in the window
+observations in the ``LEVEL_STEPS`` steps before it: the recorder's blocks or the interval steps, whichever is
+denser where both reach (``before``). A signal that left its level abruptly before the window and is still there in the window
 departed before the window, at the first step the data show; else it departs at its first window step above its
 ``THRESHOLDS`` factor times that level, or non-finite. Where the log holds fewer than ``MIN_BASELINE`` observations
 before the window, the window's own median is the last resort. Every judgement names the baseline it used.
@@ -37,19 +37,20 @@ from deepspeed_patch.tags import UPDATE_TO_WEIGHT
 from .fires import Fire, read_fires
 from .tensorboard_reader import Points, layer_title
 
-THRESHOLDS = {"pre_clip": 2.0, "exp_avg": 1.5, "exp_avg_sq": 1.5, "update": 1.5, UPDATE_TO_WEIGHT: 1.5}
-"""A signal departs above this many times its level, measured on Adam's dynamics (docs/spikes.md, the table): the
-gradient's norm moves by 1.3x from step to step in quiet training and by the spike's factor in a spike; Adam's
-update, its ratio to the weights and ``exp_avg`` move by under 1.25x in quiet training, and by 1.5x to 4x for a 10x
-gradient spike; ``exp_avg_sq`` drifts by under 1.1x over a window in quiet training after its first steps, and
-moves by 1.1x (steady state) to 10x (early in training) for a 10x spike, by 10x to 100x for a 100x one."""
+THRESHOLDS = {"pre_clip": 2.0, "exp_avg": 1.5, "exp_avg_sq": 3.0, "update": 1.5, UPDATE_TO_WEIGHT: 1.5}
+"""A signal departs above this many times its level. Set from Adam's dynamics (``benchmarks/adam_dynamics.py``, the
+table in docs/spikes.md): in quiet training the gradient's norm moves up to 1.6x against its level, the update and
+its ratio to the weights up to 1.1x, ``exp_avg`` up to 1.25x and ``exp_avg_sq`` (the gradient squared) up to 1.7x;
+a 10x gradient spike moves the update 1.2-1.9x, ``exp_avg`` 3.4x and ``exp_avg_sq`` 3.5-12x unclipped (clipped,
+1.4-1.6x: the moments see the clipped gradient), a 3x learning rate moves the update and the ratio 2.9x."""
 RISE_FACTOR = THRESHOLDS["pre_clip"]
 """A layer's gradient has risen at a step once its norm there is above this many times its own baseline."""
 MIN_BASELINE = 3
 """The fewest finite observations that make a baseline: the median of one or two steps is a single noisy step."""
-LEVEL_SPAN = 8
-"""The observations before the window whose median is a signal's level there: the last 8, so that a slow drift
-(Adam's moments growing from zero over the first steps) is followed and a step change is not averaged away."""
+LEVEL_STEPS = 16
+"""A signal's level before the window (or before an observation) is the median of its observations in the 16 steps
+before it, and at least of the last ``MIN_BASELINE``: recent, so that a slow drift (Adam's second moment growing
+from zero over the first hundreds of steps) is followed, and a step change is not averaged away."""
 SIGNALS = ("pre_clip", "exp_avg", "exp_avg_sq", "update", UPDATE_TO_WEIGHT)
 """The signals ``attribute`` compares, in the order that breaks a tie at one step."""
 SIGNAL_NAMES = {"pre_clip": "gradient", "exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq", "update": "update",
@@ -144,11 +145,20 @@ def window_baseline(points: Points, fired_at: int) -> Optional[Baseline]:
     return Baseline(statistics.median(earlier), "window", (points[0][0], fired_at - 1), len(earlier))
 
 
+def level_before(observed: Sequence[Observation]) -> Optional[Baseline]:
+    """The median of the observations in the ``LEVEL_STEPS`` steps up to the last of ``observed``, and at least of
+    the last ``MIN_BASELINE``; ``None`` with fewer than ``MIN_BASELINE`` finite ones."""
+    if not observed:
+        return None
+    end = observed[-1].last
+    recent = [seen for seen in observed if seen.last > end - LEVEL_STEPS]
+    return _median_of(recent if len(recent) >= MIN_BASELINE else observed[-MIN_BASELINE:])
+
+
 def baseline_of(points: Points, observed: Sequence[Observation], fired_at: int) -> Optional[Baseline]:
-    """A signal's level before the window (the median of its last ``LEVEL_SPAN`` observations there), or the
-    window's median where fewer than ``MIN_BASELINE`` observations are finite; ``None`` where neither can be
-    taken."""
-    return _median_of(observed[-LEVEL_SPAN:]) or window_baseline(points, fired_at)
+    """A signal's level before the window (``level_before``), or the window's median where fewer than
+    ``MIN_BASELINE`` observations before it are finite; ``None`` where neither can be taken."""
+    return level_before(observed) or window_baseline(points, fired_at)
 
 
 def judge(points: Points, observed: Sequence[Observation], fired_at: int, threshold: float) -> Dict:
@@ -157,7 +167,7 @@ def judge(points: Points, observed: Sequence[Observation], fired_at: int, thresh
     ``"went non-finite"``), ``factor`` over the level, ``before_window`` and ``baseline`` (its ``describe``).
 
     Before the window, a departure is abrupt and lasting: an observation above ``threshold`` times both its level
-    (the median of the ``LEVEL_SPAN`` before it) and the one before it, or non-finite, with the window's median
+    (``level_before`` the observations before it) and the one before it, or non-finite, with the window's median
     still above ``threshold`` times that level (a slow drift is not abrupt; a past episode that ended is not
     lasting). In the window, the first step above ``threshold`` times the level before it, or non-finite. Against
     the window's median, only a step after one within those bounds counts: a window at the start of training,
@@ -186,7 +196,7 @@ def _left_before(points: Points, observed: Sequence[Observation], fired_at: int,
     finite_window = [value for value in window if math.isfinite(value)]
     window_level = statistics.median(finite_window) if finite_window else math.nan
     for index, seen in enumerate(observed):
-        level = _median_of(observed[max(0, index - LEVEL_SPAN):index])
+        level = level_before(observed[:index])
         previous = next((earlier.value for earlier in reversed(observed[:index]) if math.isfinite(earlier.value)),
                         None)
         if level is None or previous is None:

@@ -53,7 +53,16 @@ class Run:
 def train(cause: Cause, run: Run = Run()) -> Series:
     """Train ``run`` with ``cause``; every signal of every layer at every step: the pre-clip gradient, and after
     the optimizer's step the weights, the update (after minus before), the moments and the update-to-weight
-    ratio."""
+    ratio. One thread: a model this small only loses time to more (on a shared machine, much)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _train(cause, run)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _train(cause: Cause, run: Run) -> Series:
     torch.manual_seed(run.seed)
     config = TinyGPTConfig(vocab_size=64, seq_len=16, hidden=32, num_layers=run.layers, num_heads=4)
     model = TinyGPT(config)

@@ -4,10 +4,12 @@ with known values: the hook's TensorBoard runs per fire, the JSONL dump's ``"his
 import json
 import math
 import os
+from functools import lru_cache
 from typing import Dict, List
 
 import numpy as np
 import pytest
+from adam_dynamics import Cause, Run, fire_of, train
 
 from deepspeed_patch.on_demand import JsonlDump
 from deepspeed_patch.tags import (
@@ -23,7 +25,7 @@ from megatron_integration.arguments import add_layer_grad_norms_args
 from megatron_integration.cli import main
 from megatron_integration.fires import Fire, read_fires
 from megatron_integration.plot import plot_spike_history
-from megatron_integration.spike import format_spikes, localise
+from megatron_integration.spike import format_spikes, localise, localise_all
 from megatron_integration.tensorboard_reader import read_layer_series
 from megatron_integration.training_log import log_layer_grad_norms
 
@@ -521,3 +523,67 @@ def test_plot_history_draws_the_update_to_weight_ratio_beside_the_gradient(kinds
     thick = next(line for line in lines if line.get_linewidth() > 2)
     assert list(thick.get_xdata()) == list(WINDOW)
     assert len(norm_axis.get_lines()) == LAYERS + 1 and rise_axis.images[0].get_array().shape == (LAYERS, 8)
+
+
+# Coupled Adam dynamics (tests/adam_dynamics.py): a TinyGPT trained by torch's AdamW, each signal read from the model
+# and the optimizer's state, with one known cause injected; the fires are those a log of the run would hold.
+CAUSE_STEP = 60
+
+
+@lru_cache(maxsize=None)
+def adam_run(kind: str, factor: float, layer=None, steps: int = 1):
+    return train(Cause(kind, CAUSE_STEP, factor, layer, steps), Run(steps=CAUSE_STEP + 16))
+
+
+def test_a_gradient_spike_in_one_layer_names_that_layer_against_the_interval_steps():
+    """Layer 1's gradient 30x at step 60 (the demo's --spike): the gradient of layer 1, alone, against the interval
+    steps before the window; the moments and the update follow from it."""
+    spike = localise(fire_of(adam_run("gradient", 30.0, 1), CAUSE_STEP))
+    claim = spike["attribution"]["verdict"]
+    assert {key: claim[key] for key in ("signal", "scope", "where", "layers", "step", "way", "before_window")} == {
+        "signal": "pre_clip", "scope": "layer", "where": "layer 1", "layers": [1], "step": CAUSE_STEP,
+        "way": "rose", "before_window": False}
+    assert claim["baseline"] == f"against interval steps {CAUSE_STEP - 15}-{CAUSE_STEP - 8}"
+    assert spike["attribution"]["answer"].startswith(f"gradient of layer 1 rose first (step {CAUSE_STEP}) against "
+                                                     "interval steps")
+    assert spike["rose_most"] == 1 and claim["continues"] is None
+
+
+def test_a_learning_rate_spike_is_every_layer_s_update():
+    """The learning rate 3000x at step 60 (the demo's --lr-spike), the fire at 61 where the gradient follows: the
+    update of every layer, not a tie-broken one."""
+    spike = localise(fire_of(adam_run("lr", 3000.0), CAUSE_STEP + 1))
+    claim = spike["attribution"]["verdict"]
+    assert (claim["signal"], claim["scope"], claim["count"], claim["of"], claim["step"]) == (
+        "update", "every", 4, 4, CAUSE_STEP)
+    assert claim["line"].startswith(f"update of every layer (4 of 4) rose first, step {CAUSE_STEP} against interval")
+
+
+@pytest.mark.parametrize("before", ["interval", "recorder"])
+def test_a_learning_rate_held_too_high_is_named_before_the_window(before):
+    """The learning rate 10x from step 60 on, the fire at step 74 (window 67-74): the update sat at its own median
+    throughout the window, yet it is named, every layer, at the first step the data show it left its level: step 60
+    from the interval steps, the recorder block holding step 60 from the recorder's blocks."""
+    series = adam_run("lr", 10.0, None, 100)
+    fired_at = CAUSE_STEP + 14
+    claim = localise(fire_of(series, fired_at, before=before))["attribution"]["verdict"]
+    assert claim["before_window"] and claim["scope"] == "every" and claim["signal"] in ("update", UPDATE_TO_WEIGHT)
+    if before == "interval":
+        assert claim["step"] == CAUSE_STEP and claim["baseline"].startswith("against interval steps")
+    else:
+        first, last = claim["steps"]
+        assert first <= CAUSE_STEP <= last and claim["baseline"].startswith("against its recorder blocks")
+    assert "before the recorded window" in claim["line"]
+    blind = localise(fire_of(series, fired_at, before="none"))["attribution"]["verdict"]
+    assert blind is None or blind["signal"] not in ("update", UPDATE_TO_WEIGHT)  # the window alone cannot see it
+
+
+def test_a_fire_inside_a_sustained_spike_names_the_fire_it_continues():
+    """The learning rate held 10x from step 60: fires at 62 and, after a cooldown of 8, at 70; the second
+    continues the first."""
+    series = adam_run("lr", 10.0, None, 100)
+    first, second = localise_all([fire_of(series, CAUSE_STEP + 2), fire_of(series, CAUSE_STEP + 10)])
+    assert first["attribution"]["verdict"]["continues"] is None
+    assert second["attribution"]["verdict"]["continues"] == CAUSE_STEP + 2
+    assert second["answer"].endswith(f"continues the fire at step {CAUSE_STEP + 2}") or (
+        f"continues the fire at step {CAUSE_STEP + 2};" in second["answer"])

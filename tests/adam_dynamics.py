@@ -86,16 +86,19 @@ def _train(cause: Cause, run: Run) -> Series:
         for group in optimizer.param_groups:
             group["lr"] = run.lr * lr_factor
         optimizer.step()
-        state = optimizer.state
-        kinds = {"param": lambda param: param.detach(), "update": lambda param: param.detach() - before[param],
-                 "exp_avg": lambda param: state[param]["exp_avg"],
-                 "exp_avg_sq": lambda param: state[param]["exp_avg_sq"]}
-        norms = {kind: _norms(layer_of, read) for kind, read in kinds.items()}
+        norms = _after_step(layer_of, before, optimizer.state)
         for kind, values in norms.items():
             _record(series, step, kind, values)
         _record(series, step, UPDATE_TO_WEIGHT,
                 {layer: norms["update"][layer] / norms["param"][layer] for layer in norms["param"]})
     return series
+
+
+def _after_step(layer_of: Dict, before: Dict, state: Dict) -> Dict[str, Dict[int, float]]:
+    """Each layer's norm of the weights, the update (after minus before) and the moments, after a step."""
+    kinds = {"param": lambda param: param.detach(), "update": lambda param: param.detach() - before[param],
+             "exp_avg": lambda param: state[param]["exp_avg"], "exp_avg_sq": lambda param: state[param]["exp_avg_sq"]}
+    return {kind: _norms(layer_of, read) for kind, read in kinds.items()}
 
 
 def _norms(layer_of: Dict, read) -> Dict[int, float]:

@@ -17,7 +17,7 @@ from typing import Dict, Iterable, List
 from deepspeed_patch.tags import UPDATE_TO_WEIGHT, LayerId, layer_position
 
 from .fires import Fire, read_fires
-from .spike import localise_all, spiked_layers
+from .spike import figure_words, localise_all, spiked_layers
 from .tensorboard_reader import LayerSeries, layer_title, read_layer_series
 
 LINE_STYLES = ("-", "--", ":", "-.")
@@ -121,7 +121,9 @@ def plot_spike_history(fires: List[Fire], spikes: List[Dict], out: str):
     for row, fire, spike in zip(axes, fires, spikes):
         _recorded_lines(row[0], fire.norms, spike["layers"], spike["rose_most"], fire.fired_at)
         row[0].set_ylabel("pre-clip gradient L2 norm")
-        row[0].set_title(f"recorded steps of the fire at step {fire.fired_at}, every layer")
+        words = figure_words(spike)
+        row[0].set_title(f"recorded steps of the fire at step {fire.fired_at}, every layer"
+                         + (f"\n{words}" if words else ""), fontsize="medium")
         if ratios:
             _update_to_weight(row[1], fire, spike)
         _rise_map(row[-1], fire, spike, figure)
@@ -159,8 +161,9 @@ def _update_to_weight(axis, fire: Fire, spike: Dict) -> None:
     first = (spike["attribution"] or {}).get("first")
     _recorded_lines(axis, ratios, ratios, first["layer"] if first else None, fire.fired_at)
     axis.set_ylabel("|update| / |weights|")
-    axis.set_title("update-to-weight ratio, every layer" + (f"; first to move: {layer_title(first['layer'])}"
-                                                             if first else ""))
+    claim = (spike["attribution"] or {}).get("verdict")
+    axis.set_title("update-to-weight ratio, every layer" + (f"; first to move: {claim['signal_name']} of "
+                                                             f"{claim['where']}" if claim else ""))
 
 
 def _rise_map(axis, fire: Fire, spike: Dict, figure) -> None:

@@ -9,10 +9,11 @@ Each signal of each layer is judged against its level before the window (``judge
 median, which a cause that began before the window raises with the rest: a learning rate set too high and held
 there leaves the update at its own median throughout the window. The level before the window is the median of the
 observations in the ``LEVEL_STEPS`` steps before it: the recorder's blocks or the interval steps, whichever is
-denser where both reach (``before``). A signal that left its level abruptly before the window and is still there in the window
-departed before the window, at the first step the data show; else it departs at its first window step above its
-``THRESHOLDS`` factor times that level, or non-finite. Where the log holds fewer than ``MIN_BASELINE`` observations
-before the window, the window's own median is the last resort. Every judgement names the baseline it used.
+denser where both reach (``before``). A signal that left its level abruptly before the window and is still there
+in the window departed before the window, at the first step the data show; else it departs at its first window
+step above its ``THRESHOLDS`` factor times that level, or non-finite. Where the log holds fewer than
+``MIN_BASELINE`` observations before the window, the window's own median is the last resort. Every judgement
+names the baseline it used.
 
 Which signal moved first (``attribute``, where the log holds the update or a moment): the earliest departure of any
 signal of any layer. A tie at one step goes to the gradient (the step's update follows from its gradient), then the
@@ -341,7 +342,8 @@ def verdict(attribution: Dict, earlier: Optional[Dict] = None) -> Optional[Dict]
     apart), ``where`` (``"every layer"``, ``"most layers"``, ``"layer 3"``, ``"layers 2, 5"``), ``layers`` (those
     that departed at that step, the largest departure first), ``count`` and ``of`` (of the layers judged in that
     signal), ``step``, ``steps``, ``way``, ``before_window``, ``baseline`` (which one it was judged against),
-    ``continues`` (the step of the earlier fire it continues, or ``None``) and ``line``, the answer's words."""
+    ``continues`` (the step of the earlier fire it continues, or ``None``), ``words`` (``update of every layer (12
+    of 12) rose first, step 100``) and ``line`` (the words and the baseline: the answer's start)."""
     first = attribution["first"]
     if first is None:
         return None
@@ -367,13 +369,14 @@ def verdict(attribution: Dict, earlier: Optional[Dict] = None) -> Optional[Dict]
              "layers": together, "count": len(together), "of": len(judged), "step": step, "steps": first["steps"],
              "way": first["way"], "before_window": first["before_window"], "baseline": first["baseline"],
              "continues": continues}
-    claim["line"] = _claim_line(claim)
+    claim["words"] = _claim_words(claim)
+    claim["line"] = f"{claim['words']} {claim['baseline']}"
     return claim
 
 
-def _claim_line(claim: Dict) -> str:
+def _claim_words(claim: Dict) -> str:
     """``update of every layer (12 of 12) rose first, step 100``; ``gradient of layer 3 rose first (step 150)``;
-    then where it was before the window, and the baseline."""
+    then where it was before the window (the answer adds the baseline, ``line``; figure titles use these words)."""
     head = f"{claim['signal_name']} of {claim['where']}"
     if claim["scope"] == "layer":
         line = f"{head} {claim['way']} first (step {claim['step']})"
@@ -382,7 +385,17 @@ def _claim_line(claim: Dict) -> str:
     if claim["before_window"]:
         first, last = claim["steps"]
         line += " before the recorded window" + (f" (in steps {first}-{last})" if last != first else "")
-    return f"{line} {claim['baseline']}"
+    return line
+
+
+def figure_words(spike: Dict) -> Optional[str]:
+    """What a figure of the fire says moved first: the verdict's words (``verdict``) and the fire it continues;
+    ``None`` where no signal left its level, or the log holds none but the gradient."""
+    claim = (spike.get("attribution") or {}).get("verdict")
+    if claim is None:
+        return None
+    continues = claim["continues"]
+    return claim["words"] + ("" if continues is None else f"; continues the fire at step {continues}")
 
 
 def _moved_first(attribution: Dict) -> Optional[str]:

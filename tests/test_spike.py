@@ -542,6 +542,19 @@ def test_plot_history_draws_the_update_to_weight_ratio_beside_the_gradient(kinds
     thick = next(line for line in lines if line.get_linewidth() > 2)
     assert list(thick.get_xdata()) == list(WINDOW)
     assert len(norm_axis.get_lines()) == LAYERS + 1 and rise_axis.images[0].get_array().shape == (LAYERS, 8)
+    assert norm_axis.get_title().splitlines()[-1] == "update of layer 2 rose first (step 8)"  # the answer's words
+    assert ratio_axis.get_title().endswith("first to move: update of layer 2")
+
+
+def test_plot_history_titles_say_every_layer_and_the_fire_continued(tmp_path):
+    """The figure of two fires of a learning rate held 10x from step 60: the answer's words in each title."""
+    series = adam_run("lr", 10.0, None, 100)
+    fires = [fire_of(series, CAUSE_STEP + 2), fire_of(series, CAUSE_STEP + 10)]
+    figure = plot_spike_history(fires, localise_all(fires), str(tmp_path / "history.png"))
+    titles = [axis.get_title() for axis in figure.axes if axis.get_title().startswith("recorded steps")]
+    assert titles[0].splitlines()[1].startswith(f"update of every layer (4 of 4) rose first, step {CAUSE_STEP}")
+    assert titles[1].splitlines()[1].endswith(f"; continues the fire at step {CAUSE_STEP + 2}")
+    assert len(titles) == 2
 
 
 # Coupled Adam dynamics (tests/adam_dynamics.py): a TinyGPT trained by torch's AdamW, each signal read from the model

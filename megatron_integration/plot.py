@@ -181,5 +181,5 @@ def _rise_map(axis, fire: Fire, spike: Dict, figure) -> None:
                         extent=(steps[0] - 0.5, steps[-1] + 0.5, -0.5, len(layers) - 0.5))
     axis.set_yticks(range(len(layers)), [layer_title(layer) for layer in layers], fontsize="small")
     axis.set_xlabel("step")
-    axis.set_title("rise: log10 of the norm over the layer's median before the fire")
+    axis.set_title("rise: log10 of the norm over the layer's baseline")
     figure.colorbar(image, ax=axis)

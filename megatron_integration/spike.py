@@ -350,7 +350,7 @@ def verdict(attribution: Dict, earlier: Optional[Dict] = None) -> Optional[Dict]
     signal, step = first["signal"], first["step"]
     found = {layer: judged["departures"][signal] for layer, judged in attribution["layers"].items()
              if judged["departures"].get(signal)}
-    judged = [layer for layer, judged in attribution["layers"].items() if signal in judged["departures"]]
+    judged = [layer for layer, row in attribution["layers"].items() if signal in row["departures"]]
     together = sorted((layer for layer, move in found.items() if move["step"] == step),
                       key=lambda layer: -found[layer]["factor"])
     factors = [found[layer]["factor"] for layer in together]
@@ -361,7 +361,7 @@ def verdict(attribution: Dict, earlier: Optional[Dict] = None) -> Optional[Dict]
         scope = "every" if len(together) == len(judged) else "most"
         where = f"{scope} layer{'s' if scope == 'most' else ''}"
     else:
-        scope, where = "layers", "layers " + ", ".join(layer_title(layer).split()[-1] for layer in together)
+        scope, where = "layers", "layers " + ", ".join(str(layer) for layer in together)
     continues = None
     if earlier is not None and step <= earlier["fired_at"]:
         continues = earlier["fired_at"]
@@ -423,6 +423,12 @@ def _titles(layers: List) -> str:
 def spike_summaries(source: str) -> List[Dict]:
     """``localise_all`` of the fires recorded in ``source``; empty without a recorder's fire."""
     return localise_all(read_fires(source))
+
+
+def verdicts(source: str) -> List[Optional[Dict]]:
+    """The claim of each fire recorded in ``source`` (``verdict``), in step order: ``None`` for a fire where no
+    signal left its level, or whose log holds the gradient alone."""
+    return [(spike["attribution"] or {}).get("verdict") for spike in spike_summaries(source)]
 
 
 def spiked_layers(spikes: List[Dict]) -> List:

@@ -25,7 +25,7 @@ from megatron_integration.arguments import add_layer_grad_norms_args
 from megatron_integration.cli import main
 from megatron_integration.fires import Fire, read_fires
 from megatron_integration.plot import plot_spike_history
-from megatron_integration.spike import THRESHOLDS, format_spikes, localise, localise_all
+from megatron_integration.spike import THRESHOLDS, format_spikes, localise, localise_all, verdicts
 from megatron_integration.tensorboard_reader import read_layer_series
 from megatron_integration.training_log import log_layer_grad_norms
 
@@ -459,6 +459,7 @@ def test_report_names_the_signal_and_layer_that_left_its_median_first(kinds_sour
                                                                  -moved[signal][2]), default=None)
         checked += 1
     assert checked == LAYERS
+    assert [claim["line"] for claim in verdicts(source)] == [attribution["verdict"]["line"]]
     main(["report", source])
     text = capsys.readouterr().out.splitlines()
     assert text[-1] == spike["answer"]

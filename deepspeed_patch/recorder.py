@@ -29,7 +29,20 @@ import torch
 
 from .measurement import StepScales, host_copy, step_result, table_rows
 from .reduction import reduce_stats
-from .statistics import MAX, NEG_MIN, NONFINITE, NUM_COLUMNS, NUM_SUMMED, NUMEL, SUMSQ, empty_stats, reset_stats
+from .statistics import (
+    L1,
+    MAX,
+    NEG_MIN,
+    NONFINITE,
+    NUM_COLUMNS,
+    NUM_SUMMED,
+    NUMEL,
+    SUM,
+    SUMSQ,
+    ZEROS,
+    empty_stats,
+    reset_stats,
+)
 
 BEFORE_BLOCKS = 8
 """Blocks of K steps kept before the ring (``FlightRecorder``): the level of each signal over the 8 K steps before
@@ -65,8 +78,8 @@ class FlightRecorder:
         self.storage = storage.view(-1, NUM_COLUMNS)
         """The ring and the blocks before it, one tensor: a fire reduces both in one reduction."""
         self.tables, self.blocks = storage[:capacity], storage[capacity:]
-        self.block_steps = [0] * BEFORE_BLOCKS
-        """How many steps each block holds (0: none yet); the same on every rank, as the pushes are."""
+        self.block_steps: List[List[int]] = [[] for _ in range(BEFORE_BLOCKS)]
+        """The steps this rank folded into each block (its first and last, and how many, close it)."""
         self.open_block = 0
         self.scales: List[Optional[StepScales]] = [None] * capacity
         self.norms = torch.zeros(capacity, dtype=torch.float64, device=device)
@@ -87,6 +100,8 @@ class FlightRecorder:
         if leaving is not None:
             self._fold(self.tables[self.next_slot], leaving.gradient_scale)
         self.tables[self.next_slot].copy_(table)
+        if leaving is not None:
+            self.block_steps[self.open_block].append(leaving.step)
         if scales.scale_of_norm is not None:  # the optimizer's norm tensor is its own: keep a copy
             norm, formula = scales.scale_of_norm
             kept = self.norms[self.next_slot]
@@ -99,9 +114,9 @@ class FlightRecorder:
         """Add a step leaving the ring to the open block (a new one after K steps): its squared norms, the
         gradient's unscaled, its non-finite and element counts, its failure flag, and its step into the block's
         range. Device operations in place, as ``push``'s."""
-        if self.block_steps[self.open_block] == self.tables.shape[0]:
+        if len(self.block_steps[self.open_block]) == self.tables.shape[0]:
             self.open_block = (self.open_block + 1) % BEFORE_BLOCKS
-            self.block_steps[self.open_block] = 0
+            self.block_steps[self.open_block] = []
             reset_stats(self.blocks[self.open_block])
         block, gradient = self.blocks[self.open_block], slice(0, self.num_rows)
         block[gradient, SUMSQ].add_(table[gradient, SUMSQ], alpha=1.0 / gradient_scale**2)
@@ -109,7 +124,6 @@ class FlightRecorder:
         block[:, NONFINITE].add_(table[:, NONFINITE])
         block[:, NUMEL].add_(table[:, NUMEL])  # the buckets' element counts, and the status row's failure flag
         torch.maximum(block[-1, NUM_SUMMED:], table[-1, NUM_SUMMED:], out=block[-1, NUM_SUMMED:])
-        self.block_steps[self.open_block] += 1
 
     def history(self, group, keys: Sequence[Hashable], extra: Collection[str], after: int = 0) -> Replay:
         """The recorded steps after step ``after``, all buckets: the whole ring reduced across ``group`` in one
@@ -117,6 +131,7 @@ class FlightRecorder:
         its negation in another, so the reduction gives every rank the highest and the lowest step the ranks
         recorded there: a slot where they differ, or that a rank flagged as failed, gives no result."""
         filled = [slot for slot, scales in enumerate(self.scales) if scales is not None]
+        self._stamp_blocks()
         reduced, resolved = host_copy(reduce_stats(self.storage, group), [self.scales[slot] for slot in filled])
         reduced, blocks = reduced.view(-1, *self.tables.shape[1:]).split([self.tables.shape[0], BEFORE_BLOCKS])
         scales_of = dict(zip(filled, resolved))
@@ -139,19 +154,28 @@ class FlightRecorder:
             replay.results[0]["before"] = replay.before
         return replay
 
+    def _stamp_blocks(self) -> None:
+        """Each block's status row, before a fire's reduction: this rank's first and last step there (0 where it
+        has none), summed over the ranks, and a 1 per rank. Against the reduced lowest first and highest last step
+        (the maxima, folded step by step), they tell every rank alike whether all ranks hold the same steps there."""
+        stamps = [[steps[0], steps[-1], 1.0] if steps else [0.0, 0.0, 1.0] for steps in self.block_steps]
+        self.blocks[:, -1, L1:NUMEL].copy_(torch.tensor(stamps, dtype=torch.float64))
+
     def _blocks(self, reduced: torch.Tensor, keys: Sequence[Hashable]) -> List[dict]:
-        """The reduced blocks (``Replay.before``), oldest first."""
+        """The reduced blocks (``Replay.before``), oldest first: those all ranks hold with the same first and last
+        step, and no rank failed a step of; each norm the root mean square over its steps."""
         found = []
         for offset in range(1, BEFORE_BLOCKS + 1):
             index = (self.open_block + offset) % BEFORE_BLOCKS
             status = reduced[index, -1].tolist()
-            first, last = -status[NEG_MIN], status[MAX]
-            if not self.block_steps[index] or first != last - self.block_steps[index] + 1 or status[NUMEL] > 0:
+            first, last, ranks = -status[NEG_MIN], status[MAX], status[ZEROS]
+            same = status[L1] == ranks * first and status[SUM] == ranks * last
+            if last == -math.inf or not same or status[NUMEL] > 0:
                 continue  # empty, a rank missed a push, or a rank failed a step there
             rows = reduced[index, :-1].view(1 + len(self.kinds), self.num_rows, NUM_COLUMNS)
-            block = {"steps": [int(first), int(last)]}
+            block, count = {"steps": [int(first), int(last)]}, last - first + 1
             for kind, table in zip(("pre_clip", ) + self.kinds, rows):
-                block[kind] = {key: {"norm": math.sqrt(row[SUMSQ] / self.block_steps[index]),
+                block[kind] = {key: {"norm": math.sqrt(row[SUMSQ] / count),
                                      "nonfinite": int(row[NONFINITE])}
                                for key, row in zip(keys, table.tolist()) if row[NUMEL] > 0}
             found.append(block)

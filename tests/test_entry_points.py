@@ -69,7 +69,7 @@ def test_demo_with_a_learning_rate_spike_names_the_update_first(tmp_path, capsys
     attribution = spike["attribution"]
     assert spike["fired_at"] == 7 and attribution["first"]["signal"] == "update" and attribution["first"]["step"] == 6
     assert attribution["answer"].startswith("update of every layer (6 of 6) rose first, step 6 ")  # not one layer
-    assert [move["signal"] for move in attribution["followed"]] == ["update_to_weight", "pre_clip"]
+    assert [move["signal"] for move in attribution["followed"][:2]] == ["update_to_weight", "pre_clip"]
     assert attribution["followed"][1]["step"] == 7
     assert [judged["first"] for judged in attribution["layers"].values()] == ["update"] * 6
     assert spike["answer"] in output.splitlines()

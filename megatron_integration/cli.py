@@ -31,7 +31,7 @@ with contextlib.redirect_stdout(sys.stderr):
     from .log_sources import READABLE, LogSourceError
     from .plot import plot_run, plot_spike_history
     from .report import format_report, summarize_source
-    from .spike import localise
+    from .spike import localise_all
 
 
 class _Parser(argparse.ArgumentParser):
@@ -190,7 +190,7 @@ def plot_command(parser: argparse.ArgumentParser, args: argparse.Namespace) -> s
         if not fires:
             parser.exit(2, f"layer-grad-norms plot --history: {args.logdir}: no fire of the trigger with a flight "
                         "recorder (trigger.history) is recorded there\n")
-        figure = plot_spike_history(fires, [localise(fire) for fire in fires], output)
+        figure = plot_spike_history(fires, localise_all(fires), output)
     from matplotlib import pyplot
 
     pyplot.close(figure)

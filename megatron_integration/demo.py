@@ -38,7 +38,7 @@ from .fires import read_fires
 from .log_sources import dump_files
 from .plot import plot_layer_norms, plot_spike_history
 from .report import format_report, summarize
-from .spike import localise, spiked_layers
+from .spike import localise_all, spiked_layers
 from .tensorboard_reader import read_layer_series
 from .tiny_gpt import TinyGPT, TinyGPTConfig, synthetic_batch
 from .training_log import log_layer_grad_norms
@@ -191,7 +191,7 @@ def run_demo(options: DemoOptions) -> str:
     launch(train_rank, options.world_size, options)
     series, fires = read_layer_series(tensorboard_dir), read_fires(dump) if options.recording else []
     summary = summarize(series)
-    summary["spikes"] = [localise(fire) for fire in fires]
+    summary["spikes"] = localise_all(fires)
     figure = os.path.join(options.out, "layer_grad_norms.png")
     plot_layer_norms(series, figure, spiked_layers(summary["spikes"]))
     paths = f"dump: {dump}\nfigure: {figure}\n" if options.recording else f"figure: {figure}\n"

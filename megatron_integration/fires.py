@@ -7,10 +7,15 @@ is a phase of the logs (``tags.ALL_PHASES``): the gradient's ``pre_clip`` and ``
 ``optimizer_statistics``, the optimizer's kinds (``update``, ``exp_avg``, ...) and the update-to-weight ratio
 (logged in TensorBoard, derived from ``update`` and ``param`` in the dump). Only the norms are read: they are
 what ``spike`` judges and ``plot --history`` draws.
+
+Each fire also gets what the log holds of every signal before its recorded window, the level ``spike`` judges it
+against: the recorder's blocks of steps that left the ring (the dump's first recorded line of the fire carries
+them under ``"before"``, ``deepspeed_patch.recorder``), and the steps measured at the configured interval before
+the window (the live lines of the dump, the live runs of TensorBoard).
 """
 
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 from deepspeed_patch.tags import (
     ALL_PHASES,
@@ -21,11 +26,15 @@ from deepspeed_patch.tags import (
     layer_of_label,
     layer_position,
     logged_result,
+    phase_label,
     scalar_tag,
 )
 
-from .log_sources import Points, dump_records, is_dump, scalar_series
-from .tensorboard_reader import json_bucket, latest_per_step
+from .log_sources import LogSourceError, Points, dump_records, is_dump, scalar_series
+from .tensorboard_reader import json_bucket, latest_per_step, read_layer_series
+
+Block = Tuple[int, int, float]
+"""A recorder's block before the window: its first and last step, and the root mean square of its norms."""
 
 
 @dataclass
@@ -37,6 +46,16 @@ class Fire:
     fired_at: int
     reason: Optional[str] = None
     series: Dict[str, Dict[LayerId, Points]] = field(default_factory=dict)
+    blocks: Dict[str, Dict[LayerId, List[Block]]] = field(default_factory=dict)
+    """Each signal's recorder blocks before the window (``deepspeed_patch.recorder``), oldest first."""
+    interval: Dict[str, Dict[LayerId, Points]] = field(default_factory=dict)
+    """Each signal's steps measured at the configured interval before the window, in step order."""
+
+    @property
+    def window(self) -> Tuple[Optional[int], Optional[int]]:
+        """The first and the last recorded step (``None`` where none was recorded)."""
+        steps = [step for points in self.norms.values() for step, _ in points]
+        return (min(steps), max(steps)) if steps else (None, None)
 
     @property
     def norms(self) -> Dict[LayerId, Points]:
@@ -54,7 +73,26 @@ def read_fires(source: str) -> List[Fire]:
                      for layer in sorted(layers, key=_depth)}
             for signal, layers in sorted(fire.series.items(), key=lambda item: ALL_PHASES.index(item[0]))
         }
+    if fires:
+        _add_interval_steps(source, fires.values())
     return [fires[step] for step in sorted(fires)]
+
+
+def _add_interval_steps(source: str, fires) -> None:
+    """Each fire's ``interval``: every layer's steps the log holds before the fire's window, of each signal."""
+    try:
+        series = read_layer_series(source)
+    except LogSourceError:
+        return
+    for fire in fires:
+        start = fire.window[0]
+        if start is None:
+            continue
+        for signal in ALL_PHASES:
+            for layer, points in series.values.get((phase_label(signal), "norm"), {}).items():
+                earlier = [point for point in points if point[0] < start]
+                if earlier:
+                    fire.interval.setdefault(signal, {})[layer] = earlier
 
 
 def _depth(layer: LayerId) -> tuple:
@@ -70,15 +108,27 @@ def _jsonl_fires(path: str) -> Dict[int, Fire]:
         trigger = record["trigger"]
         fire = fires.setdefault(trigger["fired_at"], Fire(trigger["fired_at"]))
         fire.reason = trigger.get("reason")
-        logged = logged_result(record)
-        for signal in ALL_PHASES:
-            buckets = logged.get(signal) or {}
-            stacked = not any(key.isdigit() for key in buckets)
-            for key, values in buckets.items():
-                layer = json_bucket(key, stacked)
-                if is_layer(layer):
-                    fire.series.setdefault(signal, {}).setdefault(layer, []).append((record["step"], values["norm"]))
+        for signal, layer, norm in _layer_norms(record):
+            fire.series.setdefault(signal, {}).setdefault(layer, []).append((record["step"], norm))
+        if record.get("before"):
+            fire.blocks = {}  # a fire written again (a run rolled back past it): its last writing
+            for block in record["before"]:
+                first, last = block["steps"]
+                for signal, layer, norm in _layer_norms(block):
+                    fire.blocks.setdefault(signal, {}).setdefault(layer, []).append((first, last, norm))
     return fires
+
+
+def _layer_norms(result: dict):
+    """``(signal, layer, norm)`` of every layer bucket of a dumped result (or recorder block), every signal."""
+    logged = logged_result(result)
+    for signal in ALL_PHASES:
+        buckets = logged.get(signal) or {}
+        stacked = not any(key.isdigit() for key in buckets)
+        for key, values in buckets.items():
+            layer = json_bucket(key, stacked)
+            if is_layer(layer):
+                yield signal, layer, values["norm"]
 
 
 def _tensorboard_fires(logdir: str) -> Dict[int, Fire]:

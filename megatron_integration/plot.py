@@ -19,7 +19,7 @@ from typing import Dict, Iterable, List
 from deepspeed_patch.tags import UPDATE_TO_WEIGHT, LayerId, layer_position
 
 from .fires import Fire, read_fires
-from .spike import localise, spiked_layers
+from .spike import figure_words, localise_all, spiked_layers
 from .tensorboard_reader import LayerSeries, layer_title, read_layer_series
 
 LINE_STYLES = ("-", "--", ":", "-.")
@@ -95,7 +95,7 @@ def plot_layer_norms(series: LayerSeries, out: str, spiked: Iterable[LayerId] = 
 def plot_run(source: str, out: str):
     """``plot``'s figure of any log ``source`` (``log_sources``), the layer that rose most at each of its fires
     among the lines; returns the matplotlib Figure."""
-    spikes = [localise(fire) for fire in read_fires(source)]
+    spikes = localise_all(read_fires(source))
     return plot_layer_norms(read_layer_series(source), out, spiked_layers(spikes))
 
 
@@ -138,7 +138,9 @@ def plot_spike_history(fires: List[Fire], spikes: List[Dict], out: str):
     for row, fire, spike in zip(axes, fires, spikes):
         _recorded_lines(row[0], fire.norms, spike["layers"], spike["rose_most"], fire.fired_at)
         row[0].set_ylabel("pre-clip gradient L2 norm")
-        row[0].set_title(f"recorded steps of the fire at step {fire.fired_at}, every layer")
+        words = figure_words(spike)
+        row[0].set_title(f"recorded steps of the fire at step {fire.fired_at}, every layer"
+                         + (f"\n{words}" if words else ""), fontsize="medium")
         if ratios:
             _update_to_weight(row[1], fire, spike)
         _rise_map(row[-1], fire, spike, figure)
@@ -174,8 +176,9 @@ def _update_to_weight(axis, fire: Fire, spike: Dict) -> None:
     first = (spike["attribution"] or {}).get("first")
     _recorded_lines(axis, ratios, ratios, spike["rose_most"], fire.fired_at)
     axis.set_ylabel("|update| / |weights|")
-    axis.set_title("update-to-weight ratio, every layer" + (f"; first to move: {layer_title(first['layer'])}"
-                                                             if first else ""))
+    claim = (spike["attribution"] or {}).get("verdict")
+    axis.set_title("update-to-weight ratio, every layer" + (f"; first to move: {claim['signal_name']} of "
+                                                             f"{claim['where']}" if claim else ""))
 
 
 def _rise_map(axis, fire: Fire, spike: Dict, figure) -> None:
@@ -193,5 +196,5 @@ def _rise_map(axis, fire: Fire, spike: Dict, figure) -> None:
                         extent=(steps[0] - 0.5, steps[-1] + 0.5, -0.5, len(layers) - 0.5))
     axis.set_yticks(range(len(layers)), [layer_title(layer) for layer in layers], fontsize="small")
     axis.set_xlabel("step")
-    axis.set_title("rise: log10 of the norm over the layer's median before the fire")
+    axis.set_title("rise: log10 of the norm over the layer's baseline")
     figure.colorbar(image, ax=axis)

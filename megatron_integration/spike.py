@@ -1,45 +1,105 @@
 """The spike section of ``report``: where in the model each fire of the trigger began, and in which signal.
 
 A fire's recorded steps (``fires.read_fires``) hold every layer's pre-clip gradient norm, and, with
-``optimizer_statistics``, its update and Adam moments.
+``optimizer_statistics``, its update, update-to-weight ratio and Adam moments; the log may hold more of each signal
+from before the recorded window: the recorder's blocks (``deepspeed_patch.recorder``) and the steps measured at the
+configured interval.
 
-Each layer is judged against itself: its baseline is the median of its finite pre-clip norms over the
-window's steps before the fire (at least ``MIN_BASELINE`` of them, else it has none), and its rise at a step
-is the norm over that baseline (over a zero baseline, any positive norm is an infinite rise). The answer names,
-in this order: the layers whose norm went non-finite first, at or before the fire (an overflow's origin: the
-others' rises may follow from it); else the layers that rose most (the largest rise in the window) and first
-(the earliest step above ``RISE_FACTOR`` x the baseline); else why no layer can be judged (no layer bucket
-recorded, a baseline too short).
+Each signal of each layer is judged against its level before the window (``judge``), not against the window's own
+median, which a cause that began before the window raises with the rest: a learning rate set too high and held
+there leaves the update at its own median throughout the window. The level before the window is the median of the
+observations in the ``LEVEL_STEPS`` steps before it: the recorder's blocks or the interval steps, whichever is
+denser where both reach (``before``). A signal that left its level abruptly before the window and is still there
+in the window departed before the window, at the first step the data show; else it departs at its first window
+step above its ``THRESHOLDS`` factor times that level, or non-finite. Where the log holds fewer than
+``MIN_BASELINE`` observations before the window, the window's own median is the last resort. Every judgement
+names the baseline it used.
 
-Which signal moved first (``attribute``, where the log holds the update or a moment): each signal of each layer
-(the gradient's pre-clip norm, the update's, ``exp_avg``'s, ``exp_avg_sq``'s) is judged against its own median
-likewise, and departs at its first step above ``RISE_FACTOR`` x it or non-finite; ``exp_avg_sq`` also where it
-falls below its median over ``RISE_FACTOR`` (second moments shrinking toward epsilon precede Adam's instability).
-A step counts only after one within those bounds: a window at the start of training, where the second moment
-grows from zero, has the second moment reach its median, not leave it.
-The first departure names the signal and the layer; a tie at one step goes to the gradient (the step's update
-follows from its gradient), then the moments, then the update (``SIGNALS``); between layers, to the larger
-departure. The answer starts with it and what followed: ``update of layer 2 rose first (step 147), gradient
-followed (step 150)``.
+Which signal moved first (``attribute``, where the log holds the update or a moment): the earliest departure of any
+signal of any layer. A tie at one step goes to the gradient (the step's update follows from its gradient), then the
+moments, then the update and its ratio to the weights (``SIGNALS``). The layers whose same signal departed at that
+step are counted: where one stands apart (``STANDS_APART``), it is named; where more than ``MOST_LAYERS`` of the
+layers did, the answer says so: ``update of every layer (12 of 12) rose first, step 100``, ``gradient of layer 3
+rose first (step 150)``. A fire whose first departure came at or before the previous fire continues it, and says
+which (``localise_all``).
+
+Where in the model the gradient rose (``localise``): the layers whose pre-clip norm went non-finite first, at or
+before the fire (an overflow's origin); else the layer that rose most over its baseline and the first above
+``RISE_FACTOR`` x it.
 """
 
 import math
 import statistics
-from typing import Dict, List, Optional, Tuple
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence, Tuple
+
+from deepspeed_patch.tags import UPDATE_TO_WEIGHT
 
 from .fires import Fire, read_fires
 from .tensorboard_reader import Points, layer_title
 
-RISE_FACTOR = 2.0
-"""A layer has risen at a step once its norm there is above this many times its own baseline."""
+THRESHOLDS = {"pre_clip": 2.0, "exp_avg": 1.5, "exp_avg_sq": 3.0, "update": 1.5, UPDATE_TO_WEIGHT: 1.5}
+"""A signal departs above this many times its level. Set from Adam's dynamics (``benchmarks/adam_dynamics.py``, the
+table in docs/spikes.md): in quiet training the gradient's norm moves up to 1.6x against its level, the update and
+its ratio to the weights up to 1.1x, ``exp_avg`` up to 1.25x and ``exp_avg_sq`` (the gradient squared) up to 1.7x;
+a 10x gradient spike moves the update 1.2-1.9x, ``exp_avg`` 3.4x and ``exp_avg_sq`` 3.5-12x unclipped (clipped,
+1.4-1.6x: the moments see the clipped gradient), a 3x learning rate moves the update and the ratio 2.9x."""
+RISE_FACTOR = THRESHOLDS["pre_clip"]
+"""A layer's gradient has risen at a step once its norm there is above this many times its own baseline."""
 MIN_BASELINE = 3
-"""The fewest finite norms before the fire that make a layer's baseline: the median of one or two steps is
-a single noisy step, not a baseline."""
-SIGNALS = ("pre_clip", "exp_avg", "exp_avg_sq", "update")
+"""The fewest finite observations that make a baseline: the median of one or two steps is a single noisy step."""
+LEVEL_STEPS = 16
+"""A signal's level before the window (or before an observation) is the median of its observations in the 16 steps
+before it, and at least of the last ``MIN_BASELINE``: recent, so that a slow drift (Adam's second moment growing
+from zero over the first hundreds of steps) is followed, and a step change is not averaged away."""
+SIGNALS = ("pre_clip", "exp_avg", "exp_avg_sq", "update", UPDATE_TO_WEIGHT)
 """The signals ``attribute`` compares, in the order that breaks a tie at one step."""
-SIGNAL_NAMES = {"pre_clip": "gradient", "exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq", "update": "update"}
-FALLING = ("exp_avg_sq", )
-"""The signals that depart also by falling below their median over ``RISE_FACTOR``."""
+SIGNAL_NAMES = {"pre_clip": "gradient", "exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq", "update": "update",
+                UPDATE_TO_WEIGHT: "update-to-weight ratio"}
+MOST_LAYERS = 0.5
+"""A first departure shared by more than this share of the judged layers at one step is the model's, not a
+layer's: ``update of every layer (12 of 12) rose first``."""
+STANDS_APART = 2.0
+"""A layer whose departure is at least this many times the next largest at the same step, of the same signal, is
+named alone, whatever the others did: a gradient spike injected into one layer, the others' gradients moved by its
+loss."""
+
+
+@dataclass(frozen=True)
+class Observation:
+    """A signal's norm before the window: one interval step (``first == last``), or a recorder block's root mean
+    square over steps ``first`` to ``last``."""
+
+    first: int
+    last: int
+    value: float
+    source: str
+    """``"recorder"`` (a block) or ``"interval"`` (a measured step)."""
+
+
+@dataclass(frozen=True)
+class Baseline:
+    """The level a signal of a layer is judged against, and what it was taken from."""
+
+    level: float
+    source: str
+    """``"recorder"``, ``"interval"``, or ``"window"``: the window's median, the last resort."""
+    steps: Tuple[int, int]
+    count: int
+
+    def describe(self) -> str:
+        """``against interval steps 92-99``, ``against its recorder blocks before the window (steps 61-92)``,
+        ``against the window's median``."""
+        first, last = self.steps
+        if self.source == "window":
+            return "against the window's median"
+        if self.source == "interval":
+            return f"against interval steps {first}-{last}"
+        return f"against its recorder blocks before the window (steps {first}-{last})"
+
+    @property
+    def noun(self) -> str:
+        return "its median" if self.source == "window" else "its level before the window"
 
 
 def rise_over(value: float, baseline: float) -> float:
@@ -52,34 +112,143 @@ def rise_over(value: float, baseline: float) -> float:
     return math.inf if value > 0 else 1.0
 
 
-def _baseline(points: Points, fired_at: int) -> Tuple[float, int]:
-    """The median of a series' finite values before ``fired_at`` (NaN with fewer than ``MIN_BASELINE`` of them),
-    and how many there are."""
+def before(fire: Fire, signal: str, layer) -> List[Observation]:
+    """A signal's observations before the window, in step order: the interval steps where they are at least as
+    dense as the recorder's blocks over the steps the blocks cover, else the blocks; beyond the blocks' steps, the
+    interval steps."""
+    blocks = [Observation(first, last, value, "recorder") for first, last, value in
+              fire.blocks.get(signal, {}).get(layer, [])]
+    steps = [Observation(step, step, value, "interval")
+             for step, value in fire.interval.get(signal, {}).get(layer, [])]
+    if not blocks:
+        return steps
+    start, end = blocks[0].first, blocks[-1].last
+    inside = [point for point in steps if start <= point.first <= end]
+    if len(inside) >= len(blocks):
+        return steps
+    return [point for point in steps if point.first < start] + blocks + [point for point in steps if point.first > end]
+
+
+def _median_of(observations: Sequence[Observation]) -> Optional[Baseline]:
+    finite = [seen for seen in observations if math.isfinite(seen.value)]
+    if len(finite) < MIN_BASELINE:
+        return None
+    sources = {seen.source for seen in finite}
+    return Baseline(statistics.median(seen.value for seen in finite), "recorder" if "recorder" in sources
+                    else "interval", (finite[0].first, finite[-1].last), len(finite))
+
+
+def window_baseline(points: Points, fired_at: int) -> Optional[Baseline]:
+    """The median of the window's finite values before ``fired_at`` (``None`` with fewer than ``MIN_BASELINE``)."""
     earlier = [value for step, value in points if step < fired_at and math.isfinite(value)]
-    return statistics.median(earlier) if len(earlier) >= MIN_BASELINE else math.nan, len(earlier)
+    if len(earlier) < MIN_BASELINE:
+        return None
+    return Baseline(statistics.median(earlier), "window", (points[0][0], fired_at - 1), len(earlier))
 
 
-def _rise(points: Points, fired_at: int) -> Dict:
-    """One layer against itself: its baseline (the median of its finite norms before ``fired_at``, NaN with
-    fewer than ``MIN_BASELINE`` of them), its rise at its finite steps, and its first non-finite step up to
-    the fire."""
-    baseline, earlier = _baseline(points, fired_at)
-    rises = [(step, rise_over(value, baseline)) for step, value in points
-             if math.isfinite(value) and not math.isnan(baseline)]
+def level_before(observed: Sequence[Observation]) -> Optional[Baseline]:
+    """The median of the observations in the ``LEVEL_STEPS`` steps up to the last of ``observed``, and at least of
+    the last ``MIN_BASELINE``; ``None`` with fewer than ``MIN_BASELINE`` finite ones."""
+    if not observed:
+        return None
+    end = observed[-1].last
+    recent = [seen for seen in observed if seen.last > end - LEVEL_STEPS]
+    return _median_of(recent if len(recent) >= MIN_BASELINE else observed[-MIN_BASELINE:])
+
+
+def baseline_of(points: Points, observed: Sequence[Observation], fired_at: int) -> Optional[Baseline]:
+    """A signal's level before the window (``level_before``), or the window's median where fewer than
+    ``MIN_BASELINE`` observations before it are finite; ``None`` where neither can be taken."""
+    return level_before(observed) or window_baseline(points, fired_at)
+
+
+def judge(points: Points, observed: Sequence[Observation], fired_at: int, threshold: float) -> Dict:
+    """One signal of one layer: its ``baseline`` and its ``departure`` (``None`` where it did not depart, or has no
+    baseline): ``step``, ``steps`` (the observation's, a block's range before the window), ``way`` (``"rose"`` or
+    ``"went non-finite"``), ``factor`` over the level, ``before_window`` and ``baseline`` (its ``describe``).
+
+    Before the window, a departure is abrupt and lasting: an observation above ``threshold`` times both its level
+    (``level_before`` the observations before it) and the one before it, or non-finite, with the window's median
+    still above ``threshold`` times that level (a slow drift is not abrupt; a past episode that ended is not
+    lasting). In the window, the first step above ``threshold`` times the level before it, or non-finite. Against
+    the window's median, only a step after one within those bounds counts: a window at the start of training,
+    where the second moment grows from zero, has it reach its median, not leave it."""
+    early = _left_before(points, observed, fired_at, threshold)
+    if early is not None:
+        return early
+    baseline = baseline_of(points, observed, fired_at)
+    if baseline is None:
+        return {"baseline": None, "departure": None}
+    reached = baseline.source != "window"
+    for step, value in points:
+        way = _away(value, baseline.level, threshold)
+        if way is None:
+            reached = True
+        elif reached:
+            return {"baseline": baseline, "departure": {
+                "step": step, "steps": [step, step], "way": way, "factor": _factor(value, baseline.level),
+                "before_window": False, "baseline": baseline.describe()}}
+    return {"baseline": baseline, "departure": None}
+
+
+def _left_before(points: Points, observed: Sequence[Observation], fired_at: int, threshold: float) -> Optional[Dict]:
+    """The first abrupt and lasting departure before the window (``judge``), with the level it left."""
+    window = [value for step, value in points if step <= fired_at]
+    finite_window = [value for value in window if math.isfinite(value)]
+    window_level = statistics.median(finite_window) if finite_window else math.nan
+    for index, seen in enumerate(observed):
+        level = level_before(observed[:index])
+        previous = next((earlier.value for earlier in reversed(observed[:index]) if math.isfinite(earlier.value)),
+                        None)
+        if level is None or previous is None:
+            continue
+        way = _away(seen.value, level.level, threshold)
+        if way == "rose":
+            lasting = seen.value > threshold * previous and rise_over(window_level, level.level) > threshold
+        else:
+            lasting = way is not None and len(finite_window) < len(window)
+        if lasting:
+            return {"baseline": level, "departure": {
+                "step": seen.first, "steps": [seen.first, seen.last], "way": way,
+                "factor": _factor(seen.value, level.level), "before_window": True, "baseline": level.describe()}}
+    return None
+
+
+def _away(value: float, level: float, threshold: float) -> Optional[str]:
+    """``"went non-finite"``, ``"rose"`` above ``threshold`` x ``level``, or ``None`` within."""
+    if not math.isfinite(value):
+        return "went non-finite"
+    return "rose" if rise_over(value, level) > threshold else None
+
+
+def _factor(value: float, level: float) -> float:
+    return math.inf if not math.isfinite(value) else rise_over(value, level)
+
+
+def _rise(fire: Fire, layer) -> Dict:
+    """One layer's gradient against its baseline (``baseline_of``): its rise at its finite steps, the first above
+    ``RISE_FACTOR``, and its first non-finite step up to the fire."""
+    points = fire.norms[layer]
+    found = baseline_of(points, before(fire, "pre_clip", layer), fire.fired_at)
+    level = math.nan if found is None else found.level
+    rises = [(step, rise_over(value, level)) for step, value in points if math.isfinite(value) and found]
     peak_step, peak = max(rises, key=lambda rise: rise[1], default=(None, math.nan))  # ties: the earliest
     first = next((step for step, rise in rises if rise > RISE_FACTOR), None)
-    nonfinite = next((step for step, value in points if step <= fired_at and not math.isfinite(value)), None)
-    return {"baseline": baseline, "baseline_points": earlier,
-            "rise_at_fire": rise_over(dict(points).get(fired_at, math.nan), baseline), "peak_rise": peak,
+    nonfinite = next((step for step, value in points if step <= fire.fired_at and not math.isfinite(value)), None)
+    earlier = sum(1 for step, value in points if step < fire.fired_at and math.isfinite(value))
+    return {"baseline": level, "baseline_from": None if found is None else found.describe(),
+            "baseline_noun": "its median" if found is None else found.noun, "baseline_points": earlier,
+            "rise_at_fire": rise_over(dict(points).get(fire.fired_at, math.nan), level), "peak_rise": peak,
             "peak_step": peak_step, "first_risen": first, "first_nonfinite": nonfinite}
 
 
-def localise(fire: Fire) -> Dict:
+def localise(fire: Fire, earlier: Optional[Dict] = None) -> Dict:
     """Each layer's rise, the layers that went non-finite first, rose most and rose first, which signal moved
-    first (``attribution``: ``None`` without the update or a moment in the log), and the one-line answer. A layer
-    non-finite at or before the fire is named before any rise: its rise cannot be measured, and the others' rises
-    may be its consequence."""
-    layers = {layer: _rise(points, fire.fired_at) for layer, points in fire.norms.items() if points}
+    first (``attribution``: ``None`` without the update or a moment in the log), and the one-line answer.
+    ``earlier``: the previous fire's ``localise``, which this fire continues where its first departure came at or
+    before that fire. A layer non-finite at or before the fire is named before any rise: its rise cannot be
+    measured, and the others' rises may be its consequence."""
+    layers = {layer: _rise(fire, layer) for layer, points in fire.norms.items() if points}
     steps = sorted({step for points in fire.norms.values() for step, _ in points})
     broken = {layer: rise["first_nonfinite"] for layer, rise in layers.items() if rise["first_nonfinite"] is not None}
     nonfinite_step = min(broken.values()) if broken else None
@@ -92,12 +261,21 @@ def localise(fire: Fire) -> Dict:
     spike = {"fired_at": fire.fired_at, "reason": fire.reason, "steps": [steps[0], steps[-1]] if steps else [],
              "layers": layers, "nonfinite_first": [layer for layer, step in broken.items() if step == nonfinite_step],
              "nonfinite_step": nonfinite_step, "rose_most": most, "rose_first": first, "first_step": first_step,
-             "attribution": attribute(fire) if layers else None}
+             "attribution": attribute(fire, earlier) if layers else None}
     head = f"spike at step {fire.fired_at}" + (f" ({fire.reason})" if fire.reason else "")
     moved = (spike["attribution"] or {}).get("answer")
     moved = f"{moved}; " if moved else ""
     spike["answer"] = f"{head}: {moved}{_finding(spike, broken)}"
     return spike
+
+
+def localise_all(fires: Sequence[Fire]) -> List[Dict]:
+    """``localise`` of each fire in step order, each told the one before it (a fire inside a sustained spike
+    names the fire it continues)."""
+    spikes: List[Dict] = []
+    for fire in fires:
+        spikes.append(localise(fire, spikes[-1] if spikes else None))
+    return spikes
 
 
 def _finding(spike: Dict, broken: Dict) -> str:
@@ -111,59 +289,31 @@ def _finding(spike: Dict, broken: Dict) -> str:
         longest = max(rise["baseline_points"] for rise in layers.values())
         return (f"the baseline is too short: at most {longest} finite norms of a layer before the fire, "
                 f"{MIN_BASELINE} needed (a longer trigger.history keeps more)")
-    if first_step is None:
-        return f"no layer rose above {RISE_FACTOR:g}x its median over the window; most: {layer_title(most)}"
     rise = layers[most]
-    size = "from a zero median" if math.isinf(rise["peak_rise"]) else f"{rise['peak_rise']:.1f}x its median"
+    if first_step is None:
+        return f"no layer rose above {RISE_FACTOR:g}x {rise['baseline_noun']}; most: {layer_title(most)}"
+    size = (f"from a zero {rise['baseline_noun'].split()[-1]}" if math.isinf(rise["peak_rise"]) else
+            f"{rise['peak_rise']:.1f}x {rise['baseline_noun']}")
     finding = f"{layer_title(most)} rose most, {size} at step {rise['peak_step']}"
     if first != [most] or first_step != rise["peak_step"]:
         finding += f"; first above {RISE_FACTOR:g}x: {_titles(first)} at step {first_step}"
     return finding
 
 
-def departure(points: Points, fired_at: int, falling: bool = False) -> Optional[Dict]:
-    """Where a series left its own median before ``fired_at`` (``_baseline``): its ``step``, the ``way``
-    (``"rose"`` above ``RISE_FACTOR`` x the median, ``"went non-finite"``, or, ``falling``, ``"fell"`` below the
-    median over ``RISE_FACTOR``) and the ``factor`` away from the median; ``None`` where it never did, or has no
-    baseline. Only a step after one within those bounds counts: a series that starts outside them (Adam's second
-    moment growing from zero over the first steps, a gradient shrinking from its first size) has not reached its
-    median yet, it has not left it."""
-    baseline, _ = _baseline(points, fired_at)
-    if math.isnan(baseline):
-        return None
-    reached = False
-    for step, value in points:
-        away = _away(value, baseline, falling)
-        if away is None:
-            reached = True
-        elif reached:
-            return {"step": step, **away}
-    return None
-
-
-def _away(value: float, baseline: float, falling: bool) -> Optional[Dict]:
-    """How ``value`` is outside the bounds around ``baseline`` (``departure``), or ``None`` within them."""
-    rise = rise_over(value, baseline)
-    if not math.isfinite(value):
-        return {"way": "went non-finite", "factor": math.inf}
-    if rise > RISE_FACTOR:
-        return {"way": "rose", "factor": rise}
-    if falling and rise * RISE_FACTOR < 1:
-        return {"way": "fell", "factor": 1 / rise if rise > 0 else math.inf}
-    return None
-
-
-def attribute(fire: Fire) -> Optional[Dict]:
-    """Which signal of which layer left its own median first (``departure``), per layer and over the model, and
-    the first departure of each other signal after it (``followed``); ``None`` where the fire holds no update nor
-    moment (a log without ``optimizer_statistics``)."""
+def attribute(fire: Fire, earlier: Optional[Dict] = None) -> Optional[Dict]:
+    """Which signal of which layers left its level first (``judge``), per layer and over the model, the first
+    departure of each other signal after it (``followed``), and the ``verdict`` (``verdict``); ``None`` where the
+    fire holds no update nor moment (a log without ``optimizer_statistics``)."""
     signals = [signal for signal in SIGNALS if fire.series.get(signal)]
     if signals in ([], ["pre_clip"]):
         return None
     layers = {}
     for layer in fire.norms:
-        departures = {signal: departure(fire.series[signal][layer], fire.fired_at, signal in FALLING)
-                      for signal in signals if fire.series[signal].get(layer)}
+        departures = {}
+        for signal in signals:
+            if fire.series[signal].get(layer):
+                departures[signal] = judge(fire.series[signal][layer], before(fire, signal, layer), fire.fired_at,
+                                           THRESHOLDS[signal])["departure"]
         first = min((signal for signal, found in departures.items() if found),
                     key=lambda signal: _order(signal, departures[signal]), default=None)
         layers[layer] = {"first": first, "departures": departures}
@@ -176,6 +326,7 @@ def attribute(fire: Fire) -> Optional[Dict]:
     ordered = list(firsts.values())
     attribution = {"signals": signals, "layers": layers, "first": ordered[0] if ordered else None,
                    "followed": ordered[1:]}
+    attribution["verdict"] = verdict(attribution, earlier)
     attribution["answer"] = _moved_first(attribution)
     return attribution
 
@@ -184,18 +335,85 @@ def _order(signal: str, found: Dict) -> tuple:
     return found["step"], SIGNALS.index(signal), -found["factor"]
 
 
-def _moved_first(attribution: Dict) -> Optional[str]:
-    """``update of layer 2 rose first (step 147), gradient followed (step 150), then exp_avg (step 151)``;
-    ``None`` where no signal left its median."""
-    first, followers = attribution["first"], attribution["followed"]
+def verdict(attribution: Dict, earlier: Optional[Dict] = None) -> Optional[Dict]:
+    """The first departure as a claim (``None`` where no signal departed): ``signal`` (the result's key:
+    ``"update"``), ``signal_name`` (``"update"``), ``scope`` (``"layer"``: one layer stands apart; ``"every"`` or
+    ``"most"``: more than ``MOST_LAYERS`` of the judged layers departed at that step; ``"layers"``: a few, none
+    apart), ``where`` (``"every layer"``, ``"most layers"``, ``"layer 3"``, ``"layers 2, 5"``), ``layers`` (those
+    that departed at that step, the largest departure first), ``count`` and ``of`` (of the layers judged in that
+    signal), ``step``, ``steps``, ``way``, ``before_window``, ``baseline`` (which one it was judged against),
+    ``continues`` (the step of the earlier fire it continues, or ``None``), ``words`` (``update of every layer (12
+    of 12) rose first, step 100``) and ``line`` (the words and the baseline: the answer's start)."""
+    first = attribution["first"]
     if first is None:
         return None
-    answer = (f"{SIGNAL_NAMES[first['signal']]} of {layer_title(first['layer'])} {first['way']} first "
-              f"(step {first['step']})")
+    signal, step = first["signal"], first["step"]
+    found = {layer: judged["departures"][signal] for layer, judged in attribution["layers"].items()
+             if judged["departures"].get(signal)}
+    judged = [layer for layer, row in attribution["layers"].items() if signal in row["departures"]]
+    together = sorted((layer for layer, move in found.items() if move["step"] == step),
+                      key=lambda layer: -found[layer]["factor"])
+    factors = [found[layer]["factor"] for layer in together]
+    if len(together) == 1 or factors[0] >= STANDS_APART * factors[1]:
+        scope, where = "layer", layer_title(together[0])
+        together = together[:1]
+    elif len(together) > MOST_LAYERS * len(judged):
+        scope = "every" if len(together) == len(judged) else "most"
+        where = f"{scope} layer{'s' if scope == 'most' else ''}"
+    else:
+        scope, where = "layers", "layers " + ", ".join(str(layer) for layer in together)
+    continues = None
+    if earlier is not None and step <= earlier["fired_at"]:
+        continues = earlier["fired_at"]
+    claim = {"signal": signal, "signal_name": SIGNAL_NAMES[signal], "scope": scope, "where": where,
+             "layers": together, "count": len(together), "of": len(judged), "step": step, "steps": first["steps"],
+             "way": first["way"], "before_window": first["before_window"], "baseline": first["baseline"],
+             "continues": continues}
+    claim["words"] = _claim_words(claim)
+    claim["line"] = f"{claim['words']} {claim['baseline']}"
+    return claim
+
+
+def _claim_words(claim: Dict) -> str:
+    """``update of every layer (12 of 12) rose first, step 100``; ``gradient of layer 3 rose first (step 150)``;
+    then where it was before the window (the answer adds the baseline, ``line``; figure titles use these words)."""
+    head = f"{claim['signal_name']} of {claim['where']}"
+    if claim["scope"] == "layer":
+        line = f"{head} {claim['way']} first (step {claim['step']})"
+    else:
+        line = f"{head} ({claim['count']} of {claim['of']}) {claim['way']} first, step {claim['step']}"
+    if claim["before_window"]:
+        first, last = claim["steps"]
+        line += " before the recorded window" + (f" (in steps {first}-{last})" if last != first else "")
+    return line
+
+
+def figure_words(spike: Dict) -> Optional[str]:
+    """What a figure of the fire says moved first: the verdict's words (``verdict``) and the fire it continues;
+    ``None`` where no signal left its level, or the log holds none but the gradient."""
+    claim = (spike.get("attribution") or {}).get("verdict")
+    if claim is None:
+        return None
+    continues = claim["continues"]
+    return claim["words"] + ("" if continues is None else f"; continues the fire at step {continues}")
+
+
+def _moved_first(attribution: Dict) -> Optional[str]:
+    """The verdict's line, the first departure of each other signal after it, and the fire it continues:
+    ``update of every layer (12 of 12) rose first, step 100 against interval steps 92-99, gradient followed (step
+    101)``; ``None`` where no signal left its level."""
+    claim, followers = attribution["verdict"], attribution["followed"]
+    if claim is None:
+        return None
+    answer = claim["line"]
     if not followers:
-        return f"{answer}, no other signal left its median"
-    then = "".join(f", then {SIGNAL_NAMES[move['signal']]} (step {move['step']})" for move in followers[1:])
-    return f"{answer}, {SIGNAL_NAMES[followers[0]['signal']]} followed (step {followers[0]['step']}){then}"
+        answer += ", no other signal left its level"
+    else:
+        answer += f", {SIGNAL_NAMES[followers[0]['signal']]} followed (step {followers[0]['step']})"
+        answer += "".join(f", then {SIGNAL_NAMES[move['signal']]} (step {move['step']})" for move in followers[1:])
+    if claim["continues"] is not None:
+        answer += f"; continues the fire at step {claim['continues']}"
+    return answer
 
 
 def _titles(layers: List) -> str:
@@ -203,8 +421,14 @@ def _titles(layers: List) -> str:
 
 
 def spike_summaries(source: str) -> List[Dict]:
-    """``localise`` of every fire recorded in ``source``; empty without a recorder's fire."""
-    return [localise(fire) for fire in read_fires(source)]
+    """``localise_all`` of the fires recorded in ``source``; empty without a recorder's fire."""
+    return localise_all(read_fires(source))
+
+
+def verdicts(source: str) -> List[Optional[Dict]]:
+    """The claim of each fire recorded in ``source`` (``verdict``), in step order: ``None`` for a fire where no
+    signal left its level, or whose log holds the gradient alone."""
+    return [(spike["attribution"] or {}).get("verdict") for spike in spike_summaries(source)]
 
 
 def spiked_layers(spikes: List[Dict]) -> List:
@@ -214,13 +438,13 @@ def spiked_layers(spikes: List[Dict]) -> List:
 
 def format_spikes(spikes: List[Dict], shown: int = 5) -> str:
     """The spike section: per fire, the layers that went non-finite, then the ``shown`` layers that rose most, the
-    ``shown`` layers whose signals left their median first (with the optimizer's statistics in the log), and the
+    ``shown`` layers whose signals left their level first (with the optimizer's statistics in the log), and the
     answer."""
     lines = []
     for spike in spikes:
         steps = f"recorded steps {spike['steps'][0]}-{spike['steps'][1]}" if spike["steps"] else "no step recorded"
         lines.append(f"spike: the trigger fired at step {spike['fired_at']}, {steps}; pre-clip norm over each "
-                     "layer's median before it:")
+                     "layer's baseline:")
         for layer, rise in sorted(spike["layers"].items(), key=_rank)[:shown]:
             lines.append(f"  {layer_title(layer):>16}: {_row(rise)}")
         if spike["attribution"]:
@@ -230,11 +454,10 @@ def format_spikes(spikes: List[Dict], shown: int = 5) -> str:
 
 
 def _attribution_lines(attribution: Dict, shown: int) -> List[str]:
-    """Per layer, the signal that left its median first, and the step each signal did (``-``: it did not), the
+    """Per layer, the signal that left its level first, and the step each signal did (``-``: it did not), the
     ``shown`` layers that moved first."""
-    falling = "".join(f", {SIGNAL_NAMES[signal]} also below 1/{RISE_FACTOR:g}x"
-                      for signal in attribution["signals"] if signal in FALLING)
-    lines = [f"which signal left its own median first (above {RISE_FACTOR:g}x{falling}), per layer:"]
+    rules = ", ".join(f"{SIGNAL_NAMES[signal]} {THRESHOLDS[signal]:g}x" for signal in attribution["signals"])
+    lines = [f"which signal left its level first (above: {rules}; or non-finite), per layer:"]
     for layer, judged in sorted(attribution["layers"].items(), key=_first_move)[:shown]:
         first = judged["first"]
         found = judged["departures"].get(first)
@@ -265,7 +488,7 @@ def _row(rise: Dict) -> str:
     else:
         first = rise["first_risen"]
         row = (f"{rise['peak_rise']:8.2f}x at step {rise['peak_step']}, {rise['rise_at_fire']:8.2f}x at the fire, "
-               f"above {RISE_FACTOR:g}x from {'-' if first is None else f'step {first}'}")
+               f"above {RISE_FACTOR:g}x from {'-' if first is None else f'step {first}'} {rise['baseline_from']}")
     if rise["first_nonfinite"] is not None:
         row += f"; non-finite from step {rise['first_nonfinite']}"
     return row

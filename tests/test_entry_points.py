@@ -60,16 +60,17 @@ def test_demo_end_to_end(tmp_path, capsys):
 def test_demo_with_a_learning_rate_spike_names_the_update_first(tmp_path, capsys):
     """The learning rate 3000x at step 6 only: every layer's update leaves its median there, and the weights it
     moved raise every layer's gradient at step 7, where the trigger fires. The report, on the demo's dump, says
-    the update moved first and the gradient followed; the dump holds every layer's update-to-weight ratio, which the
-    spike figure draws."""
+    the update of every layer moved first (with its ratio to the weights) and the gradient followed; the dump holds
+    every layer's update-to-weight ratio, which the spike figure draws."""
     main(["demo", "--steps", "7", "--num-layers", "6", "--hidden", "16", "--out", str(tmp_path), "--lr-spike", "6"])
     output = capsys.readouterr().out
     main(["report", str(tmp_path / "layer_grad_norms.jsonl"), "--json"])
     (spike,) = json.loads(capsys.readouterr().out)["spikes"]
     attribution = spike["attribution"]
     assert spike["fired_at"] == 7 and attribution["first"]["signal"] == "update" and attribution["first"]["step"] == 6
-    assert attribution["answer"].startswith(f"update of layer {attribution['first']['layer']} rose first (step 6), "
-                                            "gradient followed (step 7)")
+    assert attribution["answer"].startswith("update of every layer (6 of 6) rose first, step 6 ")  # not one layer
+    assert [move["signal"] for move in attribution["followed"][:2]] == ["update_to_weight", "pre_clip"]
+    assert attribution["followed"][1]["step"] == 7
     assert [judged["first"] for judged in attribution["layers"].values()] == ["update"] * 6
     assert spike["answer"] in output.splitlines()
     (fire,) = read_fires(str(tmp_path / "layer_grad_norms.jsonl"))

@@ -15,6 +15,7 @@ import torch
 
 from deepspeed_patch.config import LayerGradNormsConfigError, load_config
 from deepspeed_patch.on_demand import SpikeTrigger
+from deepspeed_patch.recorder import BEFORE_BLOCKS
 from deepspeed_patch.reduction import COLLECTIVES_PER_STEP
 from megatron_integration.cpu_launch import launch
 from recorder_workers import FAULTY_STEP, FULL_DISK, HISTORY, run_recorder
@@ -153,10 +154,33 @@ def test_a_reported_loss_spike_fires_the_recorder(workdir, world_size):
     assert history[-1]["trigger"]["reason"].startswith("loss")
 
 
-def test_ring_memory_is_history_times_buckets(workdir):
+def test_ring_memory_is_history_and_blocks_times_buckets(workdir):
     record, _ = case_result(workdir, 2, "z1_fp32")
     buckets = len(record["on"]["reference"][0])
-    assert record["on"]["ring_bytes"] == HISTORY * (buckets + 1) * 9 * 8
+    assert record["on"]["ring_bytes"] == (HISTORY + BEFORE_BLOCKS) * (buckets + 1) * 9 * 8
+
+
+@pytest.mark.parametrize("world_size", WORLDS)
+@pytest.mark.parametrize("name", STATISTICS_CASES)
+def test_the_level_before_the_window_matches_the_reference(workdir, world_size, name):
+    """Each fire's first recorded step carries the steps that left the ring, in blocks of ``HISTORY`` steps: per
+    bucket, the root mean square of the plain-PyTorch reference's pre-clip norms over the block's steps (the fp16
+    case's gradients unscaled step by step)."""
+    record, _ = case_result(workdir, world_size, name)
+    on = record["on"]
+    checked = 0
+    for fired_at, entries in on["fires"].items():
+        blocks = entries[0]["before"]
+        left = list(range(1, fired_at - HISTORY + 1))  # every step before the ring
+        expected = [left[start:start + HISTORY] for start in range(0, len(left), HISTORY)]
+        assert [block["steps"] for block in blocks] == [[steps[0], steps[-1]] for steps in expected]
+        for block, steps in zip(blocks, expected):
+            reference = {key: {"norm": math.sqrt(sum(on["reference"][step - 1][key]["norm"]**2 for step in steps)
+                                                 / len(steps))} for key in on["reference"][0]}
+            assert_close_stats(block["pre_clip"], reference, TOLERANCE[record["case"]["dtype"]], stats=("norm", ))
+            assert all(stats["nonfinite"] == 0 for stats in block["pre_clip"].values())
+            checked += 1
+    assert checked == {"z2_fp32_clip_two_fires": 3}.get(name, 1)
 
 
 @pytest.mark.parametrize("key,value", [("history", -1), ("history", "four"), ("loss_factor", 1.0)])

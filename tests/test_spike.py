@@ -4,10 +4,12 @@ with known values: the hook's TensorBoard runs per fire, the JSONL dump's ``"his
 import json
 import math
 import os
+from functools import lru_cache
 from typing import Dict, List
 
 import numpy as np
 import pytest
+from adam_dynamics import Cause, Run, fire_of, train
 
 from deepspeed_patch.on_demand import JsonlDump
 from deepspeed_patch.tags import (
@@ -23,7 +25,7 @@ from megatron_integration.arguments import add_layer_grad_norms_args
 from megatron_integration.cli import main
 from megatron_integration.fires import Fire, read_fires
 from megatron_integration.plot import plot_spike_history
-from megatron_integration.spike import format_spikes, localise
+from megatron_integration.spike import THRESHOLDS, format_spikes, localise, localise_all, verdicts
 from megatron_integration.tensorboard_reader import read_layer_series
 from megatron_integration.training_log import log_layer_grad_norms
 
@@ -319,7 +321,7 @@ def test_a_fire_without_layer_buckets_gets_a_clear_line(tmp_path, capsys):
     main(["report", path])
     lines = capsys.readouterr().out.splitlines()
     assert lines[-2:] == [f"spike: the trigger fired at step {FIRE}, no step recorded; pre-clip norm over each "
-                          "layer's median before it:", spike["answer"]]
+                          "layer's baseline:", spike["answer"]]
     output = str(tmp_path / "history.png")
     main(["plot", path, "--history", "-o", output])
     assert capsys.readouterr().out.strip() == f"figure: {output}" and os.path.getsize(output) > 0
@@ -328,24 +330,38 @@ def test_a_fire_without_layer_buckets_gets_a_clear_line(tmp_path, capsys):
 # Which signal moved first: results with the optimizer's statistics (``optimizer_statistics``), each signal of each
 # layer at its own constant level, times a factor at the steps a scenario moves it.
 KIND_LEVELS = {"param": 10.0, "update": 1e-3, "exp_avg": 1e-2, "exp_avg_sq": 1e-4}
-TIE_ORDER = ["pre_clip", "exp_avg", "exp_avg_sq", "update"]
-"""The order that breaks a tie at one step, as the issue asks: the gradient, the moments, the update."""
-FALLEN = {("exp_avg_sq", 1, step): 0.3 for step in range(7, FIRE + 1)}
+TIE_ORDER = ["pre_clip", "exp_avg", "exp_avg_sq", "update", UPDATE_TO_WEIGHT]
+"""The order that breaks a tie at one step, as the issue asks: the gradient, the moments, the update, its ratio."""
+AGAINST = "against the window's median"
+"""These logs hold fewer than 3 steps of a layer before the window: the last resort."""
 SCENARIOS = {
     "update_first": ({("update", 2, 8): 5.0, ("pre_clip", 2, 9): 4.0, ("pre_clip", 2, 10): 10.0,
                       ("exp_avg", 2, 10): 3.0},
-                     "update of layer 2 rose first (step 8), gradient followed (step 9), then exp_avg (step 10)"),
+                     f"update of layer 2 rose first (step 8) {AGAINST}, update-to-weight ratio followed (step 8), "
+                     "then gradient (step 9), then exp_avg (step 10)"),
     "gradient_first": ({("pre_clip", 4, 8): 3.0, ("pre_clip", 4, 9): 6.0, ("update", 4, 9): 2.5,
                         ("update", 1, 10): 4.0},
-                       "gradient of layer 4 rose first (step 8), update followed (step 9)"),
-    "exp_avg_sq_falls": ({**FALLEN, ("update", 1, 9): 3.0, ("pre_clip", 1, 10): 5.0},
-                         "exp_avg_sq of layer 1 fell first (step 7), update followed (step 9), then gradient "
-                         "(step 10)"),
-    "tie": ({("update", 3, 9): 8.0, ("exp_avg_sq", 0, 9): 2.5, ("pre_clip", 5, 9): 2.2, ("pre_clip", 2, 9): 3.0},
-            "gradient of layer 2 rose first (step 9), exp_avg_sq followed (step 9), then update (step 9)"),
+                       f"gradient of layer 4 rose first (step 8) {AGAINST}, update followed (step 9), then "
+                       "update-to-weight ratio (step 9)"),
+    "below_the_signal_s_threshold": ({("exp_avg_sq", 1, 7): 2.5, ("exp_avg", 3, 7): 1.4, ("update", 1, 9): 3.0,
+                                      ("pre_clip", 1, 10): 5.0, ("pre_clip", 0, 8): 1.9},
+                                     f"update of layer 1 rose first (step 9) {AGAINST}, update-to-weight ratio "
+                                     "followed (step 9), then gradient (step 10)"),
+    "tie": ({("update", 3, 9): 8.0, ("exp_avg_sq", 0, 9): 4.0, ("pre_clip", 5, 9): 2.2, ("pre_clip", 2, 9): 3.0},
+            f"gradient of layers 2, 5 (2 of 6) rose first, step 9 {AGAINST}, exp_avg_sq followed (step 9), then "
+            "update (step 9), then update-to-weight ratio (step 9)"),
+    "one_stands_apart": ({("pre_clip", 5, 9): 2.2, ("pre_clip", 2, 9): 4.4, ("update", 2, 10): 3.0},
+                         f"gradient of layer 2 rose first (step 9) {AGAINST}, update followed (step 10), then "
+                         "update-to-weight ratio (step 10)"),
+    "every_layer": ({**{("update", layer, 9): 4.0 + 0.1 * layer for layer in range(LAYERS)},
+                     ("pre_clip", 3, 10): 3.0},
+                    f"update of every layer (6 of 6) rose first, step 9 {AGAINST}, update-to-weight ratio followed "
+                    "(step 9), then gradient (step 10)"),
 }
-"""``(moves, answer)``: ``moves[(signal, layer, step)]`` multiplies that signal of that layer at that step. In the
-tie, four signals of four layers leave their median at step 9: the gradient wins, of the layer that rose more."""
+"""``(moves, answer)``: ``moves[(signal, layer, step)]`` multiplies that signal of that layer at that step (the
+update-to-weight ratio moves with the update). Below a signal's threshold (``THRESHOLDS``) a move is no departure;
+in the tie, three signals of four layers leave their level at step 9: the gradient wins, of two layers, neither
+standing apart (3 < 2 x 2.2); 4.4 = 2 x 2.2 stands apart."""
 
 
 def all_statistics(norm: float) -> Dict[str, float]:
@@ -410,10 +426,14 @@ def kinds_source(request, tmp_path):
 
 
 def expected_departures(moves: Dict) -> Dict:
-    """Per layer and signal, the first step the scenario moves it: every move is past 2x, or below 1/2x."""
+    """Per layer and signal, the first step the scenario moves it above the signal's threshold (the ratio with the
+    update)."""
+    moved = {**moves, **{(UPDATE_TO_WEIGHT, layer, step): factor
+                         for (signal, layer, step), factor in moves.items() if signal == "update"}}
     first = {}
-    for (signal, layer, step), factor in sorted(moves.items(), key=lambda move: move[0][2]):
-        first.setdefault(layer, {}).setdefault(signal, (step, "fell" if factor < 1 else "rose", factor))
+    for (signal, layer, step), factor in sorted(moved.items(), key=lambda move: move[0][2]):
+        if factor > THRESHOLDS[signal]:
+            first.setdefault(layer, {}).setdefault(signal, (step, "rose", factor))
     return first
 
 
@@ -432,18 +452,19 @@ def test_report_names_the_signal_and_layer_that_left_its_median_first(kinds_sour
         judged = attribution["layers"][str(layer)]
         found = {signal: (move["step"], move["way"], pytest.approx(move["factor"]))
                  for signal, move in judged["departures"].items() if move}
-        assert found == {signal: (step, way, pytest.approx(factor if factor > 1 else 1 / factor))
+        assert found == {signal: (step, way, pytest.approx(factor))
                          for signal, (step, way, factor) in expected.get(layer, {}).items()}
         moved = expected.get(layer, {})
         assert judged["first"] == min(moved, key=lambda signal: (moved[signal][0], TIE_ORDER.index(signal),
-                                                                 -max(moved[signal][2], 1 / moved[signal][2])),
-                                      default=None)
+                                                                 -moved[signal][2]), default=None)
         checked += 1
     assert checked == LAYERS
+    assert [claim["line"] for claim in verdicts(source)] == [attribution["verdict"]["line"]]
     main(["report", source])
     text = capsys.readouterr().out.splitlines()
     assert text[-1] == spike["answer"]
-    heading = "which signal left its own median first (above 2x, exp_avg_sq also below 1/2x), per layer:"
+    heading = ("which signal left its level first (above: gradient 2x, exp_avg 1.5x, exp_avg_sq 3x, update 1.5x, "
+               "update-to-weight ratio 1.5x; or non-finite), per layer:")
     first = attribution["first"]
     row = text[text.index(heading) + 1]
     assert row.startswith(f"{'layer ' + str(first['layer']):>18}: {answer.split(' of ')[0]} {first['way']} at step "
@@ -487,15 +508,16 @@ def test_a_signal_that_starts_outside_its_bounds_has_not_left_its_median():
     levels.update({("pre_clip", layer, 1): 5.0 for layer in range(LAYERS)})
     spike = localise(moved_fire({("update", 3, 9): 3.0}, steps=range(1, FIRE + 1), levels=levels))
     assert spike["layers"][0]["first_risen"] == 1  # the gradient's own rise, as before
-    assert spike["attribution"]["answer"] == "update of layer 3 rose first (step 9), no other signal left its median"
+    assert spike["attribution"]["answer"] == (f"update of layer 3 rose first (step 9) {AGAINST}, no other signal "
+                                              "left its level")
     assert [spike["attribution"]["layers"][layer]["first"] for layer in range(LAYERS)] == [None] * 3 + ["update"] + [
         None] * 2
 
 
 def test_a_non_finite_gradient_has_left_its_median():
     spike = localise(moved_fire({("pre_clip", 3, 9): math.inf, ("exp_avg_sq", 3, FIRE): math.nan}))
-    assert spike["attribution"]["answer"] == ("gradient of layer 3 went non-finite first (step 9), exp_avg_sq "
-                                              f"followed (step {FIRE})")
+    assert spike["attribution"]["answer"] == (f"gradient of layer 3 went non-finite first (step 9) {AGAINST}, "
+                                              f"exp_avg_sq followed (step {FIRE})")
 
 
 @pytest.mark.parametrize("signals", [["pre_clip"], ["pre_clip", "param"]])
@@ -521,3 +543,80 @@ def test_plot_history_draws_the_update_to_weight_ratio_beside_the_gradient(kinds
     thick = next(line for line in lines if line.get_linewidth() > 2)
     assert list(thick.get_xdata()) == list(WINDOW)
     assert len(norm_axis.get_lines()) == LAYERS + 1 and rise_axis.images[0].get_array().shape == (LAYERS, 8)
+    assert norm_axis.get_title().splitlines()[-1] == "update of layer 2 rose first (step 8)"  # the answer's words
+    assert ratio_axis.get_title().endswith("first to move: update of layer 2")
+
+
+def test_plot_history_titles_say_every_layer_and_the_fire_continued(tmp_path):
+    """The figure of two fires of a learning rate held 10x from step 60: the answer's words in each title."""
+    series = adam_run("lr", 10.0, None, 100)
+    fires = [fire_of(series, CAUSE_STEP + 2), fire_of(series, CAUSE_STEP + 10)]
+    figure = plot_spike_history(fires, localise_all(fires), str(tmp_path / "history.png"))
+    titles = [axis.get_title() for axis in figure.axes if axis.get_title().startswith("recorded steps")]
+    assert titles[0].splitlines()[1].startswith(f"update of every layer (4 of 4) rose first, step {CAUSE_STEP}")
+    assert titles[1].splitlines()[1].endswith(f"; continues the fire at step {CAUSE_STEP + 2}")
+    assert len(titles) == 2
+
+
+# Coupled Adam dynamics (tests/adam_dynamics.py): a TinyGPT trained by torch's AdamW, each signal read from the model
+# and the optimizer's state, with one known cause injected; the fires are those a log of the run would hold.
+CAUSE_STEP = 60
+
+
+@lru_cache(maxsize=None)
+def adam_run(kind: str, factor: float, layer=None, steps: int = 1):
+    return train(Cause(kind, CAUSE_STEP, factor, layer, steps), Run(steps=CAUSE_STEP + 16))
+
+
+def test_a_gradient_spike_in_one_layer_names_that_layer_against_the_interval_steps():
+    """Layer 1's gradient 30x at step 60 (the demo's --spike): the gradient of layer 1, alone, against the interval
+    steps before the window; the moments and the update follow from it."""
+    spike = localise(fire_of(adam_run("gradient", 30.0, 1), CAUSE_STEP))
+    claim = spike["attribution"]["verdict"]
+    assert {key: claim[key] for key in ("signal", "scope", "where", "layers", "step", "way", "before_window")} == {
+        "signal": "pre_clip", "scope": "layer", "where": "layer 1", "layers": [1], "step": CAUSE_STEP,
+        "way": "rose", "before_window": False}
+    assert claim["baseline"] == f"against interval steps {CAUSE_STEP - 23}-{CAUSE_STEP - 8}"  # the 16 before
+    assert spike["attribution"]["answer"].startswith(f"gradient of layer 1 rose first (step {CAUSE_STEP}) against "
+                                                     "interval steps")
+    assert spike["rose_most"] == 1 and claim["continues"] is None
+
+
+def test_a_learning_rate_spike_is_every_layer_s_update():
+    """The learning rate 3000x at step 60 (the demo's --lr-spike), the fire at 61 where the gradient follows: the
+    update of every layer, not a tie-broken one."""
+    spike = localise(fire_of(adam_run("lr", 3000.0), CAUSE_STEP + 1))
+    claim = spike["attribution"]["verdict"]
+    assert (claim["signal"], claim["scope"], claim["count"], claim["of"], claim["step"]) == (
+        "update", "every", 4, 4, CAUSE_STEP)
+    assert claim["line"].startswith(f"update of every layer (4 of 4) rose first, step {CAUSE_STEP} against interval")
+
+
+@pytest.mark.parametrize("before", ["interval", "recorder"])
+def test_a_learning_rate_held_too_high_is_named_before_the_window(before):
+    """The learning rate 10x from step 60 on, the fire at step 74 (window 67-74): the update sat at its own median
+    throughout the window, yet it is named, every layer, at the first step the data show it left its level: step 60
+    from the interval steps, the recorder block holding step 60 from the recorder's blocks."""
+    series = adam_run("lr", 10.0, None, 100)
+    fired_at = CAUSE_STEP + 14
+    claim = localise(fire_of(series, fired_at, before=before))["attribution"]["verdict"]
+    assert claim["before_window"] and claim["scope"] == "every" and claim["signal"] in ("update", UPDATE_TO_WEIGHT)
+    if before == "interval":
+        assert claim["step"] == CAUSE_STEP and claim["baseline"].startswith("against interval steps")
+    else:
+        first, last = claim["steps"]
+        assert first <= CAUSE_STEP <= last and claim["baseline"].startswith("against its recorder blocks")
+    assert "before the recorded window" in claim["line"]
+    blind = localise(fire_of(series, fired_at, before="none"))["attribution"]["verdict"]
+    assert blind is None or blind["signal"] not in ("update", UPDATE_TO_WEIGHT)  # the window alone cannot see it
+
+
+def test_a_fire_inside_a_sustained_spike_names_the_fire_it_continues():
+    """The learning rate held 10x from step 60: fires at 62 and, after a cooldown of 8, at 70; the second
+    continues the first."""
+    series = adam_run("lr", 10.0, None, 100)
+    first, second = localise_all([fire_of(series, CAUSE_STEP + 2), fire_of(series, CAUSE_STEP + 10)])
+    assert first["attribution"]["verdict"]["continues"] is None
+    assert second["attribution"]["verdict"]["continues"] == CAUSE_STEP + 2
+    assert second["answer"].endswith(f"continues the fire at step {CAUSE_STEP + 2}") or (
+        f"continues the fire at step {CAUSE_STEP + 2};" in second["answer"])

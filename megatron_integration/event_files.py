@@ -20,6 +20,9 @@ Scalar = Tuple[str, str, float, int]
 """``(run, tag, value, step)``: ``run`` a path relative to the log directory."""
 
 _STOP = object()
+_TICK = 1e-6
+"""Each scalar's wall time is at least this after the one before: readers order series by their first wall time
+(``log_sources.tensorboard_scalars``, as TensorBoard orders points), so that order is the order written."""
 _POLL_SECONDS = 0.1  # how often a caller waiting on the thread checks that it is still alive
 _FILE_NUMBER = itertools.count()
 
@@ -100,6 +103,7 @@ class _Worker(threading.Thread):
         self._files: Dict[str, object] = {}
         self._pending: Set[str] = set()
         self._next_flush = 0.0  # the first write is flushed at once
+        self._wall_time = 0.0
 
     def run(self) -> None:
         try:
@@ -138,7 +142,8 @@ class _Worker(threading.Thread):
 
         for run, tag, value, step in scalars:
             summary = Summary(value=[Summary.Value(tag=tag, simple_value=value)])
-            self._file(run).write(Event(wall_time=wall_time, step=step, summary=summary).SerializeToString())
+            self._wall_time = max(wall_time, self._wall_time + _TICK)
+            self._file(run).write(Event(wall_time=self._wall_time, step=step, summary=summary).SerializeToString())
             self._pending.add(run)
 
     def _file(self, run: str):

@@ -209,20 +209,26 @@ class IntegrationLogs(Reader):
 
 
 class _GuardedIntegration:
-    """An integration's ``on_log``: through ``publish.Consumer`` on the logs that hold the values, switched off
-    on this rank after a failure there; as it is on any other log."""
+    """An integration's ``on_log``: through ``publish.Consumer`` on the logs that hold the values; as it is on
+    any other log. A failure there switches the integration off on this rank: each of its events (its
+    ``on_train_end`` would close the writer that failed) does nothing from then on."""
 
-    def __init__(self, on_log: Callable, name: str) -> None:
-        self.on_log = on_log
-        self.consumer = Consumer(f"the Trainer's {name}", IntegrationLogs(on_log))
+    def __init__(self, integration: TrainerCallback) -> None:
+        self.integration, self.on_log = integration, integration.on_log
+        self.consumer = Consumer(f"the Trainer's {type(integration).__name__}", IntegrationLogs(self.on_log))
 
     def __call__(self, args, state, control, logs=None, **kwargs):
-        if self.consumer.failed:
-            return None
         if not any(key.startswith(_WithoutValues.PREFIX) for key in logs or ()):
             return self.on_log(args, state, control, logs=logs, **kwargs)
         self.consumer(((args, state, control), dict(kwargs, logs=logs)), state.global_step)
+        if self.consumer.failed:
+            for event in [name for name in vars(TrainerCallback) if name.startswith("on_")]:
+                setattr(self.integration, event, _switched_off)
         return None
+
+
+def _switched_off(*args, **kwargs) -> None:
+    """An event of an integration switched off."""
 
 
 class _WithoutValues:
@@ -258,7 +264,7 @@ def _guard_readers(handler: CallbackHandler, console: bool) -> None:
                 callback.on_log = _WithoutValues(callback.on_log)
         elif (type(callback).__module__.startswith("transformers.integrations")
               and not isinstance(callback.on_log, _GuardedIntegration)):
-            callback.on_log = _GuardedIntegration(callback.on_log, type(callback).__name__)
+            callback.on_log = _GuardedIntegration(callback)
 
 
 def _checked(key: str, values: Sequence[str], allowed: Sequence[str]) -> Tuple[str, ...]:

@@ -188,14 +188,22 @@ class TrainerLogs(Reader):
     def __init__(self, values: Callable[[Any, Any, Dict[str, Any]], Dict[str, float]]) -> None:
         self.values = values
 
-    def write(self, step: LogStep) -> None:
-        values = self.values(step.args, step.state, step.logs)
+    def write(self, log: LogStep) -> None:
+        values = self.values(log.args, log.state, log.logs)
         if not values:
             return
-        step.logs.update(values)
-        history = step.state.log_history
-        if history and history[-1].get("step") == step.state.global_step:
+        log.logs.update(values)
+        history = log.state.log_history
+        if history and history[-1].get("step") == log.state.global_step:
             history[-1].update(values)  # the Trainer appended a copy of the logs before on_log
+
+
+_VALUES = f"{TAG_ROOT}/"
+"""How the names of the values begin in the logs (``tags.flat_scalars``)."""
+
+
+def _holds_values(logs: Optional[Dict[str, Any]]) -> bool:
+    return any(key.startswith(_VALUES) for key in logs or ())
 
 
 class IntegrationLogs(Reader):
@@ -218,7 +226,7 @@ class _GuardedIntegration:
         self.consumer = Consumer(f"the Trainer's {type(integration).__name__}", IntegrationLogs(self.on_log))
 
     def __call__(self, args, state, control, logs=None, **kwargs):
-        if not any(key.startswith(_WithoutValues.PREFIX) for key in logs or ()):
+        if not _holds_values(logs):
             return self.on_log(args, state, control, logs=logs, **kwargs)
         self.consumer(((args, state, control), dict(kwargs, logs=logs)), state.global_step)
         if self.consumer.failed:
@@ -235,13 +243,11 @@ class _WithoutValues:
     """A console callback's ``on_log`` that does not see the values: they leave ``logs`` for its call and come
     back after it, so the callbacks after it (a user's) still see them."""
 
-    PREFIX = f"{TAG_ROOT}/"
-
     def __init__(self, on_log: Callable) -> None:
         self.on_log = on_log
 
     def __call__(self, args, state, control, logs=None, **kwargs):
-        hidden = {key: logs.pop(key) for key in [key for key in logs or () if key.startswith(self.PREFIX)]}
+        hidden = {key: logs.pop(key) for key in [key for key in logs or () if key.startswith(_VALUES)]}
         try:
             return self.on_log(args, state, control, logs=logs, **kwargs)
         finally:

@@ -6,11 +6,11 @@
 dump (rank 0) and DeepSpeed's monitors; and the guarded door every reader inside training goes through.
 
 Each reader is one class of one small interface (``Reader``), as DeepSpeed's ``monitor/`` has one class per
-backend: the JSONL dump (``on_demand.JsonlDump``), DeepSpeed's monitors (``monitor.MonitorEvents``), the Megatron
-hook's TensorBoard runs, live and history (``megatron_integration.bucket_runs``), the Hugging Face Trainer's logs
-(``hf.TrainerLogs``). Each is called through a ``Consumer``: a reader that fails (a full disk, a writer's error)
-logs one traceback and stops itself on its rank; it never changes what the ranks do next: training, the
-statistics, the trigger, the recorder and the other readers go on.
+backend: the JSONL dump (``on_demand.JsonlDump``) and DeepSpeed's monitors (``monitor.MonitorEvents``) here; outside
+DeepSpeed, the Megatron hook's TensorBoard runs and the Hugging Face Trainer callback's logs. Each is called through
+a ``Consumer``: a reader that fails (a full disk, a writer's error) logs one traceback and stops itself on its
+rank; it never changes what the ranks do next: training, the statistics, the trigger, the recorder and the other
+readers go on.
 """
 
 import logging

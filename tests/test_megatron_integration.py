@@ -8,6 +8,7 @@ import math
 import os
 import re
 import subprocess
+import sys
 import threading
 from typing import Dict, Tuple
 
@@ -254,6 +255,23 @@ def test_bucket_runs_share_one_writer_thread_flushed_and_closed_with_the_megatro
     writer.close()
     assert threading.active_count() == threads_before
     assert read_layer_series(str(tmp_path)).series("pre-clip", "max", 0)[-1] == (401, pytest.approx(0.3 * 1.401))
+
+
+def test_the_runs_reach_the_disk_when_the_process_ends_without_closing_the_writer(tmp_path):
+    """Megatron never closes its writer: what the hook queued is written at the process's exit."""
+    script = "\n".join([
+        "from torch.utils.tensorboard import SummaryWriter",
+        "from megatron_integration.training_log import write_tensorboard",
+        "from test_megatron_integration import measurement",
+        f"writer = SummaryWriter({str(tmp_path)!r})",
+        "for step in range(1, 201):",
+        "    write_tensorboard(writer, measurement(step, [0, 1, 'embed']))",
+    ])
+    path = os.pathsep.join([os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")])
+    subprocess.run([sys.executable, "-c", script], check=True, env={**os.environ, "PYTHONPATH": path}, timeout=300)
+    logged = scalars(str(tmp_path))
+    assert sorted(logged["layer-grad-norms/layer01", "layer-grad-norms/post-clip"]) == list(range(1, 201))
+    assert logged["layer-grad-norms/embed", "non-layer-grad-norms/pre-clip"][200] == pytest.approx(0.5 * 1.2)
 
 
 LAYERS_24 = list(range(24)) + ["embed"]

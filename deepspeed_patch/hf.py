@@ -91,7 +91,8 @@ class LayerGradNormsCallback(TrainerCallback):
         handler = _calling_handler(self)
         if handler is None:
             self._warn("order", "could not find the Trainer's callback list; callbacks listed before it (the "
-                       "report_to integrations) will not see the statistics, trainer.state.log_history will")
+                       "report_to integrations) will not see the statistics, trainer.state.log_history will, and "
+                       "the console line may print them")
         else:
             self._move_first(handler)
             _guard_readers(handler, self.console)

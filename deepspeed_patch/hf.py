@@ -14,21 +14,30 @@ divided by the Trainer's clip factor (``max_grad_norm / (grad_norm + 1e-6)``, at
 
 Either way the values go into the logs of the Trainer's logging steps, in the flat form of ``tags``
 (``layer-grad-norms/pre-clip/layer00``), so they reach ``trainer.state.log_history`` and every
-``report_to`` integration (TensorBoard and W&B show them as ``train/layer-grad-norms/pre-clip/layer00``).
+``report_to`` integration (TensorBoard and W&B show them as ``train/layer-grad-norms/pre-clip/layer00``); the
+console line (the Trainer's ``PrinterCallback`` or progress bar) stays the Trainer's own unless asked for them:
+a 32-layer model's values would add some 20 kB to each line.
+
+Every reader of the values goes through ``publish.Consumer``: adding them to the logs (``TrainerLogs``), and each
+``report_to`` integration writing a log that holds them (``IntegrationLogs``: the values multiply what it writes,
+so a full disk under its TensorBoard directory comes sooner). A failure logs one traceback and stops that reader
+on its rank; training and the other readers go on. An integration writing a log without the values is left
+alone: it fails as it would without the callback.
 """
 
 import math
 import sys
 import warnings
-from typing import Any, Dict, Optional, Sequence, Set, Tuple
+from typing import Any, Callable, Dict, NamedTuple, Optional, Sequence, Set, Tuple
 
 from transformers import TrainerCallback
-from transformers.trainer_callback import CallbackHandler
+from transformers.trainer_callback import CallbackHandler, PrinterCallback, ProgressCallback
 from transformers.trainer_utils import IntervalStrategy
 
 from .clipping import torch_clip_divisor
 from .config import CONFIG_KEY
-from .tags import LOGGED_STATISTICS, WRITTEN_PHASES, flat_scalars
+from .publish import Consumer, Reader
+from .tags import LOGGED_STATISTICS, TAG_ROOT, WRITTEN_PHASES, flat_scalars
 
 __all__ = ["LayerGradNormsCallback"]
 
@@ -47,7 +56,9 @@ class LayerGradNormsCallback(TrainerCallback):
     warning at the start of training says so when ``logging_steps`` is not a multiple of it). Without
     DeepSpeed, ``options`` are those of ``plain.LayerGradNorms`` (``layers``, ``layer_pattern``,
     ``granularity``, ``group_by``), and only the logging steps are measured. With ``layers: "all"`` the
-    root-sum-square of the pre-clip norms is the ``grad_norm`` the Trainer logs.
+    root-sum-square of the pre-clip norms is the ``grad_norm`` the Trainer logs. ``console``: print the values in
+    the Trainer's console line too (off by default: the line stays the Trainer's own; the values still reach
+    ``log_history`` and every ``report_to`` integration).
 
     Constructing it calls ``deepspeed_patch.install()`` (when DeepSpeed is installed), which must precede
     ``deepspeed.initialize``; the Trainer calls that inside ``train()``. It may be given to the Trainer or
@@ -58,21 +69,34 @@ class LayerGradNormsCallback(TrainerCallback):
     def __init__(self,
                  statistics: Sequence[str] = ("norm", ),
                  phases: Sequence[str] = WRITTEN_PHASES,
+                 console: bool = False,
                  **options: Any) -> None:
         self.statistics = _checked("statistics", statistics, LOGGED_STATISTICS)
         self.phases = _checked("phases", phases, WRITTEN_PHASES)
+        if not isinstance(console, bool):
+            raise ValueError(f"LayerGradNormsCallback(console={console!r}): must be True or False")
+        self.console = console
         self.options = options
         self._optimizer = None  # under DeepSpeed: its optimizer, which holds the engine's result
         self._plain = None  # without DeepSpeed: a plain.LayerGradNorms
         self._measured: Optional[Tuple[int, Optional[dict]]] = None  # plain: (step, result of the clipped gradient)
         self._warned: Set[str] = set()  # the problems warned of in this training run
+        self._logs: Optional[Consumer] = None  # this training run's reader, guarded
         _install_deepspeed_patch()
 
     def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
         """Start of a training run: forget the previous run (a callback may serve several Trainers), move
-        ahead of the ``report_to`` integrations, and find what this run measures."""
+        ahead of the ``report_to`` integrations, quiet the console, and find what this run measures."""
         self._optimizer, self._plain, self._measured, self._warned = None, None, None, set()
-        self._move_first()
+        self._logs = Consumer("LayerGradNormsCallback's logging", TrainerLogs(self._values))
+        handler = _calling_handler(self)
+        if handler is None:
+            self._warn("order", "could not find the Trainer's callback list; callbacks listed before it (the "
+                       "report_to integrations) will not see the statistics, trainer.state.log_history will, and "
+                       "the console line may print them")
+        else:
+            self._move_first(handler)
+            _guard_readers(handler, self.console)
         from accelerate.utils import DeepSpeedOptimizerWrapper
 
         if not isinstance(optimizer, DeepSpeedOptimizerWrapper):
@@ -87,17 +111,12 @@ class LayerGradNormsCallback(TrainerCallback):
             self._optimizer = optimizer.optimizer
             self._check_interval(args, state)
 
-    def _move_first(self) -> None:
+    def _move_first(self, handler: CallbackHandler) -> None:
         """Move to the head of the running Trainer's callback list, wherever this callback was added (the
         Trainer's ``callbacks``, ``trainer.add_callback``): the ``report_to`` integrations, listed before the
         callbacks a user adds, write the logs as ``on_log`` reaches them, so this callback must add its
         values first. Called from an event: moving from position i to 0 leaves the callbacks after i where
         they are, so each of them still gets this event once."""
-        handler = _calling_handler(self)
-        if handler is None:
-            self._warn("order", "could not find the Trainer's callback list; callbacks listed before it (the "
-                       "report_to integrations) will not see the statistics, trainer.state.log_history will")
-            return
         handler.callbacks.remove(self)
         handler.callbacks.insert(0, self)
 
@@ -116,19 +135,17 @@ class LayerGradNormsCallback(TrainerCallback):
             self._measured = (state.global_step + 1, self._plain.measure())
 
     def on_log(self, args, state, control, logs=None, **kwargs):
-        if logs is None or "loss" not in logs:  # not a training step's log (evaluation, the run's summary)
-            return
+        if logs is None or "loss" not in logs or self._logs is None:  # not a training step's log (evaluation,
+            return  # the run's summary), or not in a training run
+        self._logs(LogStep(args, state, logs), state.global_step)
+
+    def _values(self, args, state, logs: Dict[str, Any]) -> Dict[str, float]:
+        """The values of this logging step, by flat tag; none where nothing is measured."""
         if self._optimizer is not None:
-            values = self._engine_values(state)
-        elif self._plain is not None:
-            values = self._plain_values(args, state, logs.get("grad_norm"))
-        else:
-            return
-        if not values:
-            return
-        logs.update(values)
-        if state.log_history and state.log_history[-1].get("step") == state.global_step:
-            state.log_history[-1].update(values)  # the Trainer appended a copy of the logs before on_log
+            return self._engine_values(state)
+        if self._plain is not None:
+            return self._plain_values(args, state, logs.get("grad_norm"))
+        return {}
 
     def _engine_values(self, state) -> Dict[str, float]:
         result = self._optimizer.get_layer_grad_norms()
@@ -156,6 +173,106 @@ class LayerGradNormsCallback(TrainerCallback):
         if key not in self._warned:
             self._warned.add(key)
             warnings.warn(f"LayerGradNormsCallback: {problem}", stacklevel=3)
+
+
+class LogStep(NamedTuple):
+    """A training step's log, as the Trainer hands it to ``on_log``."""
+
+    args: Any
+    state: Any
+    logs: Dict[str, Any]
+
+
+class TrainerLogs(Reader):
+    """The values of each logging step into the Trainer's logs: ``logs`` (what the ``report_to`` integrations
+    write) and its copy in ``state.log_history``."""
+
+    def __init__(self, values: Callable[[Any, Any, Dict[str, Any]], Dict[str, float]]) -> None:
+        self.values = values
+
+    def write(self, log: LogStep) -> None:
+        values = self.values(log.args, log.state, log.logs)
+        if not values:
+            return
+        log.logs.update(values)
+        history = log.state.log_history
+        if history and history[-1].get("step") == log.state.global_step:
+            history[-1].update(values)  # the Trainer appended a copy of the logs before on_log
+
+
+_VALUES = f"{TAG_ROOT}/"
+"""How the names of the values begin in the logs (``tags.flat_scalars``)."""
+
+
+def _holds_values(logs: Optional[Dict[str, Any]]) -> bool:
+    return any(key.startswith(_VALUES) for key in logs or ())
+
+
+class IntegrationLogs(Reader):
+    """A ``report_to`` integration's ``on_log``, called with a log that holds the values."""
+
+    def __init__(self, on_log: Callable) -> None:
+        self.on_log = on_log
+
+    def write(self, call: Tuple[tuple, Dict[str, Any]]) -> None:
+        self.on_log(*call[0], **call[1])
+
+
+class _GuardedIntegration:
+    """An integration's ``on_log``: through ``publish.Consumer`` on the logs that hold the values; as it is on
+    any other log. A failure there switches the integration off on this rank: each of its events (its
+    ``on_train_end`` would close the writer that failed) does nothing from then on."""
+
+    def __init__(self, integration: TrainerCallback) -> None:
+        self.integration, self.on_log = integration, integration.on_log
+        self.consumer = Consumer(f"the Trainer's {type(integration).__name__}", IntegrationLogs(self.on_log))
+
+    def __call__(self, args, state, control, logs=None, **kwargs):
+        if not _holds_values(logs):
+            return self.on_log(args, state, control, logs=logs, **kwargs)
+        self.consumer(((args, state, control), dict(kwargs, logs=logs)), state.global_step)
+        if self.consumer.failed:
+            for event in [name for name in vars(TrainerCallback) if name.startswith("on_")]:
+                setattr(self.integration, event, _switched_off)
+        return None
+
+
+def _switched_off(*args, **kwargs) -> None:
+    """An event of an integration switched off."""
+
+
+class _WithoutValues:
+    """A console callback's ``on_log`` that does not see the values: they leave ``logs`` for its call and come
+    back after it, so the callbacks after it (a user's) still see them."""
+
+    def __init__(self, on_log: Callable) -> None:
+        self.on_log = on_log
+
+    def __call__(self, args, state, control, logs=None, **kwargs):
+        hidden = {key: logs.pop(key) for key in [key for key in logs or () if key.startswith(_VALUES)]}
+        try:
+            return self.on_log(args, state, control, logs=logs, **kwargs)
+        finally:
+            if logs is not None:
+                logs.update(hidden)
+
+
+def _guard_readers(handler: CallbackHandler, console: bool) -> None:
+    """Guard each ``report_to`` integration (the callbacks of ``transformers.integrations``), and let the Trainer's
+    console callbacks (``PrinterCallback``, its progress bar, in a notebook too) print the values or not; each
+    ``on_log`` wrapped once, whatever the training runs and callbacks that pass here."""
+    from transformers.trainer import DEFAULT_PROGRESS_CALLBACK
+
+    for callback in handler.callbacks:
+        if isinstance(callback, (PrinterCallback, ProgressCallback, DEFAULT_PROGRESS_CALLBACK)):
+            quiet = isinstance(callback.on_log, _WithoutValues)
+            if console and quiet:
+                callback.on_log = callback.on_log.on_log
+            elif not console and not quiet:
+                callback.on_log = _WithoutValues(callback.on_log)
+        elif (type(callback).__module__.startswith("transformers.integrations")
+              and not isinstance(callback.on_log, _GuardedIntegration)):
+            callback.on_log = _GuardedIntegration(callback)
 
 
 def _checked(key: str, values: Sequence[str], allowed: Sequence[str]) -> Tuple[str, ...]:

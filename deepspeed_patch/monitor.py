@@ -10,11 +10,12 @@ named as every other writer names them (``tags``), under DeepSpeed's ``Train/Sam
 import weakref
 from typing import Optional
 
+from .publish import Reader
 from .tags import flat_scalars
 
 
-class MonitorEvents:
-    """Writes each measured step's result to the engine's monitors."""
+class MonitorEvents(Reader):
+    """Writes each measured step's result to the engine's monitors (through ``publish.Consumer``)."""
 
     def __init__(self, engine) -> None:
         self.engine = weakref.ref(engine)  # the engine holds the adapter that holds this
@@ -26,7 +27,7 @@ class MonitorEvents:
             return MonitorEvents(engine)
         return None
 
-    def __call__(self, result: dict) -> None:
+    def write(self, result: dict) -> None:
         engine = self.engine()
         engine.monitor.write_events([(f"Train/Samples/{tag}", value, engine.global_samples)
                                      for tag, value in flat_scalars(result).items()])

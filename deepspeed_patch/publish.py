@@ -3,14 +3,18 @@
 
 # DeepSpeed Team
 """Hands each reduced result to its readers: the last result (``engine.get_layer_grad_norms()``), the JSONL
-dump (rank 0) and DeepSpeed's monitors.
+dump (rank 0) and DeepSpeed's monitors; and the guarded door every reader inside training goes through.
 
-A reader that fails (a full disk under the dump, a monitor's error) stops itself on its rank, logged once;
-it never changes what the ranks do next: the statistics, the trigger and the recorder go on.
+Each reader is one class of one small interface (``Reader``), as DeepSpeed's ``monitor/`` has one class per
+backend: the JSONL dump (``on_demand.JsonlDump``) and DeepSpeed's monitors (``monitor.MonitorEvents``) here; outside
+DeepSpeed, the Megatron hook's TensorBoard runs and the Hugging Face Trainer callback's logs. Each is called through
+a ``Consumer``: a reader that fails (a full disk, a writer's error) logs one traceback and stops itself on its
+rank; it never changes what the ranks do next: training, the statistics, the trigger, the recorder and the other
+readers go on.
 """
 
 import logging
-from typing import Callable, List, Optional
+from typing import Any, List, Optional
 
 from .config import DumpConfig
 from .on_demand import JsonlDump, rank_of_process
@@ -18,34 +22,71 @@ from .on_demand import JsonlDump, rank_of_process
 logger = logging.getLogger(__name__)
 
 
-class Consumer:
-    """One reader of the results; its first failure is logged and switches it off on this rank."""
+class Reader:
+    """One backend's reader of the results. ``write`` takes what it reads (a result; a fire's recorded steps);
+    ``flush`` and ``close`` release what it holds, where it holds anything (files, a writer thread)."""
 
-    def __init__(self, name: str, write: Callable[[dict], None]) -> None:
-        self.name, self.write = name, write
+    def write(self, record: Any) -> None:
+        raise NotImplementedError
+
+    def flush(self) -> None:
+        """Nothing held, nothing to flush."""
+
+    def close(self) -> None:
+        """Nothing held, nothing to close."""
+
+
+class Consumer:
+    """A reader behind the guard: its first failure, in any of its methods, is logged with its traceback and
+    switches it off on this rank, its ``close`` tried once, quietly, to free what it holds."""
+
+    def __init__(self, name: str, reader: Reader) -> None:
+        self.name, self.reader = name, reader
         self.failed = False
 
-    def __call__(self, record: dict, step: int) -> None:
+    def __call__(self, record: Any, step: int) -> None:
+        """``reader.write(record)``; ``step``: the step it belongs to, for the failure's line."""
+        self._guarded("write", record, step=step)
+
+    def flush(self) -> None:
+        self._guarded("flush")
+
+    def close(self) -> None:
+        self._guarded("close")
+
+    def _guarded(self, method: str, *args: Any, step: Optional[int] = None) -> None:
         if self.failed:
             return
+        action = getattr(self.reader, method, None)  # a JsonlDump has nothing to flush or close
+        if action is None:
+            return
         try:
-            self.write(record)
+            action(*args)
         except Exception:
+            at = "" if step is None else f" at step {step}"
             logger.exception(
-                "layer_grad_norms: %s failed at step %d on rank %d; it is switched off on this rank, the "
-                "statistics, the trigger and the recorder go on", self.name, step, rank_of_process())
+                "layer_grad_norms: %s failed%s on rank %d; it is switched off on this rank, training, the "
+                "statistics, the trigger, the recorder and the other readers go on", self.name, at, rank_of_process())
             self.failed = True
+            self._abandon()
+
+    def _abandon(self) -> None:
+        """Free what the failed reader holds; its failure is logged already, so nothing more is."""
+        try:
+            getattr(self.reader, "close", lambda: None)()
+        except Exception:
+            pass
 
 
 class Publisher:
     """The last result and the readers of every result."""
 
-    def __init__(self, dump: Optional[DumpConfig], monitor: Optional[Callable[[dict], None]]) -> None:
+    def __init__(self, dump: Optional[DumpConfig], monitor: Optional[Reader]) -> None:
         """``dump``: the block's ``dump`` key (written by rank 0); ``monitor``: writes a result to DeepSpeed's
         monitors, or ``None``."""
         self.dump = None
         if dump and rank_of_process() == 0:
-            self.dump = Consumer("the JSONL dump", JsonlDump(dump.path, dump.max_bytes, dump.backups).write)
+            self.dump = Consumer("the JSONL dump", JsonlDump(dump.path, dump.max_bytes, dump.backups))
         self.monitor = Consumer("DeepSpeed's monitors", monitor) if monitor is not None else None
         self.result: Optional[dict] = None
 

@@ -173,7 +173,6 @@ def _update_to_weight(axis, fire: Fire, spike: Dict) -> None:
     if not ratios:
         axis.set_title("update/weight: not recorded at this fire")
         return
-    first = (spike["attribution"] or {}).get("first")
     _recorded_lines(axis, ratios, ratios, spike["rose_most"], fire.fired_at)
     axis.set_ylabel("|update| / |weights|")
     claim = (spike["attribution"] or {}).get("verdict")

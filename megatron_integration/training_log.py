@@ -12,6 +12,10 @@ When the trigger fires with a flight recorder (``trigger.history``), the recorde
 once per fire, to runs of their own (``layer-grad-norms-history/fire-000123/layer00``): written into the
 runs above, steps going backwards would make TensorBoard purge the later points of those runs.
 
+Both are readers of the results behind ``publish.Consumer`` (``bucket_runs``): each writes its runs from one
+thread, and a failure (a full disk, a writer's error) logs one traceback and stops that reader on this rank;
+training, the log line and the other reader go on.
+
 Against the iteration only: Megatron-DeepSpeed writes its headline scalars (loss, learning rate,
 grad-norm) also ``vs samples`` and ``vs tokens``, but its per-component diagnostics (timers,
 throughput, memory) against the iteration alone, and these statistics are such diagnostics: a
@@ -19,79 +23,26 @@ throughput, memory) against the iteration alone, and these statistics are such d
 """
 
 import argparse
-import math
-from dataclasses import replace
-from typing import Dict, Hashable, List
+from typing import Dict, List
 
-from deepspeed_patch.tags import (
-    HISTORY_ROOT,
-    SKIPPED,
-    WRITTEN_PHASES,
-    history_root,
-    history_run_name,
-    is_layer,
-    logged_result,
-    phase_statistics,
-    step_scalars,
-)
+from deepspeed_patch.tags import SKIPPED, is_layer
 
-from .bucket_runs import BucketRuns, bucket_runs
-from .tensorboard_layout import Placement, custom_scalars_layout, placements
-
-
-def drawable(value: float) -> float:
-    """``value``, or NaN for an infinite one (an fp16 overflow's pre-clip statistics): TensorBoard marks a
-    NaN point with a triangle and draws on; an infinite point it leaves unmarked, a gap in the line, and
-    its SVG renderer draws nothing of the line after it."""
-    return value if math.isfinite(value) else math.nan
+from .bucket_runs import bucket_runs
 
 
 def write_tensorboard(writer, stats: Dict) -> None:
-    """Every selected bucket's statistics into its run, against their step, then flush those runs."""
-    runs, iteration = bucket_runs(writer), stats["step"]
-    placed = placements(stats["pre_clip"])
-    if not runs.layout_written:
-        writer.add_custom_scalars(custom_scalars_layout(stats["pre_clip"], _logged_phases(stats)))
-        runs.layout_written = True
-    for place in sorted(placed.values(), key=lambda place: place.layer is None):
-        runs.writer(place.run)  # layers first, in the result's order: TensorBoard colours runs in the order they start
-    _write_scalars(runs, placed, stats)
-    for tag, value in step_scalars(stats).items():  # skip_step's decision: the writer's own run
-        writer.add_scalar(tag, value, iteration)
-    runs.logged_step = iteration
-    runs.flush()
-
-
-def _logged_phases(stats: Dict) -> List[str]:
-    """The phases of a result its logs hold: the gradient's, and the kinds and ratio it carries."""
-    return [phase for phase in WRITTEN_PHASES if phase in logged_result(stats)]
-
-
-def _write_scalars(runs: BucketRuns, placed: Dict[Hashable, Placement], stats: Dict) -> None:
-    """Each bucket's statistics of one result into its run, against the result's step."""
-    logged = logged_result(stats)
-    for phase in WRITTEN_PHASES:
-        for key, values in (logged.get(phase) or {}).items():
-            place = placed[key]
-            for statistic in phase_statistics(phase):
-                runs.writer(place.run).add_scalar(place.tag(phase, statistic), drawable(values[statistic]),
-                                                  stats["step"])
+    """Every selected bucket's statistics into its run, against their step (the live runs' reader)."""
+    runs = bucket_runs(writer)
+    runs.live(stats, stats["step"])
+    runs.logged_step = stats["step"]
 
 
 def write_history(writer, history: List[Dict]) -> None:
     """A fire's recorded steps (``get_layer_grad_norms_history()``, oldest first), each bucket into its run
-    of that fire, then those runs closed: they are written once, their steps in order."""
-    fired_at = history[-1]["trigger"]["fired_at"]
-    placed = {
-        key: replace(place,
-                     run=history_run_name(fired_at, key if place.layer is None else place.layer),
-                     root=history_root(place.root))
-        for key, place in placements(history[-1]["pre_clip"]).items()
-    }
+    of that fire (the history runs' reader)."""
     runs = bucket_runs(writer)
-    for stats in history:
-        _write_scalars(runs, placed, stats)
-    runs.close_runs(f"{HISTORY_ROOT}/fire-{fired_at:06d}/")
+    fired_at = history[-1]["trigger"]["fired_at"]
+    runs.history(history, fired_at)
     runs.logged_fire = fired_at
 
 

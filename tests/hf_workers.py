@@ -6,7 +6,9 @@ reported after each step (``engine.get_layer_grad_norms()``) or, without DeepSpe
 it was before the Trainer clipped it.
 """
 
+import contextlib
 import glob
+import io
 import logging
 import os
 import re
@@ -74,7 +76,7 @@ def make_trainer(output_dir: str, deepspeed: Optional[dict], callback, gas: int 
     model = tiny_gpt2()
     recorder = Recorder()
     trainer = RecordingTrainer(model=model, args=args, train_dataset=SyntheticText(),
-                               callbacks=[recorder] if added_late else [callback, recorder])
+                               callbacks=[recorder] if added_late or callback is None else [callback, recorder])
     if added_late:
         trainer.add_callback(callback)
     recorder.trainer = trainer
@@ -121,27 +123,65 @@ def tensorboard_tags(log_dir: str) -> Dict[str, Dict[int, float]]:
     return scalars
 
 
-def new_callback(options: dict):
-    """Made before the model: under ZeRO-3 the model is built partitioned, which needs the patch installed."""
+FAULTY_STEP = 2
+"""The logging step at which a callback of ``faulty_callback`` fails."""
+
+
+def new_callback(options: Optional[dict]):
+    """Made before the model: under ZeRO-3 the model is built partitioned, which needs the patch installed.
+    ``None``: no callback; ``{"fault": True, ...}``: one whose reading of the values raises at ``FAULTY_STEP``."""
     from deepspeed_patch.hf import LayerGradNormsCallback
 
-    return LayerGradNormsCallback(**options)
+    if options is None:
+        return None
+    options = dict(options)
+    if not options.pop("fault", False):
+        return LayerGradNormsCallback(**options)
+
+    class Faulty(LayerGradNormsCallback):
+        def _values(self, args, state, logs):
+            if state.global_step == FAULTY_STEP:
+                raise RuntimeError("injected failure")
+            return super()._values(args, state, logs)
+
+    return Faulty(**options)
 
 
-def run(deepspeed: Optional[dict], callback_options: dict, gas: int = 1, callback=None,
-        added_late: bool = False) -> Dict[str, Any]:
-    """One Trainer run (with ``callback``, else a new one of ``callback_options``); what the tests check, or the
-    error (a refusal at initialize is a result too)."""
+class Failures(logging.Handler):
+    """The messages logged with a traceback."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.messages = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if record.exc_info:
+            self.messages.append(record.getMessage())
+
+
+def run(deepspeed: Optional[dict], callback_options: Optional[dict], gas: int = 1, callback=None,
+        added_late: bool = False, output_root: Optional[str] = None) -> Dict[str, Any]:
+    """One Trainer run (with ``callback``, else a new one of ``callback_options``, ``None`` for none), its output
+    (TensorBoard's included) in a new folder of ``output_root``; what the tests check, or the error (a refusal at
+    initialize is a result too). ``console``: the lines the Trainer's console callback printed (``disable_tqdm``:
+    its ``PrinterCallback``); ``failures``: what was logged with a traceback."""
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
-    with tempfile.TemporaryDirectory() as output_dir, warnings.catch_warnings(record=True) as caught:
+    failures, console = Failures(), io.StringIO()
+    logging.getLogger().addHandler(failures)
+    with tempfile.TemporaryDirectory(dir=output_root) as output_dir, warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
             callback = callback or new_callback(callback_options)
             trainer, recorder = make_trainer(output_dir, deepspeed, callback, gas, added_late)
-            trainer.train()
+            with contextlib.redirect_stdout(console):
+                trainer.train()
         except Exception:
             return {"error": traceback.format_exc()}
+        finally:
+            logging.getLogger().removeHandler(failures)
         record = {
+            "console": [line for line in console.getvalue().splitlines() if line.startswith("{")],
+            "failures": failures.messages,
             "warnings": [str(w.message) for w in caught if "LayerGradNormsCallback" in str(w.message)],
             "log_history": trainer.state.log_history,
             "engine_results": recorder.engine_results,

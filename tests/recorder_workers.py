@@ -58,7 +58,7 @@ def inject_fault(engine, fault: Optional[str]) -> List[Tuple[Any, str, Any]]:
         def raising(self, result):
             raise RuntimeError("injected monitor failure")
 
-        return [_replace(monitor.MonitorEvents, "__call__", raising)]
+        return [_replace(monitor.MonitorEvents, "write", raising)]
     if fault == "record_only" and rank == 1:
         original = measurement.accumulate_partition
 

@@ -7,7 +7,10 @@ under DeepSpeed the values are the engine's ``get_layer_grad_norms()`` of that s
 they match the gradient before the Trainer clipped it (tests/reference.py), post-clip after it.
 """
 
+import ast
 import math
+import os
+import subprocess
 from functools import lru_cache
 
 import pytest
@@ -17,7 +20,7 @@ pytest.importorskip("accelerate")
 
 from deepspeed_patch.hf import LayerGradNormsCallback  # noqa: E402
 from deepspeed_patch.tags import flat_scalars, scalar_tag  # noqa: E402
-from hf_workers import MAX_GRAD_NORM, STEPS, run, run_deepspeed_cases  # noqa: E402
+from hf_workers import FAULTY_STEP, MAX_GRAD_NORM, STEPS, run, run_deepspeed_cases  # noqa: E402
 from megatron_integration.cpu_launch import launch  # noqa: E402
 
 pytestmark = pytest.mark.extended  # CI runs it in its extended pass (tests/README.md)
@@ -179,3 +182,87 @@ def test_plain_added_after_the_trainer_was_built_still_reaches_tensorboard():
     assert record["warnings"] == []
     assert_norms_add_up(record)
     assert_in_tensorboard(record)
+
+
+PLAIN_VARIANTS = {"without the callback": None, "console": {"statistics": STATISTICS, "console": True},
+                  "faulty": {"statistics": STATISTICS, "fault": True}}
+
+
+@lru_cache(maxsize=None)
+def plain_variant(name: str, output_root=None):
+    record = run(None, PLAIN_VARIANTS[name], output_root=output_root)
+    if "error" in record:
+        pytest.fail(record["error"])
+    return record
+
+
+def console_lines(record):
+    """The Trainer's console line of each training step, as printed."""
+    lines = [line for line in record["console"] if line.startswith("{'loss'")]
+    assert len(lines) == STEPS
+    return lines
+
+
+def test_the_console_line_is_the_trainers_own_by_default():
+    """Without DeepSpeed: the very lines printed without the callback (its values still reach the logs and
+    TensorBoard: the tests above); under DeepSpeed: the Trainer's own keys alone."""
+    without = console_lines(plain_variant("without the callback"))
+    assert console_lines(plain_run()) == without
+    assert "layer-grad-norms" not in "".join(without)
+    keys = [set(ast.literal_eval(line)) for line in without]
+    assert keys == [{"loss", "grad_norm", "learning_rate", "epoch"}] * STEPS
+    assert [set(ast.literal_eval(line)) for line in console_lines(deepspeed_record("zero2"))] == keys
+    assert len(deepspeed_record("zero2", 1)["console"]) == 0  # printed on the local process zero only
+
+
+def test_the_console_prints_the_values_when_asked():
+    record = plain_variant("console")
+    checked = 0
+    for line, entry in zip(console_lines(record), training_logs(record)):
+        printed = ast.literal_eval(line)
+        values = {tag for tag in entry if tag.startswith("layer-grad-norms/")}
+        assert len(values) == len(BUCKETS) * 2 * len(STATISTICS) and set(printed) == set(entry) - {"step"}
+        checked += 1
+    assert checked == STEPS
+    with pytest.raises(ValueError, match=r"LayerGradNormsCallback\(console='yes'\): must be True or False"):
+        LayerGradNormsCallback(console="yes")
+
+
+def test_a_failing_callback_stops_itself_alone_logged_once():
+    """Its reading of the values raises at step 2: one traceback; training and the Trainer's logs go on, the
+    values of step 1 stay, none after."""
+    record = plain_variant("faulty")
+    assert record["failures"] == [f"layer_grad_norms: LayerGradNormsCallback's logging failed at step {FAULTY_STEP} "
+                                  "on rank 0; it is switched off on this rank, training, the statistics, the "
+                                  "trigger, the recorder and the other readers go on"]
+    logged = [any(tag.startswith("layer-grad-norms/") for tag in entry) for entry in training_logs(record)]
+    assert logged == [True, False, False]
+    assert sorted(step for tag, steps in record["tensorboard"].items() if tag == "train/loss" for step in steps) == [
+        1, 2, 3]
+
+
+@pytest.fixture
+def full_disk(tmp_path):
+    """A tmpfs of 8 KiB (as root): the Trainer's own TensorBoard log of the run fits (5.5 kB), not with the
+    values (15 kB)."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root, to mount a small tmpfs")
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8k", "tmpfs", str(tmp_path)], check=True)
+    yield str(tmp_path)
+    subprocess.run(["umount", str(tmp_path)], check=True)
+
+
+def test_a_full_disk_under_the_trainers_tensorboard_stops_that_integration_alone_logged_once(full_disk):
+    """The values fill the disk of the Trainer's TensorBoard log: its integration stops, once, on a log holding
+    them; training, the logs and ``log_history`` go on. Without the callback the same disk holds the run."""
+    record = run(None, {"statistics": STATISTICS}, output_root=full_disk)
+    assert "error" not in record, record.get("error")
+    (message, ) = record["failures"]
+    assert message.startswith("layer_grad_norms: the Trainer's TensorBoardCallback failed at step ")
+    assert message.endswith(" on rank 0; it is switched off on this rank, training, the statistics, the trigger, "
+                            "the recorder and the other readers go on")
+    assert_norms_add_up(record)  # every step's values in log_history
+    assert console_lines(record) == console_lines(plain_variant("without the callback"))
+    subprocess.run(["rm", "-rf", *[os.path.join(full_disk, name) for name in os.listdir(full_disk)]], check=True)
+    without = run(None, None, output_root=full_disk)
+    assert "error" not in without and without["failures"] == [] and len(without["tensorboard"]["train/loss"]) == STEPS

@@ -77,7 +77,7 @@ def test_a_failing_dump_stops_itself_alone_logged_once(tmp_path, caplog):
     def failing_write(record):
         raise OSError("disk full")
 
-    results = _measure_four_steps(norms, model, lambda: setattr(dump, "write", failing_write))
+    results = _measure_four_steps(norms, model, lambda: setattr(dump.reader, "write", failing_write))
     assert [result["step"] for result in results] == [1, 2, 3, 4]  # the statistics go on
     assert not norms.adapter.latch.broken and dump.failed
     tracebacks = [record for record in caplog.records if record.exc_info]

@@ -1,11 +1,14 @@
 """The Megatron side: flags, the ds_config they fill, and the training-log hook into TensorBoard."""
 
 import argparse
+import contextlib
 import json
 import logging
 import math
 import os
 import re
+import subprocess
+import sys
 import threading
 from typing import Dict, Tuple
 
@@ -224,7 +227,7 @@ def event_files(logdir) -> int:
     return sum(name.startswith("events.out.tfevents") for _, _, names in os.walk(logdir) for name in names)
 
 
-def test_bucket_writers_are_made_once_flushed_each_iteration_and_closed_with_the_megatron_writer(tmp_path):
+def test_bucket_runs_share_one_writer_thread_flushed_and_closed_with_the_megatron_writer(tmp_path):
     from torch.utils.tensorboard import SummaryWriter
 
     args, engine, keys = megatron_args(["--log-layer-grad-norms"]), LastMeasurement(), [0, 1, 2, "embed"]
@@ -236,10 +239,11 @@ def test_bucket_writers_are_made_once_flushed_each_iteration_and_closed_with_the
         log_layer_grad_norms(engine, iteration, writer, args)
 
     iterate(1)
+    writer.flush()  # the parent's flush flushes the bucket runs
     held = (threading.active_count(), len(os.listdir("/proc/self/fd")), event_files(tmp_path))
-    assert held[0] == threads_before + 1 + len(keys)  # one writer thread for Megatron's writer and each bucket's
+    assert held[0] == threads_before + 2  # Megatron's writer's thread, and one for every bucket's run
     assert held[2] == 1 + len(keys)
-    assert read_layer_series(str(tmp_path)).series("pre-clip", "norm", 2) == [(1, pytest.approx(1.001))]  # flushed
+    assert read_layer_series(str(tmp_path)).series("pre-clip", "norm", 2) == [(1, pytest.approx(1.001))]
     for iteration in range(2, 401):
         iterate(iteration)
     assert (threading.active_count(), len(os.listdir("/proc/self/fd")), event_files(tmp_path)) == held
@@ -247,10 +251,150 @@ def test_bucket_writers_are_made_once_flushed_each_iteration_and_closed_with_the
     assert threading.active_count() == threads_before
     series = read_layer_series(str(tmp_path))
     assert [step for step, _ in series.series("post-clip", "norm", 2)] == list(range(1, 401))
-    iterate(401)  # a writer used after close starts its bucket writers afresh
+    iterate(401)  # a writer used after close starts its bucket runs afresh
     writer.close()
     assert threading.active_count() == threads_before
     assert read_layer_series(str(tmp_path)).series("pre-clip", "max", 0)[-1] == (401, pytest.approx(0.3 * 1.401))
+
+
+def test_the_runs_reach_the_disk_when_the_process_ends_without_closing_the_writer(tmp_path):
+    """Megatron never closes its writer: what the hook queued is written at the process's exit."""
+    script = "\n".join([
+        "from torch.utils.tensorboard import SummaryWriter",
+        "from megatron_integration.training_log import write_tensorboard",
+        "from test_megatron_integration import measurement",
+        f"writer = SummaryWriter({str(tmp_path)!r})",
+        "for step in range(1, 201):",
+        "    write_tensorboard(writer, measurement(step, [0, 1, 'embed']))",
+    ])
+    path = os.pathsep.join([os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")])
+    subprocess.run([sys.executable, "-c", script], check=True, env={**os.environ, "PYTHONPATH": path}, timeout=300)
+    logged = scalars(str(tmp_path))
+    assert sorted(logged["layer-grad-norms/layer01", "layer-grad-norms/post-clip"]) == list(range(1, 201))
+    assert logged["layer-grad-norms/embed", "non-layer-grad-norms/pre-clip"][200] == pytest.approx(0.5 * 1.2)
+
+
+LAYERS_24 = list(range(24)) + ["embed"]
+FIRES = (6, 12)
+RECORDED = 4  # the steps a fire's history holds
+
+
+def train_24_layers(writer, engine, iterations: int = 14) -> Dict[int, str]:
+    """The hook on a 24-layer model (and an embedding) with every optimizer kind, Megatron's own loss beside it,
+    and a fire at each of ``FIRES`` with its recorded steps; the log fields by iteration."""
+    args = megatron_args(["--log-layer-grad-norms"])
+    fields = {}
+    for iteration in range(1, iterations + 1):
+        engine.stats = measurement(iteration, LAYERS_24, kinds=OPTIMIZER_KINDS)
+        if iteration in FIRES:
+            engine.history = [{**measurement(step, LAYERS_24, kinds=OPTIMIZER_KINDS),
+                               "trigger": {"fired_at": iteration}}
+                              for step in range(iteration - RECORDED + 1, iteration + 1)]
+        writer.add_scalar("lm loss", 1.0 / iteration, iteration)
+        fields[iteration] = log_layer_grad_norms(engine, iteration, writer, args)
+    return fields
+
+
+def test_a_24_layer_model_with_fires_keeps_its_writer_threads_bounded_and_one_run_per_layer(tmp_path):
+    """One thread for the live runs and one for the fires' runs, whatever the buckets and fires (a SummaryWriter per
+    run held 1 + 25 + 25 here); TensorBoard reads one run per layer, live and per fire, with the logged values."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    before = set(threading.enumerate())
+    writer, engine = SummaryWriter(str(tmp_path)), LastMeasurement()
+    train_24_layers(writer, engine)
+    added = set(threading.enumerate()) - before
+    assert len(added) == 3, added  # Megatron's writer's, the live runs', the history runs'
+    writer.close()
+    assert set(threading.enumerate()) == before
+    logged = scalars(str(tmp_path))
+    live = {f"layer-grad-norms/layer{layer:02d}" for layer in range(24)} | {"layer-grad-norms/embed"}
+    fires = {f"layer-grad-norms-history/fire-{fire:06d}/{run.rpartition('/')[2]}" for fire in FIRES for run in live}
+    assert {run for run, _ in logged} == live | fires | {"."}  # "." is Megatron's own run, its loss
+    checked = 0
+    for layer in LAYERS_24:
+        run = "layer-grad-norms/" + (f"layer{layer:02d}" if isinstance(layer, int) else layer)
+        root = "layer-grad-norms" if isinstance(layer, int) else "non-layer-grad-norms"
+        assert logged[run, f"{root}/pre-clip"] == pytest.approx(
+            {step: measurement(step, [layer])["pre_clip"][layer]["norm"] for step in range(1, 15)})
+        assert logged[run, f"{root}/values/max/update"][7] == pytest.approx(
+            measurement(7, [layer], kinds=["update"])["update"][layer]["max"])
+        for fire in FIRES:
+            history = logged[run.replace("layer-grad-norms/", f"layer-grad-norms-history/fire-{fire:06d}/"),
+                             f"{root}-history/pre-clip"]
+            assert history == pytest.approx({step: measurement(step, [layer])["pre_clip"][layer]["norm"]
+                                             for step in range(fire - RECORDED + 1, fire + 1)})
+            checked += 1
+    assert checked == 2 * 25
+
+
+def record_writer_raising_under(directory: str):
+    """TensorBoard's record writer, raising for the files under ``directory`` of the log directory (a failure in
+    the writer thread, surfacing in the training thread's next call)."""
+    from tensorboard.summary.writer.record_writer import RecordWriter
+
+    original = RecordWriter.write
+
+    def write(self, data):
+        if f"/{directory}/".encode() in self._writer.filename:
+            raise OSError(f"injected failure under {directory}")
+        return original(self, data)
+
+    return write
+
+
+@contextlib.contextmanager
+def full_disk(path):
+    """``path``, a tmpfs of 24 KiB (as root): full after a few of the 24-layer model's scalars."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root, to mount a small tmpfs")
+    os.makedirs(path)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=24k", "tmpfs", str(path)], check=True)
+    try:
+        yield
+    finally:
+        subprocess.run(["umount", str(path)], check=True)
+
+
+def failures(caplog):
+    return [record.getMessage() for record in caplog.records if record.exc_info]
+
+
+READERS = {"layer-grad-norms": "the Megatron hook's TensorBoard runs",
+           "layer-grad-norms-history": "the Megatron hook's history runs"}
+
+
+@pytest.mark.parametrize("fault", ["raising writer", "full disk"])
+@pytest.mark.parametrize("directory", list(READERS))
+def test_a_failing_reader_of_the_hook_stops_alone_logged_once(tmp_path, caplog, monkeypatch, directory, fault):
+    """The live runs' or the fires' runs failing (a writer raising, a full disk under their directory): one
+    traceback naming that reader; the other reader, Megatron's own run and the log line go on; nothing raises, and
+    the reader's thread is gone."""
+    from tensorboard.summary.writer.record_writer import RecordWriter
+    from torch.utils.tensorboard import SummaryWriter
+
+    if fault == "raising writer":
+        monkeypatch.setattr(RecordWriter, "write", record_writer_raising_under(directory))
+    before = set(threading.enumerate())
+    with full_disk(tmp_path / directory) if fault == "full disk" else contextlib.nullcontext():
+        writer, engine = SummaryWriter(str(tmp_path)), LastMeasurement()
+        with caplog.at_level(logging.ERROR):
+            fields = train_24_layers(writer, engine)
+            writer.close()
+        logged = scalars(str(tmp_path))
+    (message, ) = failures(caplog)  # at the reader's call after its thread failed, with the step if a write's
+    assert re.fullmatch(f"layer_grad_norms: {READERS[directory]} failed( at step \\d+)? on rank 0; it is switched "
+                        "off on this rank, training, the statistics, the trigger, the recorder and the other readers "
+                        "go on",
+                        message), message
+    assert set(threading.enumerate()) == before
+    assert [iteration for iteration, field in fields.items() if field] == list(range(1, 15))
+    assert sorted(logged[".", "lm loss"]) == list(range(1, 15))  # Megatron's own run
+    other = "layer-grad-norms-history/fire-000012/layer23" if directory == "layer-grad-norms" else \
+        "layer-grad-norms/layer23"
+    root = "layer-grad-norms-history" if directory == "layer-grad-norms" else "layer-grad-norms"
+    assert sorted(logged[other, f"{root}/pre-clip"]) == (list(range(9, 13)) if "history" in other else
+                                                        list(range(1, 15)))
 
 
 def test_an_overflowed_bucket_is_drawn_as_nan_and_reported(tmp_path):

@@ -42,7 +42,7 @@ from ..measurement import Measurement, table_rows
 from ..on_demand import rank_of_process
 from ..optimizer_stats import OptimizerStatistics
 from ..partition_stats import ChunkPlan
-from ..publish import Publisher
+from ..publish import Publisher, Reader
 from ..recorder import FlightRecorder, Replay
 from ..remedies import CHECKPOINT_KEY, Action, Remedies, scale_runs
 from ..statistics import empty_stats
@@ -66,7 +66,7 @@ class Setup:
     """The ranks whose tables add up to the whole model; ``REPLICATED`` where each holds it all."""
     completed_steps: Callable[[], int]
     """The engine's optimizer steps so far, restored from checkpoints: the step numbering."""
-    monitor: Optional[Callable[[dict], None]] = None
+    monitor: Optional[Reader] = None
     """Writes a measured step's result to DeepSpeed's monitors, when the ds_config enables any."""
     capabilities: Optional[Capabilities] = None
     """How the DeepSpeed release behaves where an adapter depends on it; ``None`` outside DeepSpeed."""

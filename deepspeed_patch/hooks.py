@@ -104,9 +104,15 @@ def _optimizer(path_and_class: Tuple[str, str], *read_points: tuple) -> Tuple[Ca
 
 
 _GROUPS_AND_NORM = ("grad_groups_flat", "total_norm")
-# The remedies' state (adaptive clipping's averages) in the optimizer's checkpoint.
-_REMEDY_STATE = (("state_dict", RESULT, AdapterCall(Adapter.save_remedies, (RETURNED, ))),
-                 ("load_state_dict", START, AdapterCall(Adapter.load_remedies, ("state_dict_list", ))))
+
+
+def _remedy_state(saving_method: str = "state_dict") -> Tuple[tuple, tuple]:
+    """The remedies' state (adaptive clipping's averages) in the optimizer's checkpoint: added to the dict
+    ``saving_method`` returns (ZeRO-3's ``state_dict`` returns ``_rigid_state_dict()``'s), read back first thing in
+    ``load_state_dict``."""
+    return (saving_method, RESULT, AdapterCall(Adapter.save_remedies, (RETURNED, ))), \
+        ("load_state_dict", START, AdapterCall(Adapter.load_remedies, ("state_dict_list", )))
+
 
 CALL_SITES = (
     CallSite(*_CONFIG, "_initialize_params", START, Assign("layer_grad_norms_config", load_config, ("param_dict", ))),
@@ -119,11 +125,12 @@ CALL_SITES = (
     *_optimizer(_ZERO,
                 ("unscale_and_clip_grads", START, AdapterCall(ZeroAdapter.unscale_and_clip_grads, _GROUPS_AND_NORM)),
                 ("_update_scale", START, AdapterCall(ZeroAdapter.update_scale, ("has_overflow", ))),
-                *_REMEDY_STATE),
+                *_remedy_state()),
     *_optimizer(_ZERO3, ("unscale_and_clip_grads", START,
                           AdapterCall(Zero3Adapter.unscale_and_clip_grads, ("sub_group_id", "total_norm"))),
-                ("_update_scale", START, AdapterCall(Zero3Adapter.update_scale, ("has_overflow", ))), *_REMEDY_STATE),
-    *_optimizer(_BF16, *_REMEDY_STATE),  # BF16Adapter reads when the engine's step begins and ends
+                ("_update_scale", START, AdapterCall(Zero3Adapter.update_scale, ("has_overflow", ))),
+                *_remedy_state("_rigid_state_dict")),
+    *_optimizer(_BF16, *_remedy_state()),  # BF16Adapter reads when the engine's step begins and ends
     *_optimizer(
         _FUSED,
         ("unscale_and_clip_grads", START,

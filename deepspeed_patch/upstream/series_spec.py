@@ -16,6 +16,8 @@ from .source_edit import Cut
 HERE = os.path.dirname(os.path.abspath(__file__))
 SERIES_TREE = os.path.join(HERE, "series_tree")
 HISTORY = "get_layer_grad_norms_history"
+CONTROL = "set_layer_grad_norms"
+REMEDY_CALLS = ("save_remedies", "load_remedies")
 
 
 @dataclass(frozen=True)
@@ -29,6 +31,10 @@ class PullRequest:
     cuts: Tuple[Cut, ...] = ()
     history_sites: bool = False
     """It places every ``get_layer_grad_norms_history`` method."""
+    control_sites: bool = False
+    """It places every ``set_layer_grad_norms`` method (live control)."""
+    remedy_sites: bool = False
+    """It places every call of ``REMEDY_CALLS`` (the remedies' state in the optimizer's checkpoint)."""
     docs: bool = False
     """It adds the docs section (the later ones add their rows)."""
 
@@ -39,6 +45,10 @@ class PullRequest:
     def owns(self, site: CallSite) -> bool:
         if site.method == HISTORY:
             return self.history_sites
+        if site.method == CONTROL:
+            return self.control_sites
+        if getattr(site.statement, "name", None) in REMEDY_CALLS:
+            return self.remedy_sites
         return site.cls in self.classes
 
     def tree_files(self) -> Tuple[str, ...]:
@@ -89,6 +99,15 @@ PACKAGE_ONLY += (
     Cut("monitor.py", replace=(("", "named as every other writer names them (``tags``), ", ""), )),
     Cut("adapters/fused_fp16.py", replace=(("", "\n(``capabilities.Capabilities.fp16_skip_method``)", ""), )),
 )
+
+# end_step's call of _end, which the remedies wrap to restore global clipping
+_END_STEP = ('        with self.latch.failing_locally("ending the step", self.plan.step):  # the last resort: never into '
+             "training\n            self._end(measurement)")
+
+# flat_scalars' dict of bucket scalars, which the remedies join with the step's own (skip_step's)
+_FLAT_SCALARS = ("    return {\n        scalar_tag(phase, name, key): values[name]\n        for phase in phases\n"
+                 "        for key, values in (logged.get(phase) or {}).items()\n"
+                 "        for name in statistics if name in values")
 
 _FAMILIES = "(ZeroAdapter, Zero3Adapter, BF16Adapter, FusedFP16Adapter, UnfusedFP16Adapter)"
 
@@ -147,7 +166,12 @@ SERIES = (
         ("trigger.py", "recorder.py"),
         (),
         history_sites=True,
+        control_sites=True,
         cuts=(
+            # live control: engine.set_layer_grad_norms() and the control file
+            Cut("adapters/__init__.py", drop=(CONTROL, ), replace=(("", f'"{CONTROL}", ', ""), )),
+            Cut("adapters/base.py", drop=("LayerGradNormsAdapter.set_options", )),
+            Cut("steps.py", drop=("StepPlan.set_options", )),
             Cut("config.py",
                 drop=("TriggerConfig", "DumpConfig", "LayerGradNormsConfig.trigger",
                       "LayerGradNormsConfig.control_file", "LayerGradNormsConfig.control_interval",
@@ -177,6 +201,7 @@ SERIES = (
                              r"history = trigger\.history"), ("LayerGradNormsAdapter.__init__", r"self\.recorder = "),
                             ("LayerGradNormsAdapter._end", r"if self\.latch\.broken:"), ("LayerGradNormsAdapter._end",
                                                                                          r"fired = self\.trigger"),
+                            ("LayerGradNormsAdapter._end", r"norm = "),
                             ("LayerGradNormsAdapter._end",
                              r"if fired is not None:"), ("LayerGradNormsAdapter._close",
                                                          r"if self\.recorder is not None:")),
@@ -214,6 +239,7 @@ SERIES = (
                 statements=(("check_param_grads", r"if config\.trigger is not None"), ),
                 drop=("check_param_grad_trigger", )),
             Cut(INIT, replace=(("", f"{HISTORY}, ", ""), ("", f'"{HISTORY}", ', ""))),
+            Cut(INIT, replace=(("", f", {CONTROL}\n", "\n"), ("", f'"{CONTROL}", ', ""))),
             Cut(DOCS, rows=("trigger", "control_file", "control_interval", "dump")),
         ),
     ),
@@ -252,7 +278,8 @@ SERIES = (
             Cut("adapters/unfused_fp16.py",
                 statements=(("UnfusedFP16Adapter.__init__", r"self\.optimizer_statistics = "), )),
             Cut("adapters/param_grads.py", statements=(("ParamGradAdapter.__init__", r"if optimizer is not None:"), )),
-            Cut("adapters/refusals.py", drop=("OPTIMIZER_STATISTICS_FAMILIES", "check_optimizer_statistics")),
+            Cut("adapters/refusals.py",
+                drop=("OPTIMIZER_STATISTICS_FAMILIES", "check_optimizer_statistics", "low_precision_state")),
             Cut("adapters/attach.py", statements=(("attach", r"check_optimizer_statistics\("), )),
             Cut(DOCS, rows=("optimizer_statistics", )),
         ),
@@ -282,6 +309,103 @@ SERIES = (
                           "            for kind in self.kinds:\n"
                           "                group.accumulate(kind, kind_stats[kind], self.scratch, skipped)"), ),
                 drop=("GroupState.accumulate_fused", )),
+        ),
+    ),
+    PullRequest(
+        "09",
+        "remedies",
+        ("remedies.py", "adaptive_clipping.py", "skip_step.py"),
+        (),
+        remedy_sites=True,
+        cuts=(
+            Cut("config.py",
+                drop=("AdaptiveClippingConfig", "SkipStepConfig", "LayerGradNormsConfig.adaptive_clipping",
+                      "LayerGradNormsConfig.skip_step", "LayerGradNormsConfig.acts")),
+            Cut("statistics.py",
+                replace=(("bucket_results", ",\n                   factors: Optional[Sequence[float]] = None)", ")"),
+                         ("bucket_results", "scale if factors is None else scale * factors[position[key]]", "scale")),
+                docstrings=(("bucket_results", " (and by the\n    bucket's own entry of ``factors``, the rows' "
+                             "multipliers, where given)", ""), ("bucket_results", "; adaptive\n    clipping "
+                                                                "multiplies each bucket by its own.", "."))),
+            Cut("measurement.py",
+                replace=(("Measurement.scales", ",\n                          action=self.action)", ")"),
+                         ("step_result", "if not (scales.overflow or action.skipped):", "if not scales.overflow:"),
+                         ("step_result", ", extra, action.factors)", ", extra)"),
+                         ("Measurement.finish", "        if self.reduced is not None:\n            stats, scales = "
+                          "self.reduced, resolve_scales([self.scales(overflow)])\n        else:\n            stats, "
+                          "scales = host_copy(", "        stats, scales = host_copy(")),
+                statements=(("Measurement.__init__", r"self\.action: "), ("Measurement.__init__", r"self\.reduced: "),
+                            ("step_result", r"action = scales\.action"),
+                            ("step_result", r"result\.update\(remedy_fields")),
+                drop=("StepScales.action", "remedy_fields", "ADAPTIVE_CLIP", "SKIPPED", "Measurement.reduce_now",
+                      "resolve_scales")),
+            Cut("adapters/base.py",
+                replace=(
+                    ("LayerGradNormsAdapter.__init__", " or setup.config.skip_step.enabled", ""),
+                    ("LayerGradNormsAdapter.begin_step", "(self.plan.next_step() or self.remedies is not None)",
+                     "self.plan.next_step()"),
+                    ("LayerGradNormsAdapter.end_step", "        try:\n    " + _END_STEP.replace("\n", "\n    ") +
+                     "\n        finally:\n            self.resume_global_clipping()\n", _END_STEP + "\n"),
+                    ("LayerGradNormsAdapter._end", "self.overflow() and not skipped  # a step skip_step skipped goes "
+                     "the overflow's way in DeepSpeed", "self.overflow()"),
+                    ("LayerGradNormsAdapter._end", "action.global_norm if skipped else self.global_norm()  # "
+                     "DeepSpeed's is inf on a skipped step", "self.global_norm()"),
+                    ("LayerGradNormsAdapter.report_loss", ", before_step: bool = True)", ")"),
+                    ("ZeroPartitionsAdapter.update_scale", "if has_overflow or acting:", "if has_overflow:"),
+                ),
+                docstrings=(
+                    ("LayerGradNormsAdapter.__init__", ", or\n        ``skip_step`` does.", "."),
+                    ("LayerGradNormsAdapter.report_loss", " and ``skip_step``", ""),
+                    ("LayerGradNormsAdapter.report_loss", " For\n        ``skip_step``, before ``engine.step()`` of that "
+                     "step (``before_step``), whose skip it decides; a loss\n        reported after its step "
+                     "(``before_step=False``, as Megatron's training-log hook does) goes to the trigger\n        alone. "
+                     "Both judge", " It judges"),
+                    ("LayerGradNormsAdapter.report_loss", "still decide together. Without a ``loss_factor`` or "
+                     "``skip_step`` (``wants_loss`` false)", "still decide together. Without a ``loss_factor``"),
+                    ("ZeroPartitionsAdapter.update_scale", " With a remedy on, a step the loss scaler does not skip is "
+                     "read here\n        too, and reduced, for the remedies to act before the optimizer steps "
+                     "(``act``).", ""),
+                ),
+                statements=(("LayerGradNormsAdapter.__init__", r"self\.remedies = "),
+                            ("LayerGradNormsAdapter.__init__", r"self\.capture_steps = "),
+                            ("LayerGradNormsAdapter.__init__", r"self\.saved_clip_grad: "),
+                            ("LayerGradNormsAdapter.begin_step", r"self\.act_at_begin\("),
+                            ("LayerGradNormsAdapter._end", r"action = measurement\.action"),
+                            ("LayerGradNormsAdapter._end", r"skipped = action is not None"),
+                            ("LayerGradNormsAdapter._end", r"if fired is None and skipped:"),
+                            ("LayerGradNormsAdapter.report_loss", r"if self\.remedies is not None and before_step"),
+                            ("ZeroPartitionsAdapter.update_scale", r"acting = "),
+                            ("ZeroPartitionsAdapter.update_scale", r"if acting:")),
+                drop=("LayerGradNormsAdapter._skip_fire", "LayerGradNormsAdapter.act",
+                      "LayerGradNormsAdapter.scale_buckets", "LayerGradNormsAdapter.run_buckets",
+                      "LayerGradNormsAdapter.clip_divisor", "LayerGradNormsAdapter.skip_optimizer_step",
+                      "LayerGradNormsAdapter.suspend_global_clipping", "LayerGradNormsAdapter.resume_global_clipping",
+                      "LayerGradNormsAdapter.save_remedies", "LayerGradNormsAdapter.load_remedies",
+                      "LayerGradNormsAdapter.act_at_begin", "ZeroPartitionsAdapter.clip_divisor",
+                      "ZeroPartitionsAdapter.skip_optimizer_step")),
+            Cut("monitor.py",
+                replace=(("", "WRITTEN_PHASES = ALL_PHASES + (ADAPTIVE_CLIP, )", "WRITTEN_PHASES = ALL_PHASES"),
+                         ("flat_scalars", _FLAT_SCALARS.replace("\n", "\n    ").replace("{", "{\n        **{", 1) +
+                          "\n        },\n        **step_scalars(result)\n    }", _FLAT_SCALARS + "\n    }")),
+                docstrings=(("", ": the signals, and adaptive clipping's factors (a remedy's action, not a signal).",
+                             ": the signals."), ("logged_result", " derived, and\n    the ``adaptive_clip`` factors "
+                                                 "shaped as a phase (``{bucket: {\"norm\": factor}}``).", " derived.")),
+                statements=(("logged_result", r"factors = result\.get"), ("logged_result", r"if factors:")),
+                drop=("SKIPPED_TAG", "step_scalars")),
+            Cut("adapters/zero.py",
+                docstrings=(("ZeroAdapter.unscale_and_clip_grads", " (and, with adaptive clipping, multiplied by each "
+                             "bucket's factor\n        first)", ""), ),
+                statements=(("ZeroAdapter.unscale_and_clip_grads", r"self\.scale_buckets\("), )),
+            Cut("adapters/zero3.py",
+                docstrings=(("Zero3Adapter.unscale_and_clip_grads", " (and, with adaptive clipping, multiplied by "
+                             "each bucket's factor\n        first)", ""), ),
+                statements=(("Zero3Adapter.unscale_and_clip_grads", r"self\.scale_buckets\("), )),
+            Cut("adapters/bf16.py", drop=("BF16Adapter.act_at_begin", "BF16Adapter.clip_divisor")),
+            Cut("adapters/refusals.py", drop=("BOTH_REMEDIES", "REMEDY_FAMILIES", "check_remedies")),
+            Cut("adapters/attach.py",
+                replace=(("attach", " or config.acts()):", "):"), ("attach", ", a remedy acts: they need the adapter",
+                                                                      ": they need the adapter")),
+                statements=(("attach", r"check_remedies\("), )),
         ),
     ),
 )

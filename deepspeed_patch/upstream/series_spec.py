@@ -101,8 +101,8 @@ PACKAGE_ONLY += (
 )
 
 # end_step's call of _end, which the remedies wrap to restore global clipping
-_END_STEP = ('        with self.latch.failing_locally("ending the step", self.plan.step):  # the last resort: never into '
-             "training\n            self._end(measurement)")
+_END_STEP = ('        with self.latch.failing_locally("ending the step", self.plan.step):  '
+             "# the last resort: never into training\n            self._end(measurement)")
 
 # flat_scalars' dict of bucket scalars, which the remedies join with the step's own (skip_step's)
 _FLAT_SCALARS = ("    return {\n        scalar_tag(phase, name, key): values[name]\n        for phase in phases\n"
@@ -356,14 +356,14 @@ SERIES = (
                 docstrings=(
                     ("LayerGradNormsAdapter.__init__", ", or\n        ``skip_step`` does.", "."),
                     ("LayerGradNormsAdapter.report_loss", " and ``skip_step``", ""),
-                    ("LayerGradNormsAdapter.report_loss", " For\n        ``skip_step``, before ``engine.step()`` of that "
-                     "step (``before_step``), whose skip it decides; a loss\n        reported after its step "
-                     "(``before_step=False``, as Megatron's training-log hook does) goes to the trigger\n        alone. "
-                     "Both judge", " It judges"),
+                    ("LayerGradNormsAdapter.report_loss", " For\n        ``skip_step``, before ``engine.step()`` of "
+                     "that step (``before_step``), whose skip it decides; a loss\n        reported after its step "
+                     "(``before_step=False``, as Megatron's training-log hook does) goes to the trigger\n"
+                     "        alone. Both judge", " It judges"),
                     ("LayerGradNormsAdapter.report_loss", "still decide together. Without a ``loss_factor`` or "
                      "``skip_step`` (``wants_loss`` false)", "still decide together. Without a ``loss_factor``"),
-                    ("ZeroPartitionsAdapter.update_scale", " With a remedy on, a step the loss scaler does not skip is "
-                     "read here\n        too, and reduced, for the remedies to act before the optimizer steps "
+                    ("ZeroPartitionsAdapter.update_scale", " With a remedy on, a step the loss scaler does not skip "
+                     "is read here\n        too, and reduced, for the remedies to act before the optimizer steps "
                      "(``act``).", ""),
                 ),
                 statements=(("LayerGradNormsAdapter.__init__", r"self\.remedies = "),
@@ -388,8 +388,9 @@ SERIES = (
                          ("flat_scalars", _FLAT_SCALARS.replace("\n", "\n    ").replace("{", "{\n        **{", 1) +
                           "\n        },\n        **step_scalars(result)\n    }", _FLAT_SCALARS + "\n    }")),
                 docstrings=(("", ": the signals, and adaptive clipping's factors (a remedy's action, not a signal).",
-                             ": the signals."), ("logged_result", " derived, and\n    the ``adaptive_clip`` factors "
-                                                 "shaped as a phase (``{bucket: {\"norm\": factor}}``).", " derived.")),
+                             ": the signals."),
+                            ("logged_result", " derived, and\n    the ``adaptive_clip`` factors shaped as a phase "
+                             "(``{bucket: {\"norm\": factor}}``).", " derived.")),
                 statements=(("logged_result", r"factors = result\.get"), ("logged_result", r"if factors:")),
                 drop=("SKIPPED_TAG", "step_scalars")),
             Cut("adapters/zero.py",

@@ -71,7 +71,8 @@ class AdaptiveClipping:
         saved = state["ema"]
         missing = [key for key in self.keys if key not in saved]
         if missing:
-            logger.warning("layer_grad_norms: adaptive_clipping: the checkpoint has no average for buckets %s; "
-                           "they start afresh", missing[:5])
+            logger.warning(
+                "layer_grad_norms: adaptive_clipping: the checkpoint has no average for buckets %s; "
+                "they start afresh", missing[:5])
         self.ema = torch.tensor([saved.get(key, math.inf) for key in self.keys], dtype=torch.float64)
         self.steps = int(state["steps"])

@@ -175,8 +175,12 @@ class FlightRecorder:
             rows = reduced[index, :-1].view(1 + len(self.kinds), self.num_rows, NUM_COLUMNS)
             block, count = {"steps": [int(first), int(last)]}, last - first + 1
             for kind, table in zip(("pre_clip", ) + self.kinds, rows):
-                block[kind] = {key: {"norm": math.sqrt(row[SUMSQ] / count),
-                                     "nonfinite": int(row[NONFINITE])}
-                               for key, row in zip(keys, table.tolist()) if row[NUMEL] > 0}
+                block[kind] = {
+                    key: {
+                        "norm": math.sqrt(row[SUMSQ] / count),
+                        "nonfinite": int(row[NONFINITE])
+                    }
+                    for key, row in zip(keys, table.tolist()) if row[NUMEL] > 0
+                }
             found.append(block)
         return found

@@ -67,12 +67,13 @@ def quotes(found: Dict[str, object]) -> Dict[str, List[str]]:
     """The passages each page must hold, whitespace aside."""
     normformer = (f"from {found['preln_first']:.2f} at layer 0 to {found['preln_last']:.2f} at layer 11, so the "
                   f"first two layers get {found['preln_ratio']:.2f}x the gradient of the last two")
-    rose_most = re.search(r"layer \d+ rose most, \S+ its median at step \d+", found["spike_answer"])[0]
+    rose_most = re.search(r"layer \d+ rose most, \S+ its level before the window at step \d+",
+                          found["spike_answer"])[0]
     lr_answer = found["lr_spike_answer"].split("; first above")[0]
     lr_low, lr_high = found["lr_spike_rise"]
     return {
-        "README.md": [normformer, rose_most, re.search(r"update of layer \d+ rose first \(step \d+\), gradient "
-                                                       r"followed \(step \d+\)", lr_answer)[0]],
+        "README.md": [normformer, rose_most.rsplit(" at step", 1)[0],
+                      re.search(r"update of every layer \(\d+ of \d+\) rose first, step \d+", lr_answer)[0]],
         "docs/demo.md": [normformer, f"(ratio {found['postln_ratio']:.2f})",
                          f"flat beyond layer 3 ({found['postln_layer3']:.2f} to {found['postln_last']:.2f})",
                          f"gradients rise {lr_low:.0f}-{lr_high:.0f}x in every layer"],

@@ -99,7 +99,7 @@ def test_every_patch_passes_deepspeeds_precommit_hooks(tmp_path):
                    "+x = 1  # recieve  \n")
     problems = precommit.check_series(PRECOMMIT_TOOLS, series=str(tmp_path))["01-bad.patch"]
     text = "\n".join(problems)
-    for hook in ("trailing whitespace", "codespell", "check-license.py", "check-torchdist.py"):
+    for hook in ("trailing whitespace", "codespell", "check-license", "check-torchdist"):
         assert hook in text, text
 
 

@@ -1,5 +1,5 @@
 """DeepSpeed's pre-commit hooks on the files each patch of the upstream series touches, at DeepSpeed's pinned
-versions, with the stored copy of their configuration and scripts in ``precommit/`` (CI cannot fetch DeepSpeed).
+versions, with the stored copy of their configuration in ``precommit/`` (CI cannot fetch DeepSpeed).
 
     python -m deepspeed_patch.upstream.precommit --tools VENV_BIN [--deepspeed CHECKOUT] [--series DIR]
 
@@ -9,8 +9,9 @@ before it, to a scratch tree: the files it adds (whole, from the patches), and, 
 DeepSpeed files it changes (copied from the checkout). Without a checkout a changed file is checked by its
 added lines only, with the line-based hooks (codespell, torchdist, torchcuda, whitespace). The hooks:
 yapf (``--diff`` with ``style.yapf``), flake8 (``flake8.cfg``), codespell (the arguments of
-``pre-commit-config.yaml``), DeepSpeed's check-license, check-torchdist and check-torchcuda scripts (their
-``exclude`` patterns applied), and pre-commit-hooks' trailing-whitespace and end-of-file-fixer.
+``pre-commit-config.yaml``), the rules of DeepSpeed's check-license, check-torchdist and check-torchcuda
+scripts, written here (their ``exclude`` patterns applied), and pre-commit-hooks' trailing-whitespace and
+end-of-file-fixer.
 """
 
 import argparse
@@ -57,6 +58,43 @@ def _run(command: List[str], cwd: str) -> Tuple[bool, str]:
     return result.returncode == 0, (result.stdout + result.stderr).strip()
 
 
+LICENSE_LINES = ((re.compile(r"^(#|//) SPDX-License-Identifier: Apache-2\.0( AND BSD-3-Clause)?$", re.M),
+                  "SPDX-License-Identifier: Apache-2.0"), (re.compile(r"^(#|//) DeepSpeed Team$", re.M),
+                                                           "DeepSpeed Team"))
+"""The header lines DeepSpeed's check-license hook requires of each new file (as a ``#`` or ``//`` comment)."""
+TORCH_DISTRIBUTED = re.compile(r"torch\.distributed(?!\.nn)")
+"""DeepSpeed's check-torchdist hook: communication goes through ``deepspeed.comm``."""
+TORCH_CUDA = (re.compile(r"torch\.cuda"), re.compile(r"\.cuda\(\)"))
+IS_CUDA = re.compile(r"\.is_cuda")
+"""DeepSpeed's check-torchcuda hook: the accelerator through ``get_accelerator()``; a line marked ``#ignore-cuda``
+may name ``torch.cuda``, none may call ``.cuda()``, and no Python file may test ``.is_cuda``."""
+
+
+def _lines(root: str, path: str) -> List[str]:
+    with open(os.path.join(root, path), encoding="utf-8") as handle:
+        return handle.read().splitlines()
+
+
+def _license(path: str, lines: List[str]) -> List[str]:
+    text = "\n".join(lines)
+    return [f"{path}: check-license: no '{name}' header line" for pattern, name in LICENSE_LINES
+            if not pattern.search(text)]
+
+
+def _torch_distributed(path: str, lines: List[str]) -> List[str]:
+    return [f"{path}:{number}: check-torchdist: torch.distributed (use deepspeed.comm)"
+            for number, line in enumerate(lines, 1) if TORCH_DISTRIBUTED.search(line)]
+
+
+def _torch_cuda(path: str, lines: List[str]) -> List[str]:
+    found = []
+    for number, line in enumerate(lines, 1):
+        if (TORCH_CUDA[0].search(line) and "#ignore-cuda" not in line) or TORCH_CUDA[1].search(line) or \
+                (path.endswith(".py") and IS_CUDA.search(line)):
+            found.append(f"{path}:{number}: check-torchcuda: CUDA named directly (use get_accelerator())")
+    return found
+
+
 def _whitespace(root: str, paths: List[str], whole: bool) -> List[str]:
     """Trailing whitespace; and, in whole files, the end of the file."""
     problems = []
@@ -89,14 +127,11 @@ def check_files(root: str, whole: List[str], lines_only: List[str], tools: str) 
     if not ok:
         problems.append(f"codespell:\n{out}")
     licensed = [path for path in whole if LICENSED.search(path) and not path.startswith("docs/")]
-    scripts = (("check-license.py", licensed), ("check-torchdist.py",
-                                                [p for p in every if not _exclude("check-torchdist").match(p)]),
-               ("check-torchcuda.py", [p for p in every if not _exclude("check-torchcuda").match(p)]))
-    for script, paths in scripts:
-        if paths:
-            ok, out = _run([sys.executable, os.path.join(CONFIG, script)] + paths, root)
-            if not ok:
-                problems.append(f"{script}:\n{out}")
+    checks = ((_license, licensed),
+              (_torch_distributed, [p for p in every if not _exclude("check-torchdist").match(p)]),
+              (_torch_cuda, [p for p in every if not _exclude("check-torchcuda").match(p)]))
+    for check, paths in checks:
+        problems += [problem for path in paths for problem in check(path, _lines(root, path))]
     return problems
 
 

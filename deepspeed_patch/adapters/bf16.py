@@ -19,7 +19,8 @@ from ..measurement import Measurement
 from ..optimizer_stats import optimizer_statistics
 from ..partition_slices import PartitionSlices, back_to_back_ranges, partition_runs, slices_of_runs
 from ..partition_stats import chunk_plan
-from .base import OptimizerAdapter, Setup
+from .base import Setup
+from .optimizer import OptimizerAdapter
 
 
 class BF16Adapter(OptimizerAdapter):

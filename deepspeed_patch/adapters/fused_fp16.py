@@ -22,7 +22,9 @@ import torch
 from ..optimizer_stats import optimizer_statistics
 from ..partition_slices import back_to_back_ranges, partition_runs, slices_of_runs
 from ..partition_stats import chunk_plan
-from .base import OptimizerAdapter, Setup, group_of, observe_chunks
+from .base import Setup
+from .optimizer import OptimizerAdapter
+from .partitions import observe_chunks, param_group_of
 
 
 class FusedFP16Adapter(OptimizerAdapter):
@@ -56,7 +58,7 @@ class FusedFP16Adapter(OptimizerAdapter):
             return
         with measurement.guarded("reading the fp32 gradients"):
             for flat_grad in grad_groups_flat:
-                index = group_of(self.optimizer.fp32_groups_flat, flat_grad)
+                index = param_group_of(self.optimizer.fp32_groups_flat, flat_grad)
                 measurement.observe_partition(index, flat_grad, self.plans[index])
 
     def skip_step(self) -> None:

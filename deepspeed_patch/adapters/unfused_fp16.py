@@ -16,8 +16,9 @@ from typing import List, Tuple
 import torch
 
 from ..optimizer_stats import parameter_statistics
-from .base import OptimizerAdapter, Setup
+from .base import Setup
 from .fused_fp16 import grad_or_zeros
+from .optimizer import OptimizerAdapter
 
 
 class UnfusedFP16Adapter(OptimizerAdapter):

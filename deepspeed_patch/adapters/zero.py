@@ -20,7 +20,8 @@ from deepspeed import comm as dist
 from ..optimizer_stats import optimizer_statistics
 from ..partition_slices import PartitionSlices, partition_runs, slices_of_runs
 from ..partition_stats import ChunkPlan, chunk_plan
-from .base import Setup, ZeroPartitionsAdapter, group_of, observe_chunks
+from .base import Setup
+from .partitions import ZeroPartitionsAdapter, observe_chunks, param_group_of
 
 
 class ZeroAdapter(ZeroPartitionsAdapter):
@@ -56,7 +57,7 @@ class ZeroAdapter(ZeroPartitionsAdapter):
             return
         with measurement.guarded("reading the gradient partition"):
             flat_grad = grad_groups_flat[0]
-            index = group_of(self.optimizer.single_partition_of_fp32_groups, flat_grad)
+            index = param_group_of(self.optimizer.single_partition_of_fp32_groups, flat_grad)
             self.observe_group(measurement, index, flat_grad, total_norm, self.capabilities.zero_zeroes_invalid_norm)
             self.scale_buckets(measurement, index, flat_grad)
 

@@ -27,7 +27,8 @@ from ..capabilities import Capabilities
 from ..optimizer_stats import optimizer_statistics
 from ..partition_slices import PartitionSlices, partition_runs, slices_of_runs
 from ..partition_stats import ChunkPlan, chunk_plan
-from .base import BucketOf, Setup, ZeroPartitionsAdapter, observe_chunks
+from .base import BucketOf, Setup
+from .partitions import ZeroPartitionsAdapter, observe_chunks
 
 
 class Zero3Adapter(ZeroPartitionsAdapter):

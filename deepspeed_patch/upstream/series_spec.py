@@ -78,8 +78,8 @@ PACKAGE_ONLY = (
                   "block's name is an error: DeepSpeed ignores\n    keys it does not know, so the block would be "
                   'dropped and nothing measured, without a word.\n    """', 'absent means disabled."""'), )),
     # the release table: its facts are written in as constants (series.resolve_capabilities)
-    Cut("adapters/base.py",
-        drop=("Setup.capabilities", ),
+    Cut("adapters/base.py", drop=("Setup.capabilities", )),
+    Cut("adapters/optimizer.py",
         statements=(("OptimizerAdapter.__init__", r"self\.capabilities = setup\.capabilities"), ),
         replace=(("OptimizerAdapter.unsupported", ", capabilities: Capabilities)", ")"), )),
     Cut("adapters/zero3.py", replace=(("Zero3Adapter.unsupported", ", capabilities: Capabilities)", ")"), )),
@@ -119,7 +119,8 @@ SERIES = (
         "03",
         "zero12-layer-grad-norms",
         ("steps.py", "publish.py", "monitor.py", "on_demand.py", "adapters/__init__.py", "adapters/attach.py",
-         "adapters/base.py", "adapters/zero.py", "adapters/refusals.py"),
+         "adapters/base.py", "adapters/optimizer.py", "adapters/partitions.py", "adapters/zero.py",
+         "adapters/refusals.py"),
         ("DeepSpeedEngine", "DeepSpeedZeroOptimizer"),
         docs=True,
     ),
@@ -223,8 +224,8 @@ SERIES = (
                      "the open measurement, the\n    published"),
                 ),
                 drop=("LayerGradNormsAdapter._replay", "LayerGradNormsAdapter.history",
-                      "LayerGradNormsAdapter.report_loss", "LayerGradNormsAdapter.global_norm",
-                      "OptimizerAdapter.global_norm")),
+                      "LayerGradNormsAdapter.report_loss", "LayerGradNormsAdapter.global_norm")),
+            Cut("adapters/optimizer.py", drop=("OptimizerAdapter.global_norm", )),
             Cut("adapters/param_grads.py",
                 statements=(("ParamGradAdapter.__init__", r"self\.norm: "), ),
                 drop=("ParamGradAdapter.read_at_end", "ParamGradAdapter.global_norm")),
@@ -351,7 +352,6 @@ SERIES = (
                     ("LayerGradNormsAdapter._end", "action.global_norm if skipped else self.global_norm()  # "
                      "DeepSpeed's is inf on a skipped step", "self.global_norm()"),
                     ("LayerGradNormsAdapter.report_loss", ", before_step: bool = True)", ")"),
-                    ("ZeroPartitionsAdapter.update_scale", "if has_overflow or acting:", "if has_overflow:"),
                 ),
                 docstrings=(
                     ("LayerGradNormsAdapter.__init__", ", or\n        ``skip_step`` does.", "."),
@@ -362,9 +362,6 @@ SERIES = (
                      "        alone. Both judge", " It judges"),
                     ("LayerGradNormsAdapter.report_loss", "still decide together. Without a ``loss_factor`` or "
                      "``skip_step`` (``wants_loss`` false)", "still decide together. Without a ``loss_factor``"),
-                    ("ZeroPartitionsAdapter.update_scale", " With a remedy on, a step the loss scaler does not skip "
-                     "is read here\n        too, and reduced, for the remedies to act before the optimizer steps "
-                     "(``act``).", ""),
                 ),
                 statements=(("LayerGradNormsAdapter.__init__", r"self\.remedies = "),
                             ("LayerGradNormsAdapter.__init__", r"self\.capture_steps = "),
@@ -373,16 +370,21 @@ SERIES = (
                             ("LayerGradNormsAdapter._end", r"action = measurement\.action"),
                             ("LayerGradNormsAdapter._end", r"skipped = action is not None"),
                             ("LayerGradNormsAdapter._end", r"if fired is None and skipped:"),
-                            ("LayerGradNormsAdapter.report_loss", r"if self\.remedies is not None and before_step"),
-                            ("ZeroPartitionsAdapter.update_scale", r"acting = "),
-                            ("ZeroPartitionsAdapter.update_scale", r"if acting:")),
+                            ("LayerGradNormsAdapter.report_loss", r"if self\.remedies is not None and before_step")),
                 drop=("LayerGradNormsAdapter._skip_fire", "LayerGradNormsAdapter.act",
                       "LayerGradNormsAdapter.scale_buckets", "LayerGradNormsAdapter.run_buckets",
                       "LayerGradNormsAdapter.clip_divisor", "LayerGradNormsAdapter.skip_optimizer_step",
                       "LayerGradNormsAdapter.suspend_global_clipping", "LayerGradNormsAdapter.resume_global_clipping",
                       "LayerGradNormsAdapter.save_remedies", "LayerGradNormsAdapter.load_remedies",
-                      "LayerGradNormsAdapter.act_at_begin", "ZeroPartitionsAdapter.clip_divisor",
-                      "ZeroPartitionsAdapter.skip_optimizer_step")),
+                      "LayerGradNormsAdapter.act_at_begin")),
+            Cut("adapters/partitions.py",
+                replace=(("ZeroPartitionsAdapter.update_scale", "if has_overflow or acting:", "if has_overflow:"), ),
+                docstrings=(("ZeroPartitionsAdapter.update_scale", " With a remedy on, a step the loss scaler does "
+                             "not skip is read here\n        too, and reduced, for the remedies to act before the "
+                             "optimizer steps (``act``).", ""), ),
+                statements=(("ZeroPartitionsAdapter.update_scale", r"acting = "),
+                            ("ZeroPartitionsAdapter.update_scale", r"if acting:")),
+                drop=("ZeroPartitionsAdapter.clip_divisor", "ZeroPartitionsAdapter.skip_optimizer_step")),
             Cut("monitor.py",
                 replace=(("", "WRITTEN_PHASES = ALL_PHASES + (ADAPTIVE_CLIP, )", "WRITTEN_PHASES = ALL_PHASES"),
                          ("flat_scalars", _FLAT_SCALARS.replace("\n", "\n    ").replace("{", "{\n        **{", 1) +

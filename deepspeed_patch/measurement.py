@@ -2,12 +2,12 @@
 # SPDX-License-Identifier: Apache-2.0
 
 # DeepSpeed Team
-"""One measured optimizer step (``Measurement``), and its result.
+"""One measured optimizer step (``Measurement``): what the read points fold into its table, and its reduction.
 
 For each measured or recorded step the adapter opens a fresh ``Measurement`` (``steps.StepPlan`` says which),
 which the optimizer's read points fill (this rank's partial statistics, the loss scale the gradients carry,
 the factor the optimizer divides them by) and which ``finish`` reduces across the ranks
-(``reduction.reduce_stats``).
+(``reduction.reduce_stats``) and turns into the step's result (``result.step_result``).
 
 An error while measuring (a bug, an unforeseen layout) must not stop the training run: it is logged,
 the step's table carries a failure flag through the next collective, and every rank then switches the
@@ -17,18 +17,15 @@ skip and no rank keeps a result the others do not have.
 
 import contextlib
 import logging
-import math
-from dataclasses import dataclass, replace
-from typing import Callable, Hashable, List, Optional, Sequence, Tuple
+from typing import Callable, Hashable, Optional, Sequence
 
 import torch
 
-from .clipping import torch_clip_divisor
 from .partition_stats import ChunkPlan, accumulate_partition, accumulate_runs
 from .reduction import reduce_stats
 from .remedies import Action
-from .statistics import MAX, NEG_MIN, NUMEL, SUMSQ, bucket_results, empty_stats, reset_stats, total_norm
-from .tags import ADAPTIVE_CLIP, SKIPPED
+from .result import NormFormula, StepScales, host_copy, resolve_scales, step_result
+from .statistics import MAX, NEG_MIN, NUMEL, SUMSQ, empty_stats, reset_stats, table_rows
 
 logger = logging.getLogger(__name__)
 
@@ -65,7 +62,7 @@ class Measurement:
         self.applied_scale = 1.0
         self.clip_norm: Optional[float] = None
         self.clip_square: Optional[torch.Tensor] = None
-        self.scale_of_norm: Optional["NormFormula"] = None
+        self.scale_of_norm: Optional[NormFormula] = None
         self.failed = failed
         self.finished = False
         self.reduced: Optional[torch.Tensor] = None
@@ -143,7 +140,7 @@ class Measurement:
             status[SUMSQ] = self.clip_square
         return self.table
 
-    def scales(self, overflow: bool) -> "StepScales":
+    def scales(self, overflow: bool) -> StepScales:
         """What the step's result needs beside its reduced table."""
         return StepScales(self.step,
                           bool(overflow),
@@ -174,102 +171,3 @@ class Measurement:
         ``None`` when a rank failed to measure the step (the status row says so)."""
         self.reduced = reduce_stats(self.local_table(), group).cpu()
         return None if self.reduced[-1, NUMEL] > 0 else self.reduced
-
-
-NormFormula = Tuple[torch.Tensor, Callable[[float], float]]
-
-
-def table_rows(num_buckets: int, kinds: Sequence[str] = ()) -> int:
-    """The rows of a step's table: the gradient's buckets, one block of buckets per optimizer statistic,
-    the status row."""
-    return num_buckets * (1 + len(kinds)) + 1
-
-
-@dataclass(frozen=True)
-class StepScales:
-    """One step's number, overflow and the factors its gradient carries and is divided by."""
-
-    step: int
-    overflow: bool
-    gradient_scale: float
-    """The loss scale the observed gradients carry."""
-    applied_scale: float
-    """What the optimizer divides them by: loss scale and clipping together."""
-    clip_norm: Optional[float]
-    """Clipping as ``torch.nn.utils.clip_grad_norm_`` does it (the factor follows from the table)."""
-    scale_of_norm: Optional[NormFormula] = None
-    """The applied scale as ``formula(norm)`` of an optimizer's global norm still on its device, resolved by
-    ``host_copy`` (then ``None``)."""
-    clip_by_status: bool = False
-    """``clip_norm`` applies to the norm whose square the status row carries, not to the table's total."""
-    kinds: Tuple[str, ...] = ()
-    """The optimizer statistics whose blocks of rows follow the gradient's in the table."""
-    action: Optional[Action] = None
-    """What the remedies did to the step (skipped it, or scaled each bucket), if any is on."""
-
-
-def host_copy(reduced: torch.Tensor, scales: Sequence[StepScales]) -> Tuple[torch.Tensor, List[StepScales]]:
-    """A reduced table on the host, and ``scales`` with the applied scales of their global norms resolved:
-    the norms travel in the same copy, the one host synchronisation of a measured step (or of a fire)."""
-    norms = [entry.scale_of_norm[0].reshape(1).to(reduced) for entry in scales if entry.scale_of_norm is not None]
-    host = torch.cat([reduced.flatten(), *norms]).cpu()
-    values = iter(host[reduced.numel():].tolist())
-    resolved = [
-        entry if entry.scale_of_norm is None else replace(
-            entry, applied_scale=float(entry.scale_of_norm[1](next(values))), scale_of_norm=None) for entry in scales
-    ]
-    return host[:reduced.numel()].view(reduced.shape), resolved
-
-
-def resolve_scales(scales: Sequence[StepScales]) -> List[StepScales]:
-    """``scales`` with the applied scales of their global norms resolved, for a table already on the host."""
-    return host_copy(torch.zeros(0, dtype=torch.float64), scales)[1]
-
-
-def step_result(stats: torch.Tensor, scales: StepScales, keys: Sequence[Hashable], selected: Sequence[Hashable],
-                extra: Sequence[str]) -> Optional[dict]:
-    """The result dict of one step from its reduced table (status row last, on the host) and its resolved
-    scales: ``step``, ``overflow``, ``clip_coef``, ``pre_clip`` and ``post_clip`` of the ``selected``
-    buckets, and one key per optimizer statistic (``scales.kinds``), unscaled; ``None`` when the status row
-    says a rank failed to measure the step."""
-    if stats[-1, NUMEL] > 0:
-        return None
-    blocks = stats[:-1].view(1 + len(scales.kinds), -1, stats.shape[1])
-    gradient = blocks[0]
-    applied_scale = scales.applied_scale
-    if scales.clip_norm:
-        norm = math.sqrt(stats[-1, SUMSQ]) if scales.clip_by_status else total_norm(gradient)
-        applied_scale = torch_clip_divisor(norm, scales.clip_norm)
-    action = scales.action or Action()
-    pre_clip = bucket_results(gradient, keys, selected, 1.0 / scales.gradient_scale, extra)
-    clip_coef = post_clip = None
-    if not (scales.overflow or action.skipped):
-        clip_coef = scales.gradient_scale / applied_scale
-        post_clip = bucket_results(gradient, keys, selected, 1.0 / applied_scale, extra, action.factors)
-    result = {
-        "step": scales.step,
-        "overflow": scales.overflow,
-        "clip_coef": clip_coef,
-        "pre_clip": pre_clip,
-        "post_clip": post_clip
-    }
-    result.update(remedy_fields(action, keys, selected))
-    result.update(
-        (kind, bucket_results(block, keys, selected, 1.0, extra)) for kind, block in zip(scales.kinds, blocks[1:]))
-    return result
-
-
-def remedy_fields(action: Action, keys: Sequence[Hashable], selected: Sequence[Hashable]) -> dict:
-    """The result's fields of the remedies that are on: ``skipped`` and ``skip_reason`` (``skip_step``), and
-    ``adaptive_clip``, each selected bucket's factor (1.0: not clipped; ``None`` in the warm-up, on a skipped or
-    overflowed step: global clipping applied, or nothing)."""
-    fields = {}
-    if action.skipping:
-        fields.update({SKIPPED: action.skipped, "skip_reason": action.skip_reason})
-    if action.adaptive:
-        factors = None
-        if action.factors is not None:
-            position = {key: index for index, key in enumerate(keys)}
-            factors = {key: action.factors[position[key]] for key in selected}
-        fields[ADAPTIVE_CLIP] = factors
-    return fields

@@ -27,8 +27,8 @@ from typing import Collection, Hashable, List, Optional, Sequence, Tuple
 
 import torch
 
-from .measurement import StepScales, host_copy, step_result, table_rows
 from .reduction import reduce_stats
+from .result import StepScales, host_copy, step_result
 from .statistics import (
     L1,
     MAX,
@@ -42,6 +42,7 @@ from .statistics import (
     ZEROS,
     empty_stats,
     reset_stats,
+    table_rows,
 )
 
 BEFORE_BLOCKS = 8

@@ -8,7 +8,7 @@
 the step they act on is measured and reduced before the optimizer steps (the adapter's ``act``), with the same two
 all-reduces as any measured step and nothing more. The decision (``Action``) is taken from that reduced table and
 the reported loss, both the same on every rank, so every rank skips or scales alike; it then travels with the
-step's scales (``measurement.StepScales``) into the result: ``skipped`` and ``skip_reason``, ``adaptive_clip``.
+step's scales (``result.StepScales``) into the result: ``skipped`` and ``skip_reason``, ``adaptive_clip``.
 """
 
 import math

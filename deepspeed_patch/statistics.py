@@ -2,13 +2,14 @@
 # SPDX-License-Identifier: Apache-2.0
 
 # DeepSpeed Team
-"""The statistics table: its columns, its identity, and the reported statistics of each bucket.
+"""The statistics table: its rows and columns, its identity, and the reported statistics of each bucket.
 
 Each rank folds the runs of its local gradient partition into one small ``(buckets, 9)`` float64 table
 (``partition_stats``). Sums (squared norm, non-finite count, L1, sum, zeros, element count) and maxima
 (max, -min, -abs_min) combine the same way across runs, parameter groups and ranks, so the tables of all
 ranks reduce (``reduction``) to the statistics of the full gradient whatever the number of buckets; this
-module turns a reduced table into the reported numbers.
+module turns a reduced table into the reported numbers. A step's table holds the gradient's buckets, one block
+of them per optimizer statistic, and a status row (``table_rows``).
 """
 
 import math
@@ -19,6 +20,12 @@ import torch
 SUMSQ, NONFINITE, L1, SUM, ZEROS, NUMEL, MAX, NEG_MIN, NEG_ABS_MIN = range(9)
 NUM_SUMMED = 6  # columns before this one add up; the others take the maximum
 NUM_COLUMNS = 9
+
+
+def table_rows(num_buckets: int, kinds: Sequence[str] = ()) -> int:
+    """The rows of a step's table: the gradient's buckets, one block of buckets per optimizer statistic,
+    the status row."""
+    return num_buckets * (1 + len(kinds)) + 1
 
 
 def empty_stats(num_buckets: int, device) -> torch.Tensor:

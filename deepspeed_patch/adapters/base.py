@@ -37,13 +37,13 @@ import torch
 from ..capabilities import Capabilities
 from ..config import LayerGradNormsConfig
 from ..layer_map import LayerMap
-from ..measurement import Measurement, table_rows
+from ..measurement import Measurement
 from ..on_demand import rank_of_process
 from ..optimizer_stats import OptimizerStatistics
 from ..publish import Publisher, Reader
 from ..recorder import FlightRecorder, Replay
 from ..remedies import CHECKPOINT_KEY, Action, Remedies, scale_runs
-from ..statistics import empty_stats
+from ..statistics import empty_stats, table_rows
 from ..steps import FailureLatch, StepPlan
 from ..trigger import Fire, History, TriggerState
 

@@ -52,7 +52,7 @@ PACKAGE_ONLY_MODULES = ("capabilities.py", "plain.py", "tags.py")
 TAGS = "tags.py"
 # The modules that use the naming of logs, in the order its definitions are inlined: a definition goes
 # into the first module that needs it, the later ones import it from there.
-TAGS_HOMES = ("config.py", "layer_map.py", "measurement.py", "monitor.py")
+TAGS_HOMES = ("config.py", "layer_map.py", "result.py", "monitor.py")
 DOCS_KEY = "config-json-section.md"  # the path cuts of the docs section name
 
 

@@ -113,7 +113,7 @@ _FAMILIES = "(ZeroAdapter, Zero3Adapter, BF16Adapter, FusedFP16Adapter, UnfusedF
 
 SERIES = (
     PullRequest("01", "config-and-layer-map", ("config.py", "layer_map.py"), ("DeepSpeedConfig", )),
-    PullRequest("02", "statistics-table", ("measurement.py", "statistics.py", "partition_slices.py",
+    PullRequest("02", "statistics-table", ("measurement.py", "result.py", "statistics.py", "partition_slices.py",
                                            "partition_stats.py", "reduction.py", "clipping.py"), ()),
     PullRequest(
         "03",
@@ -330,16 +330,17 @@ SERIES = (
                                                                 "multiplies each bucket by its own.", "."))),
             Cut("measurement.py",
                 replace=(("Measurement.scales", ",\n                          action=self.action)", ")"),
-                         ("step_result", "if not (scales.overflow or action.skipped):", "if not scales.overflow:"),
-                         ("step_result", ", extra, action.factors)", ", extra)"),
                          ("Measurement.finish", "        if self.reduced is not None:\n            stats, scales = "
                           "self.reduced, resolve_scales([self.scales(overflow)])\n        else:\n            stats, "
                           "scales = host_copy(", "        stats, scales = host_copy(")),
-                statements=(("Measurement.__init__", r"self\.action: "), ("Measurement.__init__", r"self\.reduced: "),
-                            ("step_result", r"action = scales\.action"),
+                statements=(("Measurement.__init__", r"self\.action: "), ("Measurement.__init__", r"self\.reduced: ")),
+                drop=("Measurement.reduce_now", )),
+            Cut("result.py",
+                replace=(("step_result", "if not (scales.overflow or action.skipped):", "if not scales.overflow:"),
+                         ("step_result", ", extra, action.factors)", ", extra)")),
+                statements=(("step_result", r"action = scales\.action"),
                             ("step_result", r"result\.update\(remedy_fields")),
-                drop=("StepScales.action", "remedy_fields", "ADAPTIVE_CLIP", "SKIPPED", "Measurement.reduce_now",
-                      "resolve_scales")),
+                drop=("StepScales.action", "remedy_fields", "ADAPTIVE_CLIP", "SKIPPED", "resolve_scales")),
             Cut("adapters/base.py",
                 replace=(
                     ("LayerGradNormsAdapter.__init__", " or setup.config.skip_step.enabled", ""),

@@ -119,7 +119,7 @@ def test_step_plan_numbers_steps_from_the_engine_count():
 PEAK_MEMORY_SCRIPT = textwrap.dedent("""
     import resource, torch
     from deepspeed_patch.measurement import Measurement
-    from deepspeed_patch.adapters.partitions import observe_chunks
+    from deepspeed_patch.adapters.optimizer import observe_chunks
     from deepspeed_patch.partition_slices import slices_of_runs
     from deepspeed_patch.partition_stats import STOCK, chunk_plan
 

@@ -4,11 +4,9 @@
 # DeepSpeed Team
 """One adapter per optimizer family, between DeepSpeed and the per-layer statistics.
 
-Each adapter owns what is particular to its family: the private attributes it reads, the layout of the
-gradient partitions, the points where the gradient is read, and the factor the optimizer divides it
-by. ``base`` holds the step protocol they share, ``optimizer`` what a DeepSpeed optimizer reports itself (its
-overflow, its global norm), ``partitions`` the reading of flat gradient partitions; ``attach`` picks the adapter
-for an engine.
+Each adapter owns what is particular to its family: the private attributes it reads, the layout of the gradient
+partitions, the points where the gradient is read, and the factor the optimizer divides it by. ``base`` holds the
+step protocol they share, ``optimizer`` what DeepSpeed's optimizers share beyond it; ``attach`` picks the adapter.
 """
 
 from typing import Optional

@@ -23,8 +23,7 @@ from ..optimizer_stats import optimizer_statistics
 from ..partition_slices import back_to_back_ranges, partition_runs, slices_of_runs
 from ..partition_stats import chunk_plan
 from .base import Setup
-from .optimizer import OptimizerAdapter
-from .partitions import observe_chunks, param_group_of
+from .optimizer import OptimizerAdapter, observe_chunks, param_group_of
 
 
 class FusedFP16Adapter(OptimizerAdapter):

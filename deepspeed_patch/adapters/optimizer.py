@@ -2,16 +2,19 @@
 # SPDX-License-Identifier: Apache-2.0
 
 # DeepSpeed Team
-"""The adapter of a DeepSpeed optimizer (``OptimizerAdapter``): the step protocol of ``base``, with the loss
-scaler's overflow and the global norm read from the optimizer itself, and the optimizer's features the family
-cannot measure named for the refusal at initialize.
-"""
+"""What the adapters of DeepSpeed's optimizers share beyond the step protocol (``base``): the overflow and global
+norm the optimizer reports (``OptimizerAdapter``), ZeRO's flat gradient partitions (``ZeroPartitionsAdapter``),
+and the reading of flat partitions (``observe_chunks``, ``param_group_of``)."""
 
-from typing import Dict, List, Optional
+import functools
+from typing import Dict, List, Optional, Sequence
 
 import torch
 
 from ..capabilities import Capabilities
+from ..clipping import zero_unscale_divisor
+from ..measurement import Measurement
+from ..partition_stats import ChunkPlan
 from .base import LayerGradNormsAdapter, Setup
 
 
@@ -34,3 +37,69 @@ class OptimizerAdapter(LayerGradNormsAdapter):
 
     def global_norm(self) -> Optional[float]:
         return self.optimizer._global_grad_norm
+
+
+class ZeroPartitionsAdapter(OptimizerAdapter):
+    """ZeRO's optimizers (stages 1 to 3): each group's flat fp32 gradient partition, still multiplied by the
+    loss scale, is read in ``unscale_and_clip_grads``; on a step the loss scaler skips, in ``_update_scale``,
+    before the gradients are dropped. ``plans`` holds each group's chunk plan."""
+
+    plans: List[ChunkPlan]
+
+    def observe_group(self, measurement: Measurement, index: int, flat_grad: torch.Tensor, total_norm,
+                      zeroes_invalid_norm: bool) -> None:
+        """Fold in group ``index``'s flat partition and record what ``unscale_and_clip_grads`` divides it by,
+        for the global norm (times the loss scale) ``total_norm``, which stays on the device until ``finish``."""
+        optimizer = self.optimizer
+        measurement.observe_partition(index, flat_grad, self.plans[index])
+        measurement.set_applied_scale_of_norm(
+            total_norm,
+            functools.partial(zero_unscale_divisor,
+                              clip_grad=optimizer.clip_grad,
+                              loss_scale=optimizer.loss_scale,
+                              zeroes_invalid_norm=zeroes_invalid_norm))
+
+    def update_scale(self, has_overflow=False) -> None:
+        """Top of ``_update_scale``: once per step, before the loss scale changes and before a skipped
+        step's gradients are dropped. With a remedy on, a step the loss scaler does not skip is read here
+        too, and reduced, for the remedies to act before the optimizer steps (``act``)."""
+        measurement = self.measurement
+        if measurement is None:
+            return
+        acting = self.remedies is not None and not has_overflow
+        with measurement.guarded("reading the gradients before the step"):
+            measurement.set_gradient_scale(self.optimizer.loss_scale)
+            if has_overflow or acting:
+                for index, plan in enumerate(self.plans):
+                    self.observe_skipped(measurement, index, plan)
+        if acting:
+            self.act(measurement)
+        elif self.remedies is not None:
+            measurement.action = self.remedies.overflowed()
+
+    def clip_divisor(self, global_norm: float) -> float:
+        return zero_unscale_divisor(global_norm, clip_grad=self.optimizer.clip_grad, loss_scale=1.0)
+
+    def skip_optimizer_step(self) -> None:
+        """``_update_scale``'s caller tests ``self.overflow`` right after it: set, the step goes DeepSpeed's own
+        overflow path (gradients dropped, no parameter or moment change, the engine counts a skipped step and
+        does not step the learning-rate schedule); the loss scaler itself saw no overflow."""
+        self.optimizer.overflow = True
+
+    def observe_skipped(self, measurement: Measurement, index: int, plan: ChunkPlan) -> None:
+        """Fold in group ``index``'s gradient on a skipped step, wherever the family holds it then."""
+        raise NotImplementedError
+
+
+def observe_chunks(measurement: Measurement, group_index: int, plan: ChunkPlan,
+                   chunks: Sequence[torch.Tensor]) -> None:
+    """Fold in a partition still held as per-parameter pieces laid end to end: no copy of it."""
+    measurement.observe(group_index, *plan.slices.chunked_views(chunks))
+
+
+def param_group_of(partitions: Sequence[torch.Tensor], flat_grad: torch.Tensor) -> int:
+    """The index of the parameter group whose flat fp32 partition has ``flat_grad`` as its gradient."""
+    for index, partition in enumerate(partitions):
+        if partition.grad is flat_grad:
+            return index
+    raise RuntimeError("layer_grad_norms: the optimizer unscaled a gradient of no known parameter group")

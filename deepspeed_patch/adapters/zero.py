@@ -21,7 +21,7 @@ from ..optimizer_stats import optimizer_statistics
 from ..partition_slices import PartitionSlices, partition_runs, slices_of_runs
 from ..partition_stats import ChunkPlan, chunk_plan
 from .base import Setup
-from .partitions import ZeroPartitionsAdapter, observe_chunks, param_group_of
+from .optimizer import ZeroPartitionsAdapter, observe_chunks, param_group_of
 
 
 class ZeroAdapter(ZeroPartitionsAdapter):

@@ -28,7 +28,7 @@ from ..optimizer_stats import optimizer_statistics
 from ..partition_slices import PartitionSlices, partition_runs, slices_of_runs
 from ..partition_stats import ChunkPlan, chunk_plan
 from .base import BucketOf, Setup
-from .partitions import ZeroPartitionsAdapter, observe_chunks
+from .optimizer import ZeroPartitionsAdapter, observe_chunks
 
 
 class Zero3Adapter(ZeroPartitionsAdapter):

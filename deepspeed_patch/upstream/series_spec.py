@@ -119,8 +119,7 @@ SERIES = (
         "03",
         "zero12-layer-grad-norms",
         ("steps.py", "publish.py", "monitor.py", "on_demand.py", "adapters/__init__.py", "adapters/attach.py",
-         "adapters/base.py", "adapters/optimizer.py", "adapters/partitions.py", "adapters/zero.py",
-         "adapters/refusals.py"),
+         "adapters/base.py", "adapters/optimizer.py", "adapters/zero.py", "adapters/refusals.py"),
         ("DeepSpeedEngine", "DeepSpeedZeroOptimizer"),
         docs=True,
     ),
@@ -378,7 +377,7 @@ SERIES = (
                       "LayerGradNormsAdapter.suspend_global_clipping", "LayerGradNormsAdapter.resume_global_clipping",
                       "LayerGradNormsAdapter.save_remedies", "LayerGradNormsAdapter.load_remedies",
                       "LayerGradNormsAdapter.act_at_begin")),
-            Cut("adapters/partitions.py",
+            Cut("adapters/optimizer.py",
                 replace=(("ZeroPartitionsAdapter.update_scale", "if has_overflow or acting:", "if has_overflow:"), ),
                 docstrings=(("ZeroPartitionsAdapter.update_scale", " With a remedy on, a step the loss scaler does "
                              "not skip is read here\n        too, and reduced, for the remedies to act before the "

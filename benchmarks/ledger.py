@@ -554,7 +554,8 @@ def count_step_costs(plan: Optional[Dict[str, Sequence[str]]] = None,
 def hook_dispatch_seconds(calls: int = 5000, rounds: int = 7) -> Dict[str, float]:
     """Seconds per call of a hooked method around the original's own: with no adapter, and with an adapter
     whose called method does nothing (the installed wrapper's own work: the argument look-up)."""
-    from deepspeed_patch.hooks import START, AdapterCall, _wrapped
+    from deepspeed_patch.hooks import START, AdapterCall
+    from deepspeed_patch.patching import _wrapped
 
     class Adapter:
 
@@ -637,7 +638,7 @@ def main() -> None:
         "",
         *table(rows),
         "",
-        f"A hooked method's own cost (`hooks._wrapped`, no-op original, {len(dispatch)} variants): " +
+        f"A hooked method's own cost (`patching._wrapped`, no-op original, {len(dispatch)} variants): " +
         ", ".join(f"{name} {seconds * 1e9:.0f} ns" for name, seconds in dispatch.items()) + " per call.",
     ]
     write_results("ledger", lines, {"rows": rows, "dispatch": dispatch}, folder=options.out or RESULTS)

@@ -27,10 +27,10 @@ def install() -> None:
     if importlib.util.find_spec("deepspeed.runtime.layer_grad_norms") is not None:
         logger.info("DeepSpeed carries layer_grad_norms already (the upstream patch): install() leaves it as it is")
         return
-    from . import capabilities, hooks
+    from . import capabilities, patching
 
     capabilities.check_release(deepspeed.__version__)
     release = capabilities.installed()
-    hooks.check_call_sites(release)
+    patching.check_call_sites(release)
     capabilities.warn_if_untested(deepspeed.__version__)
-    hooks.apply(release)
+    patching.apply(release)

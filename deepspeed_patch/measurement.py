@@ -4,7 +4,7 @@
 # DeepSpeed Team
 """One measured optimizer step (``Measurement``): what the read points fold into its table, and its reduction.
 
-For each measured or recorded step the adapter opens a fresh ``Measurement`` (``steps.StepPlan`` says which),
+For each measured or recorded step the adapter opens a fresh ``Measurement`` (``steps.StepSchedule`` says which),
 which the optimizer's read points fill (this rank's partial statistics, the loss scale the gradients carry,
 the factor the optimizer divides them by) and which ``finish`` reduces across the ranks
 (``reduction.reduce_stats``) and turns into the step's result (``result.step_result``).

@@ -2,7 +2,7 @@
 # SPDX-License-Identifier: Apache-2.0
 
 # DeepSpeed Team
-"""Which optimizer steps are measured (``StepPlan``), and when the statistics switch off (``FailureLatch``).
+"""Which optimizer steps are measured (``StepSchedule``), and when the statistics switch off (``FailureLatch``).
 
 Both decide collectives, so both change only with state that is the same on every rank: the engine's step
 count, the interval, a runtime switch every rank makes at the same step, the control file (read by rank 0
@@ -21,7 +21,7 @@ from .on_demand import ControlFile
 logger = logging.getLogger(__name__)
 
 
-class StepPlan:
+class StepSchedule:
     """Numbers the optimizer steps; decides which are measured and which buckets they report."""
 
     def __init__(self, config: LayerGradNormsConfig, layer_map: LayerMap, completed_steps: Callable[[], int]) -> None:

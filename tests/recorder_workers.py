@@ -63,7 +63,7 @@ def inject_fault(engine, fault: Optional[str]) -> List[Tuple[Any, str, Any]]:
         original = measurement.accumulate_partition
 
         def failing(*args, **kwargs):
-            if adapter.plan.step == FAULTY_STEP:
+            if adapter.schedule.step == FAULTY_STEP:
                 raise RuntimeError("injected measurement failure")
             return original(*args, **kwargs)
 

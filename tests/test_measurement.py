@@ -1,4 +1,4 @@
-"""The per-step measurement and the step plan: their states, failures, and what they allocate."""
+"""The per-step measurement and the step schedule: their states, failures, and what they allocate."""
 
 import subprocess
 import sys
@@ -103,17 +103,17 @@ def test_chunked_views_are_the_runs_of_the_concatenated_chunks():
     assert all(view.untyped_storage().data_ptr() in {c.untyped_storage().data_ptr() for c in chunks} for view in views)
 
 
-def test_step_plan_numbers_steps_from_the_engine_count():
+def test_step_schedule_numbers_steps_from_the_engine_count():
     model = TinyGPT(TinyGPTConfig())
     named = list(model.named_parameters())
     layer_map = build_layer_map(named, [name for name, _ in named])
     completed = [41]
-    from deepspeed_patch.steps import StepPlan
+    from deepspeed_patch.steps import StepSchedule
 
-    plan = StepPlan(LayerGradNormsConfig(enabled=True, interval=2), layer_map, lambda: completed[0])
-    assert plan.next_step() is True and plan.step == 42
+    schedule = StepSchedule(LayerGradNormsConfig(enabled=True, interval=2), layer_map, lambda: completed[0])
+    assert schedule.next_step() is True and schedule.step == 42
     completed[0] = 42
-    assert plan.next_step() is False and plan.step == 43
+    assert schedule.next_step() is False and schedule.step == 43
 
 
 PEAK_MEMORY_SCRIPT = textwrap.dedent("""

@@ -7,7 +7,7 @@
 The engine holds the adapter in ``engine.layer_grad_norms``, and so does the optimizer whose gradients
 it reads (``optimizer.layer_grad_norms``). One optimizer step:
 
-1. ``begin_step()`` at the top of the engine's ``_take_model_step``: the step plan (``steps.StepPlan``)
+1. ``begin_step()`` at the top of the engine's ``_take_model_step``: the step schedule (``steps.StepSchedule``)
    decides whether the step is measured; if so a ``Measurement`` is opened (and families whose gradients
    are complete already, such as BF16_Optimizer's, read them now: ``read_at_begin``).
 2. The optimizer's read points, methods of the family's adapter named after the DeepSpeed method they
@@ -44,7 +44,7 @@ from ..publish import Publisher, Reader
 from ..recorder import FlightRecorder, Replay
 from ..remedies import CHECKPOINT_KEY, Action, Remedies, scale_runs
 from ..statistics import empty_stats, table_rows
-from ..steps import FailureLatch, StepPlan
+from ..steps import FailureLatch, StepSchedule
 from ..trigger import Fire, History, TriggerState
 
 logger = logging.getLogger(__name__)
@@ -71,13 +71,13 @@ class Setup:
 
 
 class LayerGradNormsAdapter:
-    """Per-layer gradient statistics of one optimizer: its step plan, the open measurement, the trigger and the
+    """Per-layer gradient statistics of one optimizer: its step schedule, the open measurement, the trigger and the
     recorder, the published results."""
 
     def __init__(self, setup: Setup, num_groups: int, device) -> None:
         """``num_groups``: the parameter groups a measured step observes; ``device``: where the
         statistics are computed (that of the gradient partitions)."""
-        self.plan = StepPlan(setup.config, setup.layer_map, setup.completed_steps)
+        self.schedule = StepSchedule(setup.config, setup.layer_map, setup.completed_steps)
         self.latch = FailureLatch()
         self.trigger = TriggerState(setup.config.trigger)
         self.publisher = Publisher(setup.config.dump, setup.monitor)
@@ -110,10 +110,10 @@ class LayerGradNormsAdapter:
 
     def begin_step(self) -> None:
         """Top of the engine's optimizer step: open a measurement if this step is measured or recorded."""
-        self.reporting = (self.plan.next_step() or self.remedies is not None) and not self.latch.broken
+        self.reporting = (self.schedule.next_step() or self.remedies is not None) and not self.latch.broken
         if not (self.reporting or (self.recorder is not None and not self.latch.broken)):
             return
-        self.measurement = Measurement(self.plan.step,
+        self.measurement = Measurement(self.schedule.step,
                                        self.layer_map.num_rows,
                                        self.num_groups,
                                        self.device,
@@ -134,7 +134,7 @@ class LayerGradNormsAdapter:
         the fire) is the same on every rank, whatever failed on one."""
         measurement, self.measurement = self.measurement, None
         try:
-            with self.latch.failing_locally("ending the step", self.plan.step):  # the last resort: never into training
+            with self.latch.failing_locally("ending the step", self.schedule.step):  # last resort: never into training
                 self._end(measurement)
         finally:
             self.resume_global_clipping()
@@ -148,11 +148,11 @@ class LayerGradNormsAdapter:
         if self.latch.broken:
             return
         norm = action.global_norm if skipped else self.global_norm()  # DeepSpeed's is inf on a skipped step
-        fired = self.trigger.after_step(self.plan.step, norm, overflow)
+        fired = self.trigger.after_step(self.schedule.step, norm, overflow)
         if fired is None and skipped:
             fired = self._skip_fire(action)
         if fired is not None:
-            self.plan.open_capture(fired)
+            self.schedule.open_capture(fired)
             if self.recorder is not None:
                 self._replay(fired)
 
@@ -171,12 +171,12 @@ class LayerGradNormsAdapter:
             self.publisher.clear()
             result = finished = None
             with self.latch.failing_locally("finishing the step", step):
-                result = measurement.finish(self.group, overflow, self.layer_map.keys, self.plan.reported_keys())
+                result = measurement.finish(self.group, overflow, self.layer_map.keys, self.schedule.reported_keys())
                 finished = True
             if finished and result is None:
                 self.latch.switch_off(step)
             elif result is not None:
-                self.publisher.publish(result, self.plan.capture if self.plan.capturing() else None)
+                self.publisher.publish(result, self.schedule.capture if self.schedule.capturing() else None)
         if measurement.failed:
             self.latch.failed_locally = True
 
@@ -184,7 +184,7 @@ class LayerGradNormsAdapter:
         """A step ``skip_step`` skipped opens the trigger's capture (and reduces its recorder) like a fire."""
         if self.capture_steps is None:
             return None
-        step = self.plan.step
+        step = self.schedule.step
         return {
             "fired_at": step,
             "reason": f"skip_step: {action.skip_reason}",
@@ -263,7 +263,7 @@ class LayerGradNormsAdapter:
     def _replay(self, fired: dict) -> None:
         """At a fire: the recorded steps no earlier fire published, reduced, kept and published. A rank's
         failure flag on the fire's own step switches the statistics off (the failure latch)."""
-        step = self.plan.step
+        step = self.schedule.step
         with self.latch.failing_locally("reducing the recorded steps", step):
             replay = self.recorder.history(self.group,
                                            self.layer_map.keys,
@@ -332,7 +332,7 @@ class LayerGradNormsAdapter:
                     interval: Optional[int] = None,
                     layers: Optional[object] = None) -> None:
         """``engine.set_layer_grad_norms()``: change what is measured; every rank at the same step."""
-        self.plan.set_options(enabled=enabled, interval=interval, layers=layers)
+        self.schedule.set_options(enabled=enabled, interval=interval, layers=layers)
 
 
 def _log_left_out(replay: Replay, step: int) -> None:

@@ -101,8 +101,8 @@ PACKAGE_ONLY += (
 )
 
 # end_step's call of _end, which the remedies wrap to restore global clipping
-_END_STEP = ('        with self.latch.failing_locally("ending the step", self.plan.step):  '
-             "# the last resort: never into training\n            self._end(measurement)")
+_END_STEP = ('        with self.latch.failing_locally("ending the step", self.schedule.step):  '
+             "# last resort: never into training\n            self._end(measurement)")
 
 # flat_scalars' dict of bucket scalars, which the remedies join with the step's own (skip_step's)
 _FLAT_SCALARS = ("    return {\n        scalar_tag(phase, name, key): values[name]\n        for phase in phases\n"
@@ -171,19 +171,20 @@ SERIES = (
             # live control: engine.set_layer_grad_norms() and the control file
             Cut("adapters/__init__.py", drop=(CONTROL, ), replace=(("", f'"{CONTROL}", ', ""), )),
             Cut("adapters/base.py", drop=("LayerGradNormsAdapter.set_options", )),
-            Cut("steps.py", drop=("StepPlan.set_options", )),
+            Cut("steps.py", drop=("StepSchedule.set_options", )),
             Cut("config.py",
                 drop=("TriggerConfig", "DumpConfig", "LayerGradNormsConfig.trigger",
                       "LayerGradNormsConfig.control_file", "LayerGradNormsConfig.control_interval",
                       "LayerGradNormsConfig.dump")),
             Cut("on_demand.py", drop=("WARM_UP", "SpikeTrigger", "ControlFile", "JsonlDump")),
             Cut("steps.py",
-                statements=(("StepPlan.__init__", r"self\.control = "), ("StepPlan.__init__", r"self\.capture: "),
-                            ("StepPlan.next_step", r"settings = "), ("StepPlan.next_step", r"if settings:")),
-                replace=(("StepPlan.next_step", "return on_interval or self.capturing()", "return on_interval"),
-                         ("StepPlan.reported_keys", "self.layer_map.keys if self.capturing() else self.selected",
+                statements=(("StepSchedule.__init__", r"self\.control = "),
+                            ("StepSchedule.__init__", r"self\.capture: "), ("StepSchedule.next_step", r"settings = "),
+                            ("StepSchedule.next_step", r"if settings:")),
+                replace=(("StepSchedule.next_step", "return on_interval or self.capturing()", "return on_interval"),
+                         ("StepSchedule.reported_keys", "self.layer_map.keys if self.capturing() else self.selected",
                           "self.selected")),
-                drop=("StepPlan.capturing", "StepPlan.open_capture", "StepPlan._apply_control")),
+                drop=("StepSchedule.capturing", "StepSchedule.open_capture", "StepSchedule._apply_control")),
             Cut("publish.py",
                 statements=(("Publisher.__init__", r"self\.dump = None"), ("Publisher.__init__", r"if dump and "),
                             ("Publisher.publish", r"if capture is not None:")),
@@ -211,7 +212,8 @@ SERIES = (
                           "if not (self.reporting or (self.recorder is not None and not self.latch.broken)):",
                           "if not self.reporting:"),
                          ("LayerGradNormsAdapter._close",
-                          "self.publisher.publish(result, self.plan.capture if self.plan.capturing() else None)",
+                          "self.publisher.publish(result, self.schedule.capture if self.schedule.capturing() else "
+                          "None)",
                           "self.publisher.publish(result)")),
                 docstrings=(
                     ("", "; the trigger (``trigger.TriggerState``) sees the global norm.", "."),
@@ -343,8 +345,8 @@ SERIES = (
             Cut("adapters/base.py",
                 replace=(
                     ("LayerGradNormsAdapter.__init__", " or setup.config.skip_step.enabled", ""),
-                    ("LayerGradNormsAdapter.begin_step", "(self.plan.next_step() or self.remedies is not None)",
-                     "self.plan.next_step()"),
+                    ("LayerGradNormsAdapter.begin_step", "(self.schedule.next_step() or self.remedies is not None)",
+                     "self.schedule.next_step()"),
                     ("LayerGradNormsAdapter.end_step", "        try:\n    " + _END_STEP.replace("\n", "\n    ") +
                      "\n        finally:\n            self.resume_global_clipping()\n", _END_STEP + "\n"),
                     ("LayerGradNormsAdapter._end", "self.overflow() and not skipped  # a step skip_step skipped goes "

@@ -36,17 +36,18 @@ class Measurement:
     def __init__(self,
                  step: int,
                  num_buckets: int,
-                 num_groups: int,
+                 num_partitions: int,
                  device,
                  extra: Sequence[str],
                  failed: bool = False,
                  table: Optional[torch.Tensor] = None,
                  kinds: Sequence[str] = ()) -> None:
-        """``num_groups``: the parameter groups to observe before the step is complete; ``failed``: a
-        failure already known on this rank, to be announced through ``finish``; ``table``: a
-        ``(table_rows(num_buckets, kinds), 9)`` buffer to fill (the owner's, reset here in place, so that a
-        step allocates no table), else a new one. Its last row is the status row ``local_table`` writes;
-        ``kinds`` (``optimizer_statistics``) add one block of ``num_buckets`` rows each after the gradient's."""
+        """``num_partitions``: the gradient partitions to observe before the step is complete (one per parameter
+        group, or ZeRO-3 sub-group); ``failed``: a failure already known on this rank, to be announced through
+        ``finish``; ``table``: a ``(table_rows(num_buckets, kinds), 9)`` buffer to fill (the owner's, reset here
+        in place, so that a step allocates no table), else a new one. Its last row is the status row
+        ``local_table`` writes; ``kinds`` (``optimizer_statistics``) add one block of ``num_buckets`` rows each
+        after the gradient's."""
         self.step = step
         rows = table_rows(num_buckets, kinds)
         self.table = empty_stats(rows, device) if table is None else reset_stats(table)
@@ -55,7 +56,7 @@ class Measurement:
         blocks = self.table[:-1].view(1 + len(kinds), num_buckets, -1)
         self.kind_stats = dict(zip(kinds, blocks[1:]))
         """The rows of each optimizer statistic (``optimizer_stats``), views of the one table."""
-        self.num_groups = num_groups
+        self.num_partitions = num_partitions
         self.extra = extra
         self.observed = set()
         self.gradient_scale = 1.0
@@ -84,22 +85,22 @@ class Measurement:
                     "or fire's), training goes on", what, self.step)
             self.failed = True
 
-    def observe_partition(self, group_index: int, flat_grad: torch.Tensor, plan: ChunkPlan) -> None:
-        """Fold in one parameter group's flat gradient partition, laid out as ``plan`` says (once per group)."""
-        if self._wanted(group_index):
+    def observe_partition(self, index: int, flat_grad: torch.Tensor, plan: ChunkPlan) -> None:
+        """Fold in flat gradient partition ``index``, laid out as ``plan`` says (once per partition)."""
+        if self._wanted(index):
             accumulate_partition(self.stats, flat_grad, plan, self.extra)
-            self.observed.add(group_index)
+            self.observed.add(index)
 
-    def observe(self, group_index: int, runs: Sequence[torch.Tensor], buckets: torch.Tensor) -> None:
-        """Fold in one parameter group's gradient, as 1-D tensors ``runs`` in ``buckets`` (once per group)."""
-        if self._wanted(group_index):
+    def observe(self, index: int, runs: Sequence[torch.Tensor], buckets: torch.Tensor) -> None:
+        """Fold in partition ``index``'s gradient, as 1-D tensors ``runs`` in ``buckets`` (once per partition)."""
+        if self._wanted(index):
             accumulate_runs(self.stats, runs, buckets, self.extra)
-            self.observed.add(group_index)
+            self.observed.add(index)
 
-    def _wanted(self, group_index: int) -> bool:
+    def _wanted(self, index: int) -> bool:
         if self.finished:
             raise RuntimeError(f"layer_grad_norms: step {self.step} is finished; nothing more can be observed")
-        return not self.failed and group_index not in self.observed
+        return not self.failed and index not in self.observed
 
     def set_gradient_scale(self, loss_scale: float) -> None:
         """The loss scale the observed gradients carry; the pre-clip statistics are divided by it."""
@@ -112,7 +113,7 @@ class Measurement:
     def set_applied_scale_of_norm(self, norm, formula: Callable[[float], float]) -> None:
         """The applied scale as ``formula(float(norm))``, for the optimizer's global norm still on its device:
         ``finish`` reads it with the statistics, in the step's one host transfer, rather than each
-        parameter group's read point forcing a host synchronisation of its own."""
+        partition's read point forcing a host synchronisation of its own."""
         if isinstance(norm, torch.Tensor):
             self.scale_of_norm = (norm, formula)
         else:
@@ -132,7 +133,7 @@ class Measurement:
         norm carries this rank's share of the norm the caller clips by (``set_clip_norm``), if any, and whose
         max and -min carry the step (reduced, the highest and the lowest step of the ranks). Written in place:
         the buffer itself, valid until the owner's next step."""
-        complete = not self.failed and len(self.observed) == self.num_groups
+        complete = not self.failed and len(self.observed) == self.num_partitions
         status = self.table[-1].zero_()
         status[NUMEL] = 0.0 if complete else 1.0
         status[MAX], status[NEG_MIN] = self.step, -self.step

@@ -17,7 +17,7 @@ from megatron_integration.tiny_gpt import TinyGPT, TinyGPTConfig, synthetic_batc
 
 
 def test_observe_after_the_step_is_finished_is_an_error():
-    measurement = Measurement(step=1, num_buckets=1, num_groups=1, device="cpu", extra=())
+    measurement = Measurement(step=1, num_buckets=1, num_partitions=1, device="cpu", extra=())
     measurement.observe(0, [torch.ones(4)], torch.tensor([0]))
     result = measurement.finish(REPLICATED, overflow=False, keys=[0], selected=[0])
     assert result["pre_clip"][0]["norm"] == pytest.approx(2.0)
@@ -26,7 +26,7 @@ def test_observe_after_the_step_is_finished_is_an_error():
 
 
 def test_a_step_missing_a_group_reports_nothing():
-    measurement = Measurement(step=3, num_buckets=1, num_groups=2, device="cpu", extra=())
+    measurement = Measurement(step=3, num_buckets=1, num_partitions=2, device="cpu", extra=())
     measurement.observe(0, [torch.ones(4)], torch.tensor([0]))
     assert measurement.finish(REPLICATED, overflow=False, keys=[0], selected=[0]) is None
 
@@ -127,7 +127,7 @@ PEAK_MEMORY_SCRIPT = textwrap.dedent("""
     chunks = [torch.full((size,), 0.5, dtype=torch.float16) for size in sizes]
     chunks[1][7] = float("inf")
     table = chunk_plan(slices_of_runs([(0, 30_000_000, 0), (30_000_000, 20_000_000, 1)]), "cpu", kernel=STOCK)
-    measurement = Measurement(step=1, num_buckets=2, num_groups=1, device="cpu", extra=())
+    measurement = Measurement(step=1, num_buckets=2, num_partitions=1, device="cpu", extra=())
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     observe_chunks(measurement, 0, table, chunks)
     grown = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before

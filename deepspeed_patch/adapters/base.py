@@ -11,7 +11,7 @@ it reads (``optimizer.layer_grad_norms``). One optimizer step:
    decides whether the step is measured; if so a ``Measurement`` is opened (and families whose gradients
    are complete already, such as BF16_Optimizer's, read them now: ``read_at_begin``).
 2. The optimizer's read points, methods of the family's adapter named after the DeepSpeed method they
-   sit in, fold each parameter group's gradient into the measurement, before it is unscaled and
+   sit in, fold each gradient partition into the measurement, before it is unscaled and
    clipped, and record the factor the optimizer divides it by.
 3. ``end_step()`` at the end of ``_take_model_step``: the measurement is reduced across the ranks
    (``reduction.reduce_stats``) and published (``publish.Publisher``: the result, the dump, DeepSpeed's
@@ -74,9 +74,9 @@ class LayerGradNormsAdapter:
     """Per-layer gradient statistics of one optimizer: its step schedule, the open measurement, the trigger and the
     recorder, the published results."""
 
-    def __init__(self, setup: Setup, num_groups: int, device) -> None:
-        """``num_groups``: the parameter groups a measured step observes; ``device``: where the
-        statistics are computed (that of the gradient partitions)."""
+    def __init__(self, setup: Setup, num_partitions: int, device) -> None:
+        """``num_partitions``: the gradient partitions a measured step observes (one per parameter group, or
+        ZeRO-3 sub-group); ``device``: where the statistics are computed (that of the partitions)."""
         self.schedule = StepSchedule(setup.config, setup.layer_map, setup.completed_steps)
         self.latch = FailureLatch()
         self.trigger = TriggerState(setup.config.trigger)
@@ -87,7 +87,7 @@ class LayerGradNormsAdapter:
         self.kinds = setup.config.optimizer_statistics
         self.optimizer_statistics: Optional[OptimizerStatistics] = None
         """The reader of ``kinds``, set by the families that have one (``refusals.check_optimizer_statistics``)."""
-        self.num_groups = num_groups
+        self.num_partitions = num_partitions
         self.device = device
         self.measurement: Optional[Measurement] = None
         self.table = empty_stats(table_rows(self.layer_map.num_rows, self.kinds), device)
@@ -115,7 +115,7 @@ class LayerGradNormsAdapter:
             return
         self.measurement = Measurement(self.schedule.step,
                                        self.layer_map.num_rows,
-                                       self.num_groups,
+                                       self.num_partitions,
                                        self.device,
                                        self.extra,
                                        failed=self.latch.failed_locally,
@@ -192,11 +192,11 @@ class LayerGradNormsAdapter:
         }
 
     def act(self, measurement: Measurement) -> None:
-        """Before the optimizer steps, on a step the loss scaler does not skip, with every group observed: reduce
+        """Before the optimizer steps, on a step the loss scaler does not skip, with every partition observed: reduce
         the step now (its only reduction) and let the remedies decide, from that table, the same on every rank.
         A skipped step then goes the way DeepSpeed skips an overflowed one (``skip_optimizer_step``); adaptive
         factors replace global clipping for the step (``suspend_global_clipping``) and are applied to each
-        group's partition by the family's read point (``scale_buckets``)."""
+        partition by the family's read point (``scale_buckets``)."""
         step = measurement.step
         reduced = None
         with self.latch.failing_locally("reducing the step before the optimizer step", step):
@@ -214,7 +214,7 @@ class LayerGradNormsAdapter:
                 self.suspend_global_clipping()
 
     def scale_buckets(self, measurement: Measurement, index: int, flat_grad: torch.Tensor) -> None:
-        """Multiply group ``index``'s flat partition by each bucket's adaptive factor, in place, where the step has
+        """Multiply flat partition ``index`` by each bucket's adaptive factor, in place, where the step has
         them; before the optimizer divides it by the loss scale."""
         factors = measurement.action.factors if measurement.action is not None else None
         if factors is not None:
@@ -223,7 +223,7 @@ class LayerGradNormsAdapter:
 
     @functools.cached_property
     def run_buckets(self) -> List[List[int]]:
-        """Each group's runs' bucket rows, on the host (``plans`` holds them on the partition's device)."""
+        """Each partition's runs' bucket rows, on the host (``plans`` holds them on the partition's device)."""
         return [plan.slices.buckets.tolist() for plan in self.plans]
 
     def clip_divisor(self, global_norm: float) -> float:

@@ -21,10 +21,10 @@ from .base import LayerGradNormsAdapter, Setup
 class OptimizerAdapter(LayerGradNormsAdapter):
     """An adapter of a DeepSpeed optimizer that reports its own loss-scaler overflow and global norm."""
 
-    def __init__(self, optimizer, setup: Setup, num_groups: int, device) -> None:
+    def __init__(self, optimizer, setup: Setup, num_partitions: int, device) -> None:
         self.optimizer = optimizer
         self.capabilities = setup.capabilities
-        super().__init__(setup, num_groups, device)
+        super().__init__(setup, num_partitions, device)
 
     @staticmethod
     def unsupported(optimizer, names: Dict[torch.nn.Parameter, str], capabilities: Capabilities) -> List[str]:
@@ -40,15 +40,15 @@ class OptimizerAdapter(LayerGradNormsAdapter):
 
 
 class ZeroPartitionsAdapter(OptimizerAdapter):
-    """ZeRO's optimizers (stages 1 to 3): each group's flat fp32 gradient partition, still multiplied by the
-    loss scale, is read in ``unscale_and_clip_grads``; on a step the loss scaler skips, in ``_update_scale``,
-    before the gradients are dropped. ``plans`` holds each group's chunk plan."""
+    """ZeRO's optimizers (stages 1 to 3): each flat fp32 gradient partition (of a parameter group; of a sub-group
+    in stage 3), still multiplied by the loss scale, is read in ``unscale_and_clip_grads``; on a step the loss
+    scaler skips, in ``_update_scale``, before the gradients are dropped. ``plans``: each partition's chunk plan."""
 
     plans: List[ChunkPlan]
 
-    def observe_group(self, measurement: Measurement, index: int, flat_grad: torch.Tensor, total_norm,
-                      zeroes_invalid_norm: bool) -> None:
-        """Fold in group ``index``'s flat partition and record what ``unscale_and_clip_grads`` divides it by,
+    def observe_flat(self, measurement: Measurement, index: int, flat_grad: torch.Tensor, total_norm,
+                     zeroes_invalid_norm: bool) -> None:
+        """Fold in flat partition ``index`` and record what ``unscale_and_clip_grads`` divides it by,
         for the global norm (times the loss scale) ``total_norm``, which stays on the device until ``finish``."""
         optimizer = self.optimizer
         measurement.observe_partition(index, flat_grad, self.plans[index])
@@ -87,14 +87,14 @@ class ZeroPartitionsAdapter(OptimizerAdapter):
         self.optimizer.overflow = True
 
     def observe_skipped(self, measurement: Measurement, index: int, plan: ChunkPlan) -> None:
-        """Fold in group ``index``'s gradient on a skipped step, wherever the family holds it then."""
+        """Fold in partition ``index``'s gradient on a skipped step, wherever the family holds it then."""
         raise NotImplementedError
 
 
-def observe_chunks(measurement: Measurement, group_index: int, plan: ChunkPlan,
+def observe_chunks(measurement: Measurement, index: int, plan: ChunkPlan,
                    chunks: Sequence[torch.Tensor]) -> None:
     """Fold in a partition still held as per-parameter pieces laid end to end: no copy of it."""
-    measurement.observe(group_index, *plan.slices.chunked_views(chunks))
+    measurement.observe(index, *plan.slices.chunked_views(chunks))
 
 
 def param_group_of(partitions: Sequence[torch.Tensor], flat_grad: torch.Tensor) -> int:

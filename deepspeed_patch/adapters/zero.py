@@ -58,7 +58,7 @@ class ZeroAdapter(ZeroPartitionsAdapter):
         with measurement.guarded("reading the gradient partition"):
             flat_grad = grad_groups_flat[0]
             index = param_group_of(self.optimizer.single_partition_of_fp32_groups, flat_grad)
-            self.observe_group(measurement, index, flat_grad, total_norm, self.capabilities.zero_zeroes_invalid_norm)
+            self.observe_flat(measurement, index, flat_grad, total_norm, self.capabilities.zero_zeroes_invalid_norm)
             self.scale_buckets(measurement, index, flat_grad)
 
     def observe_skipped(self, measurement, index: int, plan: ChunkPlan) -> None:

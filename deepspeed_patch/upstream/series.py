@@ -243,7 +243,7 @@ def stage_texts(full: Dict[str, str], upto: int) -> Dict[str, str]:
 
 
 def stage_sites(upto: int, facts_release) -> List[CallSite]:
-    """The call sites of pull requests 1..``upto``, in table order."""
+    """The call sites of pull requests 1..``upto``, in the order of ``CALL_SITES``."""
     from ..hooks import sites_for
 
     owned = [site for request in SERIES if int(request.number) <= upto for site in CALL_SITES if request.owns(site)]

@@ -91,8 +91,7 @@ class ZeroPartitionsAdapter(OptimizerAdapter):
         raise NotImplementedError
 
 
-def observe_chunks(measurement: Measurement, index: int, plan: ChunkPlan,
-                   chunks: Sequence[torch.Tensor]) -> None:
+def observe_chunks(measurement: Measurement, index: int, plan: ChunkPlan, chunks: Sequence[torch.Tensor]) -> None:
     """Fold in a partition still held as per-parameter pieces laid end to end: no copy of it."""
     measurement.observe(index, *plan.slices.chunked_views(chunks))
 

@@ -5,7 +5,7 @@
 """What differs between the DeepSpeed releases this package supports: all of it, in one record.
 
 The hooks read DeepSpeed's private bookkeeping, which changes between releases. Every such difference is
-worked out here, once per release, into a ``Capabilities`` record: the adapters, the call-site table
+worked out here, once per release, into a ``Capabilities`` record: the adapters, the call sites
 (``hooks``), the upstream patch generator and the CPU work-arounds read it and probe nothing themselves.
 
 Facts are read from the release's own source files (the file that defines the class in question), so
@@ -68,7 +68,7 @@ class Capabilities:
     (``megatron_integration.cpu_compat``; never applied by ``install()``)."""
 
     def has(self, name: str) -> bool:
-        """The capability ``name`` (a field of this record); the call-site table gates on it by name."""
+        """The capability ``name`` (a field of this record); the call sites gate on it by name."""
         value = getattr(self, name)
         if not isinstance(value, bool):
             raise ValueError(f"{name!r} is not a capability of {type(self).__name__}")

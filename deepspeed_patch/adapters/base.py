@@ -39,9 +39,9 @@ from ..clipping import zero_unscale_divisor
 from ..config import LayerGradNormsConfig
 from ..layer_map import LayerMap
 from ..measurement import Measurement, table_rows
-from ..on_demand import rank_of_process
 from ..optimizer_stats import OptimizerStatistics
 from ..partition_stats import ChunkPlan
+from ..process_rank import rank_of_process
 from ..publish import Publisher, Reader
 from ..recorder import FlightRecorder, Replay
 from ..remedies import CHECKPOINT_KEY, Action, Remedies, scale_runs

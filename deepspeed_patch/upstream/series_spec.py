@@ -118,7 +118,7 @@ SERIES = (
     PullRequest(
         "03",
         "zero12-layer-grad-norms",
-        ("steps.py", "publish.py", "monitor.py", "on_demand.py", "adapters/__init__.py", "adapters/attach.py",
+        ("steps.py", "publish.py", "monitor.py", "process_rank.py", "adapters/__init__.py", "adapters/attach.py",
          "adapters/base.py", "adapters/zero.py", "adapters/refusals.py"),
         ("DeepSpeedEngine", "DeepSpeedZeroOptimizer"),
         docs=True,
@@ -163,7 +163,7 @@ SERIES = (
     PullRequest(
         "06",
         "trigger-flight-recorder",
-        ("trigger.py", "recorder.py"),
+        ("trigger.py", "recorder.py", "spike_rule.py", "control_file.py", "jsonl_dump.py"),
         (),
         history_sites=True,
         control_sites=True,
@@ -176,7 +176,6 @@ SERIES = (
                 drop=("TriggerConfig", "DumpConfig", "LayerGradNormsConfig.trigger",
                       "LayerGradNormsConfig.control_file", "LayerGradNormsConfig.control_interval",
                       "LayerGradNormsConfig.dump")),
-            Cut("on_demand.py", drop=("WARM_UP", "SpikeTrigger", "ControlFile", "JsonlDump")),
             Cut("steps.py",
                 statements=(("StepPlan.__init__", r"self\.control = "), ("StepPlan.__init__", r"self\.capture: "),
                             ("StepPlan.next_step", r"settings = "), ("StepPlan.next_step", r"if settings:")),

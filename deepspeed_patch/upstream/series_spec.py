@@ -245,7 +245,7 @@ SERIES = (
     PullRequest(
         "07",
         "optimizer-statistics",
-        ("optimizer_stats.py", ),
+        ("adam_rule.py", "optimizer_stats.py"),
         (),
         cuts=(
             Cut("config.py",
@@ -302,12 +302,12 @@ SERIES = (
                 drop=("KERNEL_DTYPES", "EXTRA_BITS")),
             Cut("optimizer_stats.py",
                 replace=(("OptimizerStatistics.accumulate",
-                          "            if not group.accumulate_fused(kind_stats, skipped):\n"
+                          "            if not state.accumulate_fused(kind_stats, skipped):\n"
                           "                for kind in self.kinds:\n"
-                          "                    group.accumulate(kind, kind_stats[kind], self.scratch, skipped)",
+                          "                    state.accumulate(kind, kind_stats[kind], self.scratch, skipped)",
                           "            for kind in self.kinds:\n"
-                          "                group.accumulate(kind, kind_stats[kind], self.scratch, skipped)"), ),
-                drop=("GroupState.accumulate_fused", )),
+                          "                state.accumulate(kind, kind_stats[kind], self.scratch, skipped)"), ),
+                drop=("PartitionState.accumulate_fused", )),
         ),
     ),
     PullRequest(

@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from deepspeed_patch.config import LayerGradNormsConfigError, load_config
-from deepspeed_patch.jsonl_dump import JsonlDump, SpikeTrigger
+from deepspeed_patch.jsonl_dump import JsonlDump
+from deepspeed_patch.spike_rule import SpikeTrigger
 from megatron_integration.cpu_launch import launch
 from on_demand_workers import AGREED_LOSSES, NAN_CASES, OWN_LOSS_SPIKE, run_on_demand
 
@@ -59,7 +60,9 @@ def test_switching_on_and_off_through_the_engine_method(runs):
 def test_switching_on_and_off_through_the_control_file(runs):
     _, (first, second) = runs
     assert repr(first["control"]) == repr(second["control"])
-    assert measured_steps(first["control"]) == [4, 5]
+    # written before steps 4 (on) and 6 (off); read by rank 0 at the polls of steps 4 and 6, applied by every
+    # rank at the next poll (steps 6 and 8), when the flag's all-reduce issued at the read is complete
+    assert measured_steps(first["control"]) == [6, 7]
 
 
 def test_monitor_events_in_csv_and_tensorboard(runs):

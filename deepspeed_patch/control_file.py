@@ -83,7 +83,9 @@ class _Poll:
         accelerator, the pinned tensor the flag is copied into (``None`` on the host)."""
         accelerator = get_accelerator()
         self.settings, self.host = settings, host
-        self.flag = torch.full((1, ), int(settings is not None), dtype=torch.int64,
+        self.flag = torch.full((1, ),
+                               int(settings is not None),
+                               dtype=torch.int64,
                                device=accelerator.current_device_name())
         self.work = dist.all_reduce(self.flag, async_op=True)
         self.done = None

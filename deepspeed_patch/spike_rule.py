@@ -30,7 +30,7 @@ class SpikeTrigger:
     Routine dynamic loss scaling skips a step now and then: a scale that grows until the gradient overflows
     (one or two skipped steps in a row, with DeepSpeed's default hysteresis of 2), and at the start of a run
     the search for a scale from a large initial one. So an overflow fires only once ``overflow_steps`` steps
-    in a row were skipped, and a run of skipped steps that begins at step 1 (the search) never fires. A run
+    in a row were skipped, and a streak of skipped steps that begins at step 1 (the search) never fires. A run
     resumed from a checkpoint restores its loss scale: its skipped steps count from the first. A non-finite
     gradient norm on a step the scaler did not skip is no routine: it fires at once.
 
@@ -59,7 +59,7 @@ class SpikeTrigger:
         self.recent_losses: deque = deque(maxlen=window)
         self.last_fire: Optional[int] = None
         self.skipped_since: Optional[int] = None
-        """The first step of the current run of skipped steps, or ``None``."""
+        """The first step of the current streak of skipped steps, or ``None``."""
 
     def update(self,
                step: int,
@@ -86,7 +86,7 @@ class SpikeTrigger:
         return {"fired_at": step, "reason": reason, "capture_until": step + self.capture_steps}
 
     def _overflow_fires(self, step: int) -> bool:
-        """Count one more skipped step; whether the run of them fires."""
+        """Count one more skipped step; whether the streak of them fires."""
         if self.skipped_since is None:
             self.skipped_since = step
         searching = self.skipped_since == 1

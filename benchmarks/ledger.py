@@ -104,8 +104,9 @@ FAMILIES: Dict[str, Dict[str, Any]] = {
 
 NEVER = 10**9
 """An interval or a trigger factor that is never reached."""
-CONTROL_INTERVAL = 3
-"""The ``control file`` mode's poll interval: the counted (third) step is a poll step."""
+CONTROL_INTERVAL = 1
+"""The ``control file`` mode's poll interval: every step polls, so the counted (third) step is a poll that reads
+the previous poll's flag and issues its own, as every poll but the first does."""
 ABSENT_CONTROL_FILE = os.path.join(tempfile.gettempdir(), "layer_grad_norms_ledger_control_never_written.json")
 """The ``control file`` mode's file, never written: each poll finds nothing new, as on most polls of a real run."""
 HISTORY = 4
@@ -632,7 +633,8 @@ def main() -> None:
         "`layer_grad_norms` block); quiet (`interval` never reached); trigger (a trigger that never fires); "
         "loss trigger (`grad_norm_factor: null`, a `loss_factor` never reached, a host loss reported every step); "
         f"control file (statistics off, a poll step of `control_interval: {CONTROL_INTERVAL}` that finds nothing "
-        f"new); recorder (the trigger with `history: {HISTORY}`); measured (`interval: 1`); fire (the step whose "
+        "new: its flag's all-reduce issued without waiting, the previous poll's read); "
+        f"recorder (the trigger with `history: {HISTORY}`); measured (`interval: 1`); fire (the step whose "
         "loss spiked: the ring reduced). The Megatron hook rows count `log_layer_grad_norms` after an iteration, "
         "with Megatron's loss on the device.",
         "",

@@ -8,108 +8,28 @@ step, the Adam moments after it, and the update (after minus before).
 The fp32 master partition and its moments have the layout of the flat gradient partition, so the gradient's
 ``ChunkPlan`` reads each of them in one fused pass (``accumulate_partition``). The update is not read from a
 copy of the partition taken before the step: it is derived from the weights and moments after the step and the
-Adam family's rule (``AdamRule``): on the host by the C++ kernel, which reads each chunk of the weights and
-moments once and folds all requested kinds from it (``accumulate_fused``); elsewhere piece by piece into one
-bounded scratch buffer, each piece read with a chunk plan of its own window (``window_plans``). Optimizers whose
-state is keyed per parameter (no ZeRO) are read the same way, each parameter as a partition of one run
+Adam family's rule (``adam_rule.AdamRule``): on the host by the C++ kernel, which reads each chunk of the weights
+and moments once and folds all requested kinds from it (``accumulate_fused``); elsewhere piece by piece into one
+bounded scratch buffer, each piece read with a chunk plan of its own window (``cut_into_windows``). Each
+partition's tensors, state and chunk plans are held by one ``PartitionState``. Optimizers whose state is keyed
+per parameter (no ZeRO) are read the same way, each parameter as a partition of one run
 (``parameter_statistics``).
 """
 
-import inspect
-import math
-from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence
 
 import torch
 
+from .adam_rule import MOMENTS, NEEDS_ADAM, AdamRule, adam_rule, step_counter
 from .config import OPTIMIZER_STATISTICS
 from .partition_slices import PartitionSlices, slices_of_runs
 from .partition_stats import HOST, ChunkPlan, accumulate_partition, chunk_plan
 
-MOMENTS = ("exp_avg", "exp_avg_sq")
-NEEDS_ADAM = ("update", ) + MOMENTS
 # The most elements one piece of a derived statistic (the update, or zeros) holds in the scratch buffer.
 WINDOW = 1 << 20
 
 
-@dataclass(frozen=True)
-class AdamRule:
-    """One parameter group's Adam step: ``p <- p * (1 - lr * wd) - a`` with decoupled weight decay (AdamW),
-    ``p <- p - a`` with L2 in the gradient (Adam), where ``a = lr / bc1 * m / (sqrt(v) / sqrt(bc2) + eps)``
-    for the moments ``m``, ``v`` after the step and the bias corrections ``bc = 1 - beta ** step`` (1 without
-    bias correction)."""
-
-    lr: float
-    beta1: float
-    beta2: float
-    eps: float
-    weight_decay: float
-    decoupled: bool
-    bias_correction: bool
-
-    def update_into(self, out: torch.Tensor, param: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
-                    step: float) -> torch.Tensor:
-        """The update of one piece, written into ``out`` (same length): after minus before, in the order of
-        operations torch's Adam uses, so that it matches the step to rounding."""
-        bc1 = 1 - self.beta1**step if self.bias_correction else 1.0
-        bc2 = 1 - self.beta2**step if self.bias_correction else 1.0
-        torch.sqrt(exp_avg_sq, out=out).div_(math.sqrt(bc2)).add_(self.eps)
-        torch.div(exp_avg, out, out=out).mul_(self.lr / bc1)
-        if self.decoupled and self.weight_decay:
-            decay = self.lr * self.weight_decay
-            out.add_(param, alpha=decay).div_(1 - decay)
-        return out.neg_()
-
-    def coefficients(self, step: float) -> List[float]:
-        """The host kernel's form of the rule at ``step``: step size ``lr / bc1``, ``sqrt(bc2)``, eps, the
-        decoupled decay ``lr * weight_decay`` (0: none) and ``1 - decay``."""
-        bc1 = 1 - self.beta1**step if self.bias_correction else 1.0
-        bc2 = 1 - self.beta2**step if self.bias_correction else 1.0
-        decay = self.lr * self.weight_decay if self.decoupled else 0.0
-        return [self.lr / bc1, math.sqrt(bc2), self.eps, decay, 1 - decay]
-
-
-def adam_rule(optimizer: torch.optim.Optimizer, group: dict) -> AdamRule:
-    """The rule of ``optimizer``'s parameter ``group``; ``ValueError`` naming what is not supported."""
-    decoupled = adam_decoupling(optimizer)
-    for flag in ("amsgrad", "maximize"):
-        if group.get(flag):
-            raise ValueError(f"{type(optimizer).__name__} with {flag}=True")
-    missing = [key for key in ("lr", "betas", "eps") if key not in group]
-    if missing:
-        raise ValueError(f"{type(optimizer).__name__} whose parameter group has no {missing[0]!r}")
-    beta1, beta2 = group["betas"]
-    return AdamRule(lr=float(group["lr"]),
-                    beta1=float(beta1),
-                    beta2=float(beta2),
-                    eps=float(group["eps"]),
-                    weight_decay=float(group.get("weight_decay", 0.0)),
-                    decoupled=decoupled(group),
-                    bias_correction=bool(group.get("bias_correction", True)))
-
-
-def adam_decoupling(optimizer: torch.optim.Optimizer) -> Callable[[dict], bool]:
-    """Whether a group of ``optimizer`` decays weights decoupled (AdamW) or as L2 in the gradient (Adam), for
-    the Adam family whose semantics this module follows; ``ValueError`` naming any other optimizer.
-
-    An optimizer is known by the step it runs, not by its class's ancestors: its class's ``step`` must be that of
-    one of the known classes (a subclass that only changes ``__init__`` steps as its parent does; one with a
-    ``step`` of its own may do anything, so the update derived from Adam's rule would be a guess)."""
-    from deepspeed.ops.adam import DeepSpeedCPUAdam, FusedAdam
-
-    known = (torch.optim.Adam, torch.optim.AdamW, FusedAdam, DeepSpeedCPUAdam)
-    step = inspect.unwrap(type(optimizer).step)  # torch wraps a class's step in a profiling hook
-    if any(isinstance(optimizer, cls) and step is inspect.unwrap(cls.step) for cls in known):
-        if isinstance(optimizer, torch.optim.Adam):  # AdamW: a subclass (torch 2.13) or not (older releases)
-            return lambda group: isinstance(optimizer, torch.optim.AdamW) or bool(group.get("decoupled_weight_decay"))
-        return lambda group: bool(optimizer.adam_w_mode)
-    parent = next((cls.__name__ for cls in type(optimizer).__mro__ if cls in known), None)
-    own = f", a subclass of {parent} with a step method of its own" if parent else ""
-    raise ValueError(f"{type(optimizer).__name__}{own} (supported: torch.optim.Adam, torch.optim.AdamW, FusedAdam, "
-                     "DeepSpeedCPUAdam, and subclasses that keep their step method)")
-
-
-def window_plans(slices: PartitionSlices, device, window: int = WINDOW) -> List[ChunkPlan]:
+def cut_into_windows(slices: PartitionSlices, device, window: int = WINDOW) -> List[ChunkPlan]:
     """The chunk plans of ``slices`` cut into windows of ``window`` elements, each relative to its window's
     start: window ``k`` reads elements ``[k * window, (k + 1) * window)`` of the partition."""
     end = max((start + length for start, length in zip(slices.starts, slices.lengths)), default=0)
@@ -124,22 +44,9 @@ def window_plans(slices: PartitionSlices, device, window: int = WINDOW) -> List[
     return plans
 
 
-def step_counter(optimizer: torch.optim.Optimizer, index: int, param: torch.Tensor) -> torch.Tensor:
-    """The parameter whose state holds the step count the optimizer applied to ``param`` (of group ``index``):
-    its own, except under FusedAdam with several parameters in a group (fp32 without ZeRO), which counts the
-    group's steps in the state of the last parameter it steps only, and applies that count to all of them
-    (DeepSpeed's engine gives every trainable parameter a gradient)."""
-    from deepspeed.ops.adam import FusedAdam
-
-    params = optimizer.param_groups[index]["params"]
-    if not isinstance(optimizer, FusedAdam) or len(params) == 1:
-        return param
-    return [other for other in params if other.requires_grad][-1]
-
-
-class GroupState:
-    """One parameter group's fp32 master partition (or one parameter: ``parameter_statistics``), its optimizer
-    state and hyper-parameters, and the plans that read them."""
+class PartitionState:
+    """One fp32 master partition (a parameter group's under ZeRO, a sub-group's under ZeRO-3, or one parameter:
+    ``parameter_statistics``), its optimizer state and hyper-parameters, and the chunk plans that read them."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, group_id: int, partition: torch.Tensor, plan: ChunkPlan,
                  kinds: tuple, window: int) -> None:
@@ -150,8 +57,8 @@ class GroupState:
         self.plan = plan
         self.window = window
         derived = any(kind != "param" for kind in kinds)
-        self.windows = window_plans(plan.slices, plan.chunks.device, window) if derived else []
-        """Per-window plans: the update's pieces, and zero moments before the optimizer's first step."""
+        self.windows = cut_into_windows(plan.slices, plan.chunks.device, window) if derived else []
+        """Per-window chunk plans: the update's pieces, and zero moments before the optimizer's first step."""
         reads_adam = any(kind in NEEDS_ADAM for kind in kinds)
         self.rule: Optional[AdamRule] = None
         """The step's rule, as its parameter group stood when the step began (``OptimizerStatistics.begin_step``)."""
@@ -182,7 +89,7 @@ class GroupState:
         return True
 
     def accumulate(self, kind: str, stats: torch.Tensor, scratch: torch.Tensor, skipped: bool) -> None:
-        """Fold ``kind`` of this group into ``stats`` (its block of the table)."""
+        """Fold ``kind`` of this partition into ``stats`` (its block of the table)."""
         state = self.state()
         if kind == "param":
             accumulate_partition(stats, _flat(self.partition), self.plan)
@@ -245,9 +152,9 @@ def parameter_statistics(optimizer: torch.optim.Optimizer, buckets: Sequence[Seq
 
 
 class OptimizerStatistics:
-    """The requested optimizer statistics of an optimizer: one ``GroupState`` per parameter group's fp32 master
-    partition (or per parameter: ``parameter_statistics``), and one scratch buffer of at most ``WINDOW`` fp32
-    elements for the derived ones."""
+    """The requested optimizer statistics of an optimizer: one ``PartitionState`` per fp32 master partition (or
+    per parameter: ``parameter_statistics``), and one scratch buffer of at most ``WINDOW`` fp32 elements for the
+    derived ones."""
 
     def __init__(self,
                  optimizer: torch.optim.Optimizer,
@@ -265,13 +172,13 @@ class OptimizerStatistics:
         group_ids = range(len(partitions)) if group_ids is None else group_ids
         self.group_ids = sorted(set(group_ids))
         """The parameter groups of ``optimizer`` that the partitions belong to, each once."""
-        self.groups = [
-            GroupState(optimizer, group_id, partition, plan, kinds, window)
+        self.states = [
+            PartitionState(optimizer, group_id, partition, plan, kinds, window)
             for group_id, partition, plan in zip(group_ids, partitions, plans, strict=True)
         ]
         largest = min(window, max((partition.numel() for partition in partitions), default=0))
         self.scratch: Optional[torch.Tensor] = None
-        if any(group.windows for group in self.groups):
+        if any(state.windows for state in self.states):
             self.scratch = torch.empty(largest, dtype=torch.float32, device=partitions[0].device)
 
     def begin_step(self) -> None:
@@ -283,13 +190,13 @@ class OptimizerStatistics:
             return
         param_groups = self.optimizer.param_groups
         rules = {group_id: adam_rule(self.optimizer, param_groups[group_id]) for group_id in self.group_ids}
-        for group in self.groups:
-            group.rule = rules[group.group_id]
+        for state in self.states:
+            state.rule = rules[state.group_id]
 
     def accumulate(self, kind_stats: Dict[str, torch.Tensor], skipped: bool) -> None:
-        """Fold every requested kind of every group into its block of the table; ``skipped``: the loss scaler
-        skipped the step, so the update is zero."""
-        for group in self.groups:
-            if not group.accumulate_fused(kind_stats, skipped):
+        """Fold every requested kind of every partition into its block of the table; ``skipped``: the loss
+        scaler skipped the step, so the update is zero."""
+        for state in self.states:
+            if not state.accumulate_fused(kind_stats, skipped):
                 for kind in self.kinds:
-                    group.accumulate(kind, kind_stats[kind], self.scratch, skipped)
+                    state.accumulate(kind, kind_stats[kind], self.scratch, skipped)

@@ -6,7 +6,7 @@
 dump (rank 0) and DeepSpeed's monitors; and the guarded door every reader inside training goes through.
 
 Each reader is one class of one small interface (``Reader``), as DeepSpeed's ``monitor/`` has one class per
-backend: the JSONL dump (``on_demand.JsonlDump``) and DeepSpeed's monitors (``monitor.MonitorEvents``) here; outside
+backend: the JSONL dump (``jsonl_dump.JsonlDump``) and DeepSpeed's monitors (``monitor.MonitorEvents``) here; outside
 DeepSpeed, the Megatron hook's TensorBoard runs and the Hugging Face Trainer callback's logs. Each is called through
 a ``Consumer``: a reader that fails (a full disk, a writer's error) logs one traceback and stops itself on its
 rank; it never changes what the ranks do next: training, the statistics, the trigger, the recorder and the other
@@ -17,7 +17,8 @@ import logging
 from typing import Any, List, Optional
 
 from .config import DumpConfig
-from .on_demand import JsonlDump, rank_of_process
+from .jsonl_dump import JsonlDump
+from .process_rank import rank_of_process
 
 logger = logging.getLogger(__name__)
 

@@ -15,8 +15,8 @@ import logging
 from typing import Callable, Hashable, List, Optional
 
 from .config import LayerGradNormsConfig
+from .control_file import ControlFile
 from .layer_map import LayerMap
-from .on_demand import ControlFile
 
 logger = logging.getLogger(__name__)
 

@@ -19,8 +19,9 @@ from deepspeed import comm as dist
 from deepspeed.accelerator import get_accelerator
 
 from .config import TriggerConfig
-from .on_demand import SpikeTrigger, rank_of_process
+from .process_rank import rank_of_process
 from .reduction import INF_CODE, NAN_CODE, decode_maxima
+from .spike_rule import SpikeTrigger
 
 logger = logging.getLogger(__name__)
 

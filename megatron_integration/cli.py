@@ -20,7 +20,7 @@ quiet_cpu_fallback_notice()
 with contextlib.redirect_stdout(sys.stderr):
     from deepspeed_patch.config import LayerGradNormsConfigError, parse_layer_spec
     from deepspeed_patch.layer_map import resolve_layers
-    from deepspeed_patch.on_demand import WARM_UP
+    from deepspeed_patch.spike_rule import WARM_UP
     from deepspeed_patch.upstream.apply import COMMANDS, run_patch_command
 
     from .arguments import LAYER_FLAG_FORMS

@@ -25,7 +25,8 @@ EXPECTED = {
     ("ZeRO-2", "trigger"): (0, 1, 0),  # the trigger reads the global norm
     # the ranks' largest loss: one all-reduce of one float64, then its read (a host loss, the norm not watched)
     ("ZeRO-2", "loss trigger"): (1, 1, None),
-    # statistics off, a poll that finds nothing new: rank 0's "changed" flag all-reduced, and read; no broadcast
+    # statistics off, a poll that finds nothing new: rank 0's "changed" flag all-reduced without waiting, and the
+    # previous poll's flag read (complete by then; on an accelerator from a pinned copy, no sync); no broadcast
     ("ZeRO-2", "control file"): (1, 1, None),
     ("ZeRO-2", "recorder"): (0, 1, 0),  # the same read; the table goes into the ring in place
     ("ZeRO-2", "measured"): (2, 1, None),  # the SUM and MAX all-reduces, the one host copy of the reduced table

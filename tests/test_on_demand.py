@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from deepspeed_patch.config import LayerGradNormsConfigError, load_config
-from deepspeed_patch.on_demand import JsonlDump, SpikeTrigger
+from deepspeed_patch.jsonl_dump import JsonlDump
+from deepspeed_patch.spike_rule import SpikeTrigger
 from megatron_integration.cpu_launch import launch
 from on_demand_workers import AGREED_LOSSES, NAN_CASES, OWN_LOSS_SPIKE, run_on_demand
 
@@ -59,7 +60,9 @@ def test_switching_on_and_off_through_the_engine_method(runs):
 def test_switching_on_and_off_through_the_control_file(runs):
     _, (first, second) = runs
     assert repr(first["control"]) == repr(second["control"])
-    assert measured_steps(first["control"]) == [4, 5]
+    # written before steps 4 (on) and 6 (off); read by rank 0 at the polls of steps 4 and 6, applied by every
+    # rank at the next poll (steps 6 and 8), when the flag's all-reduce issued at the read is complete
+    assert measured_steps(first["control"]) == [6, 7]
 
 
 def test_monitor_events_in_csv_and_tensorboard(runs):
@@ -88,7 +91,7 @@ def test_trigger_ignores_ordinary_steps():
 
 def test_trigger_after_a_resume_fires_on_overflow_at_once_and_on_a_spike_after_its_warm_up():
     """A resumed run's trigger starts with an empty window (step 101 after a checkpoint at 100)."""
-    from deepspeed_patch.on_demand import WARM_UP
+    from deepspeed_patch.spike_rule import WARM_UP
 
     assert SpikeTrigger(3.0, 50, 4, on_overflow=True).update(101, None, True)["fired_at"] == 101
     trigger = SpikeTrigger(factor=3.0, window=50, capture_steps=4, on_overflow=True)
@@ -109,7 +112,7 @@ def test_dump_rotates(tmp_path):
 def test_dump_survives_a_killed_process_up_to_its_last_full_line(tmp_path):
     path = tmp_path / "killed.jsonl"
     writer = subprocess.Popen([sys.executable, "-c", (
-        "import sys\nfrom deepspeed_patch.on_demand import JsonlDump\n"
+        "import sys\nfrom deepspeed_patch.jsonl_dump import JsonlDump\n"
         f"dump = JsonlDump({str(path)!r}, max_bytes=10**9, backups=0)\n"
         "step = 0\nwhile True:\n    dump.write({'step': step, 'pad': 'x' * 1000}); step += 1\n")])
     deadline = time.time() + 60

@@ -206,7 +206,7 @@ def test_kinds_are_validated_naming_key_and_value():
 def test_update_rule_reconstructs_torch_adam_steps():
     """The update derived from the weights and moments after a torch Adam / AdamW step, against the step's own
     after minus before, on one tensor (with and without bias correction's effect of a later step)."""
-    from deepspeed_patch.optimizer_stats import adam_rule
+    from deepspeed_patch.adam_rule import adam_rule
 
     checked = 0
     for optimizer_class, decay in ((torch.optim.Adam, 0.1), (torch.optim.AdamW, 0.1), (torch.optim.AdamW, 0.0)):

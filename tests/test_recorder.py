@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from deepspeed_patch.config import LayerGradNormsConfigError, load_config
-from deepspeed_patch.on_demand import SpikeTrigger
 from deepspeed_patch.recorder import BEFORE_BLOCKS
 from deepspeed_patch.reduction import COLLECTIVES_PER_STEP
+from deepspeed_patch.spike_rule import SpikeTrigger
 from megatron_integration.cpu_launch import launch
 from recorder_workers import FAULTY_STEP, FULL_DISK, HISTORY, run_recorder
 from reference import TOLERANCE, assert_close_stats

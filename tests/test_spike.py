@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from adam_dynamics import Cause, Run, fire_of, train
 
-from deepspeed_patch.on_demand import JsonlDump
+from deepspeed_patch.jsonl_dump import JsonlDump
 from deepspeed_patch.tags import (
     ALL_PHASES,
     HISTORY_ROOT,

@@ -77,7 +77,7 @@ def test_only_what_belongs_in_deepspeed(tmp_path):
     added = _new_files(len(PATCHES), str(tmp_path))
     modules = [path for path in added if path.startswith(series.UPSTREAM_PACKAGE)]
     assert len(modules) >= 25
-    for name in ("capabilities.py", "plain.py", "tags.py", "hooks.py", "patching.py", "hf.py"):
+    for name in ("capabilities.py", "plain.py", "tags.py", "hooks.py", "patching.py", "hf.py", "hf_readers.py"):
         assert f"{series.UPSTREAM_PACKAGE}/{name}" not in added
     for path, text in added.items():
         assert "deepspeed_patch" not in text and "megatron_integration" not in text, path

@@ -38,8 +38,8 @@ from ..capabilities import Capabilities
 from ..config import LayerGradNormsConfig
 from ..layer_map import LayerMap
 from ..measurement import Measurement
-from ..on_demand import rank_of_process
 from ..optimizer_stats import OptimizerStatistics
+from ..process_rank import rank_of_process
 from ..publish import Publisher, Reader
 from ..recorder import FlightRecorder, Replay
 from ..remedies import CHECKPOINT_KEY, Action, Remedies, scale_runs

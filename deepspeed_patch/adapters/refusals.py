@@ -12,8 +12,8 @@ from typing import List, Optional
 
 import torch
 
+from ..adam_rule import NEEDS_ADAM, adam_decoupling, adam_rule
 from ..config import CONFIG_KEY, LayerGradNormsConfig, UnsupportedSetupError
-from ..optimizer_stats import NEEDS_ADAM, adam_decoupling, adam_rule
 from .bf16 import BF16Adapter
 from .fused_fp16 import FusedFP16Adapter
 from .unfused_fp16 import UnfusedFP16Adapter
@@ -66,7 +66,7 @@ def check_optimizer_statistics(optimizer, family: Optional[type], config: LayerG
     to the CPU), BF16_Optimizer and FP16_Optimizer, from the per-parameter fp32 copies of FP16_UnfusedOptimizer,
     and in fp32 without ZeRO (``family`` None) from the model's parameters, which ``optimizer`` (then the torch
     optimizer itself) steps; the update and moments from an optimizer of the Adam family
-    (``optimizer_stats.adam_decoupling``, known by the step it runs); under ZeRO-3, only where that state is all in
+    (``adam_rule.adam_decoupling``, known by the step it runs); under ZeRO-3, only where that state is all in
     this process's memory (``Zero3Adapter.state_elsewhere``); in every family, only where the master weights and
     the moments are fp32 (``low_precision_state``)."""
     kinds = config.optimizer_statistics

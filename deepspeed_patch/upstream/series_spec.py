@@ -118,7 +118,7 @@ SERIES = (
     PullRequest(
         "03",
         "zero12-layer-grad-norms",
-        ("steps.py", "publish.py", "monitor.py", "on_demand.py", "adapters/__init__.py", "adapters/attach.py",
+        ("steps.py", "publish.py", "monitor.py", "process_rank.py", "adapters/__init__.py", "adapters/attach.py",
          "adapters/base.py", "adapters/optimizer.py", "adapters/zero.py", "adapters/refusals.py"),
         ("DeepSpeedEngine", "DeepSpeedZeroOptimizer"),
         docs=True,
@@ -163,7 +163,7 @@ SERIES = (
     PullRequest(
         "06",
         "trigger-flight-recorder",
-        ("trigger.py", "recorder.py"),
+        ("trigger.py", "recorder.py", "spike_rule.py", "control_file.py", "jsonl_dump.py"),
         (),
         history_sites=True,
         control_sites=True,
@@ -176,7 +176,6 @@ SERIES = (
                 drop=("TriggerConfig", "DumpConfig", "LayerGradNormsConfig.trigger",
                       "LayerGradNormsConfig.control_file", "LayerGradNormsConfig.control_interval",
                       "LayerGradNormsConfig.dump")),
-            Cut("on_demand.py", drop=("WARM_UP", "SpikeTrigger", "ControlFile", "JsonlDump")),
             Cut("steps.py",
                 statements=(("StepSchedule.__init__", r"self\.control = "),
                             ("StepSchedule.__init__", r"self\.capture: "), ("StepSchedule.next_step", r"settings = "),
@@ -248,7 +247,7 @@ SERIES = (
     PullRequest(
         "07",
         "optimizer-statistics",
-        ("optimizer_stats.py", ),
+        ("adam_rule.py", "optimizer_stats.py"),
         (),
         cuts=(
             Cut("config.py",
@@ -305,12 +304,12 @@ SERIES = (
                 drop=("KERNEL_DTYPES", "EXTRA_BITS")),
             Cut("optimizer_stats.py",
                 replace=(("OptimizerStatistics.accumulate",
-                          "            if not group.accumulate_fused(kind_stats, skipped):\n"
+                          "            if not state.accumulate_fused(kind_stats, skipped):\n"
                           "                for kind in self.kinds:\n"
-                          "                    group.accumulate(kind, kind_stats[kind], self.scratch, skipped)",
+                          "                    state.accumulate(kind, kind_stats[kind], self.scratch, skipped)",
                           "            for kind in self.kinds:\n"
-                          "                group.accumulate(kind, kind_stats[kind], self.scratch, skipped)"), ),
-                drop=("GroupState.accumulate_fused", )),
+                          "                state.accumulate(kind, kind_stats[kind], self.scratch, skipped)"), ),
+                drop=("PartitionState.accumulate_fused", )),
         ),
     ),
     PullRequest(

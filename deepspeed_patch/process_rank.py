@@ -1,0 +1,22 @@
+# Copyright (c) Microsoft Corporation.
+# SPDX-License-Identifier: Apache-2.0
+
+# DeepSpeed Team
+"""This process's global rank, for the work only one rank does: rank 0 alone writes the JSONL dump and logs a
+decision every rank takes (a fire, a switch-off), so that a run of many ranks writes one file and one line.
+
+It is a module of its own because the rank is asked where no process group of ours is at hand: under DeepSpeed,
+and under a launcher that never initialised DeepSpeed's communication (``plain.py``'s loops).
+"""
+
+import os
+
+from deepspeed import comm as dist
+
+
+def rank_of_process() -> int:
+    """This process's global rank: DeepSpeed's, or under a launcher that did not initialise DeepSpeed's
+    communication (torchrun with plain DistributedDataParallel) the ``RANK`` the launcher sets; 0 alone."""
+    if dist.is_initialized():
+        return dist.get_rank()
+    return int(os.environ.get("RANK", "0"))

@@ -47,7 +47,7 @@ from ..recorder import FlightRecorder, Replay
 from ..remedies import CHECKPOINT_KEY, Action, Remedies, scale_runs
 from ..statistics import empty_stats
 from ..steps import FailureLatch, StepPlan
-from ..trigger import Fire, History, TriggerState
+from ..trigger import FireSelector, History, TriggerState
 
 logger = logging.getLogger(__name__)
 
@@ -310,7 +310,7 @@ class LayerGradNormsAdapter:
         """The statistics of the last measured step (``engine.get_layer_grad_norms()``), or ``None``."""
         return self.publisher.result
 
-    def history(self, fire: Fire = None) -> History:
+    def history(self, fire: FireSelector = None) -> History:
         """The recorded steps of the trigger's fires (``engine.get_layer_grad_norms_history()``), oldest first:
         the last fire's, a given fire's, or every kept fire's (``TriggerState.history``)."""
         return self.trigger.history(fire)

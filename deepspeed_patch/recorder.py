@@ -125,7 +125,7 @@ class FlightRecorder:
         block[:, NUMEL].add_(table[:, NUMEL])  # the buckets' element counts, and the status row's failure flag
         torch.maximum(block[-1, NUM_SUMMED:], table[-1, NUM_SUMMED:], out=block[-1, NUM_SUMMED:])
 
-    def history(self, group, keys: Sequence[Hashable], extra: Collection[str], after: int = 0) -> Replay:
+    def replay(self, group, keys: Sequence[Hashable], extra: Collection[str], after: int = 0) -> Replay:
         """The recorded steps after step ``after``, all buckets: the whole ring reduced across ``group`` in one
         reduction (every rank must call it). Each slot's status row carries the step in a maximum column and
         its negation in another, so the reduction gives every rank the highest and the lowest step the ranks

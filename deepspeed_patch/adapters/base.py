@@ -267,10 +267,10 @@ class LayerGradNormsAdapter:
         failure flag on the fire's own step switches the statistics off (the failure latch)."""
         step = self.plan.step
         with self.latch.failing_locally("reducing the recorded steps", step):
-            replay = self.recorder.history(self.group,
-                                           self.layer_map.keys,
-                                           self.extra,
-                                           after=self.trigger.published_until)
+            replay = self.recorder.replay(self.group,
+                                          self.layer_map.keys,
+                                          self.extra,
+                                          after=self.trigger.published_until)
             _log_left_out(replay, step)
             self.publisher.publish_history(self.trigger.keep(fired, replay.results))
             if step in replay.failed:

@@ -12,7 +12,7 @@ measured step needs it:
   parameters a bucket below 224 buckets, else one a bucket);
 - stock: ``partition_stats.accumulate_runs``, today's operators (squared norm, ``aminmax``, ``abs`` + ``amin``
   per 2 MiB piece on the host, per 4M-element piece on an accelerator);
-- fused: ``partition_stats.accumulate_partition`` with the chunk plan built at start-up (the host's C++
+- fused: ``partition_stats.accumulate_partition`` with the chunking built at start-up (the host's C++
   kernel, or Triton on CUDA).
 
 On the host the figures are for one thread, then for torch's default, on the shared 2-core machine;
@@ -28,7 +28,7 @@ from common import RESULTS, interleaved, machine, ratio_of, times, write_results
 from stats_alone import equal_runs
 
 from deepspeed_patch.partition_slices import slices_of_runs
-from deepspeed_patch.partition_stats import accumulate_partition, accumulate_runs, chunk_plan
+from deepspeed_patch.partition_stats import accumulate_partition, accumulate_runs, chunk_partition
 from deepspeed_patch.statistics import NUM_SUMMED, empty_stats
 
 PARAMS_PER_BUCKET = 16
@@ -44,10 +44,10 @@ def variants(flat: torch.Tensor, num_buckets: int) -> Tuple[Dict[str, Callable[[
     offset = flat.storage_offset()
     slices = slices_of_runs([(run.storage_offset() - offset, run.numel(), bucket) for bucket, run in enumerate(runs)],
                             device)
-    table = chunk_plan(slices, device)
+    chunking = chunk_partition(slices, device)
     stock, fused = empty_stats(num_buckets, device), empty_stats(num_buckets, device)
     accumulate_runs(stock, runs, slices.buckets)
-    accumulate_partition(fused, flat, table)
+    accumulate_partition(fused, flat, chunking)
     assert torch.equal(stock[:, NUM_SUMMED:], fused[:, NUM_SUMMED:]), "fused and stock maxima differ"
     assert torch.allclose(stock, fused, rtol=1e-4), "fused and stock sums differ"
     # The table is ready once the accelerator is done (reading it out costs the same for both paths).
@@ -58,7 +58,7 @@ def variants(flat: torch.Tensor, num_buckets: int) -> Tuple[Dict[str, Callable[[
         synchronize()
 
     def fused_stats() -> None:
-        accumulate_partition(empty_stats(num_buckets, device), flat, table)
+        accumulate_partition(empty_stats(num_buckets, device), flat, chunking)
         synchronize()
 
     return {
@@ -66,7 +66,7 @@ def variants(flat: torch.Tensor, num_buckets: int) -> Tuple[Dict[str, Callable[[
         "deepspeed_norm": lambda: torch.stack(torch._foreach_norm(params, 2.0)).sum().item(),
         "stock": stock_stats,
         "fused": fused_stats,
-    }, table.kernel
+    }, chunking.kernel
 
 
 def settings(device: str, quick: bool) -> Tuple[Sequence[int], Sequence[int], int, Sequence[int]]:
@@ -90,7 +90,7 @@ def run(quick: bool, device: str = "cpu") -> Tuple[List[str], dict]:
         "read: `torch.linalg.vector_norm` of the partition. DeepSpeed norm: one `_foreach_norm` over per-parameter "
         f"views, summed ({PARAMS_PER_BUCKET} parameters a bucket below {FEW_BUCKETS} buckets, else one). Stock: "
         "`partition_stats.accumulate_runs` (today's operators). Fused: `partition_stats.accumulate_partition` "
-        "with the chunk plan built at start-up (kernel: `host` C++, `triton`). Every variant ends when its result "
+        "with the chunking built at start-up (kernel: `host` C++, `triton`). Every variant ends when its result "
         f"is ready for the host. Median over {rounds} rounds in which every variant runs once in turn; ratios are "
         "per round, with their interquartile range in brackets. Threads: torch's intra-op threads (host only); on "
         "a machine shared with other jobs the rows of more than one thread are erratic (a parallel region waits "

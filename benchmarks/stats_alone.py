@@ -17,7 +17,7 @@ import torch
 from common import interleaved, machine, ratio_of, times
 
 from deepspeed_patch.partition_slices import slices_of_runs
-from deepspeed_patch.partition_stats import HOST_PIECE, accumulate_partition, accumulate_runs, chunk_plan
+from deepspeed_patch.partition_stats import HOST_PIECE, accumulate_partition, accumulate_runs, chunk_partition
 from deepspeed_patch.statistics import empty_stats
 
 NUM_BUCKETS = 14
@@ -112,9 +112,9 @@ def passes_table(num_elements: int, rounds: int, with_compile: bool) -> Dict[str
     }
     for shift in PIECE_SHIFTS:
         fns[f"after_piece_{shift}"] = functools.partial(with_piece, 1 << shift, runs, buckets)
-    table = chunk_plan(slices_of_runs([(run.storage_offset(), run.numel(), index) for index, run in enumerate(runs)]),
-                      "cpu")
-    fns["fused_kernel"] = lambda: accumulate_partition(empty_stats(len(runs), "cpu"), flat, table)
+    chunking = chunk_partition(
+        slices_of_runs([(run.storage_offset(), run.numel(), index) for index, run in enumerate(runs)]), "cpu")
+    fns["fused_kernel"] = lambda: accumulate_partition(empty_stats(len(runs), "cpu"), flat, chunking)
     if with_compile:
         fused = compiled_single_pass()
         if fused is not None:

@@ -24,7 +24,7 @@ from typing import Callable, Hashable, List, Optional, Sequence, Tuple
 import torch
 
 from .clipping import torch_clip_divisor
-from .partition_stats import ChunkPlan, accumulate_partition, accumulate_runs
+from .partition_stats import Chunking, accumulate_partition, accumulate_runs
 from .reduction import reduce_stats
 from .remedies import Action
 from .statistics import MAX, NEG_MIN, NUMEL, SUMSQ, bucket_results, empty_stats, reset_stats, total_norm
@@ -87,10 +87,10 @@ class Measurement:
                     "or fire's), training goes on", what, self.step)
             self.failed = True
 
-    def observe_partition(self, group_index: int, flat_grad: torch.Tensor, plan: ChunkPlan) -> None:
-        """Fold in one parameter group's flat gradient partition, laid out as ``plan`` says (once per group)."""
+    def observe_partition(self, group_index: int, flat_grad: torch.Tensor, chunking: Chunking) -> None:
+        """Fold in one parameter group's flat gradient partition, laid out as ``chunking`` says (once per group)."""
         if self._wanted(group_index):
-            accumulate_partition(self.stats, flat_grad, plan, self.extra)
+            accumulate_partition(self.stats, flat_grad, chunking, self.extra)
             self.observed.add(group_index)
 
     def observe(self, group_index: int, runs: Sequence[torch.Tensor], buckets: torch.Tensor) -> None:

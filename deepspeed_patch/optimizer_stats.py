@@ -6,11 +6,11 @@
 step, the Adam moments after it, and the update (after minus before).
 
 The fp32 master partition and its moments have the layout of the flat gradient partition, so the gradient's
-``ChunkPlan`` reads each of them in one fused pass (``accumulate_partition``). The update is not read from a
+``Chunking`` reads each of them in one fused pass (``accumulate_partition``). The update is not read from a
 copy of the partition taken before the step: it is derived from the weights and moments after the step and the
 Adam family's rule (``AdamRule``): on the host by the C++ kernel, which reads each chunk of the weights and
 moments once and folds all requested kinds from it (``accumulate_fused``); elsewhere piece by piece into one
-bounded scratch buffer, each piece read with a chunk plan of its own window (``window_plans``). Optimizers whose
+bounded scratch buffer, each piece read with a chunking of its own window (``window_plans``). Optimizers whose
 state is keyed per parameter (no ZeRO) are read the same way, each parameter as a partition of one run
 (``parameter_statistics``).
 """
@@ -24,7 +24,7 @@ import torch
 
 from .config import OPTIMIZER_STATISTICS
 from .partition_slices import PartitionSlices, slices_of_runs
-from .partition_stats import HOST, ChunkPlan, accumulate_partition, chunk_plan
+from .partition_stats import HOST, Chunking, accumulate_partition, chunk_partition
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 NEEDS_ADAM = ("update", ) + MOMENTS
@@ -109,8 +109,8 @@ def adam_decoupling(optimizer: torch.optim.Optimizer) -> Callable[[dict], bool]:
                      "DeepSpeedCPUAdam, and subclasses that keep their step method)")
 
 
-def window_plans(slices: PartitionSlices, device, window: int = WINDOW) -> List[ChunkPlan]:
-    """The chunk plans of ``slices`` cut into windows of ``window`` elements, each relative to its window's
+def window_plans(slices: PartitionSlices, device, window: int = WINDOW) -> List[Chunking]:
+    """The chunkings of ``slices`` cut into windows of ``window`` elements, each relative to its window's
     start: window ``k`` reads elements ``[k * window, (k + 1) * window)`` of the partition."""
     end = max((start + length for start, length in zip(slices.starts, slices.lengths)), default=0)
     buckets = slices.buckets.tolist()
@@ -120,7 +120,7 @@ def window_plans(slices: PartitionSlices, device, window: int = WINDOW) -> List[
         runs = [(max(start, low) - low, min(start + length, high) - max(start, low), bucket)
                 for start, length, bucket in zip(slices.starts, slices.lengths, buckets)
                 if start < high and start + length > low]
-        plans.append(chunk_plan(slices_of_runs(runs, device), device))
+        plans.append(chunk_partition(slices_of_runs(runs, device), device))
     return plans
 
 
@@ -141,7 +141,7 @@ class GroupState:
     """One parameter group's fp32 master partition (or one parameter: ``parameter_statistics``), its optimizer
     state and hyper-parameters, and the plans that read them."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, group_id: int, partition: torch.Tensor, plan: ChunkPlan,
+    def __init__(self, optimizer: torch.optim.Optimizer, group_id: int, partition: torch.Tensor, plan: Chunking,
                  kinds: tuple, window: int) -> None:
         """``group_id``: the parameter group of ``optimizer`` that steps ``partition`` (its hyper-parameters)."""
         self.optimizer = optimizer
@@ -215,7 +215,7 @@ def _flat(tensor: torch.Tensor) -> torch.Tensor:
 
 def optimizer_statistics(optimizer: torch.optim.Optimizer,
                          partitions: List[torch.Tensor],
-                         plans: List[ChunkPlan],
+                         plans: List[Chunking],
                          kinds: tuple,
                          group_ids: Optional[Sequence[int]] = None) -> Optional["OptimizerStatistics"]:
     """The reader of ``kinds`` for the fp32 master ``partitions`` that ``optimizer`` (the inner torch
@@ -235,7 +235,7 @@ def parameter_statistics(optimizer: torch.optim.Optimizer, buckets: Sequence[Seq
     members = [(index, param, bucket) for index, group in enumerate(optimizer.param_groups)
                for param, bucket in zip(group["params"], buckets[index], strict=True) if bucket is not None]
     plans = [
-        chunk_plan(slices_of_runs([(0, param.numel(), bucket)], param.device), param.device)
+        chunk_partition(slices_of_runs([(0, param.numel(), bucket)], param.device), param.device)
         for _, param, bucket in members
     ]
     return OptimizerStatistics(optimizer, [param for _, param, _ in members],
@@ -252,7 +252,7 @@ class OptimizerStatistics:
     def __init__(self,
                  optimizer: torch.optim.Optimizer,
                  partitions: List[torch.Tensor],
-                 plans: List[ChunkPlan],
+                 plans: List[Chunking],
                  kinds: tuple,
                  window: int = WINDOW,
                  group_ids: Optional[Sequence[int]] = None) -> None:

@@ -6,7 +6,7 @@
 
 In one read by a fused kernel where one is available (C++ and OpenMP on the host, ``partition_stats_cpu``;
 Triton on CUDA and ROCm, ``partition_stats_triton``), else with stock PyTorch operators over the runs
-(``accumulate_runs``), with the same results. A ``ChunkPlan``, built once per parameter group at start-up,
+(``accumulate_runs``), with the same results. A ``Chunking``, built once per parameter group at start-up,
 says where each run lies and which kernel reads it; the probe that picks the kernel runs then too. The
 extra statistics (L1, sum, zeros) are computed only when asked for.
 """
@@ -116,13 +116,14 @@ EXTRA_BITS = {"l1": 1, "mean": 2, "zeros": 4}  # the statistics of EXTRA_STATIST
 
 
 @dataclass(frozen=True)
-class ChunkPlan:
-    """How the kernels read one group's partition: its runs cut into chunks, and the kernel that reads them;
-    built once, next to its slices."""
+class Chunking:
+    """How the kernels read one parameter group's partition: its runs cut into chunks (the chunk list), and the
+    kernel that reads them; built once, next to its slices."""
 
     slices: PartitionSlices
     chunks: torch.Tensor
-    """``(chunks, 3)`` int64 on the partition's device: start, length and bucket row of each chunk."""
+    """The chunk list the kernels take: ``(chunks, 3)`` int64 on the partition's device, the start, length and
+    bucket row of each chunk."""
     end: int
     """One past the last element a run covers: the partition must have at least that many."""
     rows: int
@@ -131,8 +132,8 @@ class ChunkPlan:
     """``HOST``, ``TRITON`` or ``STOCK``: which path ``accumulate_partition`` takes."""
 
 
-def chunk_plan(slices: PartitionSlices, device, kernel: Optional[str] = None, chunk: int = CHUNK) -> ChunkPlan:
-    """The chunk plan of ``slices`` on ``device`` (where the partition lives).
+def chunk_partition(slices: PartitionSlices, device, kernel: Optional[str] = None, chunk: int = CHUNK) -> Chunking:
+    """The chunking of ``slices`` on ``device`` (where the partition lives).
 
     ``kernel`` forces a path (tests, benchmarks); by default the best one that ``device`` allows,
     which on the host compiles the C++ kernel now, at start-up, rather than in the first measured step.
@@ -144,11 +145,11 @@ def chunk_plan(slices: PartitionSlices, device, kernel: Optional[str] = None, ch
                for offset in range(0, length, chunk)]
     chunks = torch.tensor(entries, dtype=torch.int64).reshape(-1, 3).to(device)
     ends = [start + length for start, length in zip(slices.starts, slices.lengths)]
-    return ChunkPlan(slices=slices,
-                     chunks=chunks,
-                     end=max(ends, default=0),
-                     rows=max(buckets, default=-1) + 1,
-                     kernel=kernel or _best_kernel(device))
+    return Chunking(slices=slices,
+                    chunks=chunks,
+                    end=max(ends, default=0),
+                    rows=max(buckets, default=-1) + 1,
+                    kernel=kernel or _best_kernel(device))
 
 
 def _best_kernel(device: torch.device) -> str:
@@ -182,31 +183,31 @@ def _triton_runs(device: torch.device) -> bool:
         return False
 
 
-def accumulate_partition(stats: torch.Tensor, flat: torch.Tensor, plan: ChunkPlan,
+def accumulate_partition(stats: torch.Tensor, flat: torch.Tensor, chunking: Chunking,
                          extra: Collection[str] = ()) -> None:
-    """Fold the runs of ``plan`` in ``flat`` (this rank's 1-D gradient partition) into ``stats``.
+    """Fold the runs of ``chunking`` in ``flat`` (this rank's 1-D gradient partition) into ``stats``.
 
     ``extra`` names the statistics of ``EXTRA_STATISTICS`` to compute as well. No host
     synchronisation, no per-run Python; only the stock path keeps ``accumulate_runs``' own (on an
     accelerator, its non-finite check and small host-to-device copies). A partition of another dtype,
     or not contiguous, takes the stock path.
     """
-    if flat.dim() != 1 or flat.numel() < plan.end or stats.shape[0] < plan.rows:
+    if flat.dim() != 1 or flat.numel() < chunking.end or stats.shape[0] < chunking.rows:
         raise ValueError(f"layer_grad_norms: a partition of {flat.numel()} elements and a table of "
-                         f"{stats.shape[0]} buckets do not fit runs up to element {plan.end} and bucket "
-                         f"row {plan.rows - 1}")
-    if not flat.device == stats.device == plan.chunks.device:
+                         f"{stats.shape[0]} buckets do not fit runs up to element {chunking.end} and bucket "
+                         f"row {chunking.rows - 1}")
+    if not flat.device == stats.device == chunking.chunks.device:
         raise ValueError(f"layer_grad_norms: partition on {flat.device}, statistics on {stats.device}, chunk "
-                         f"plan on {plan.chunks.device}: they must be on one device")
-    if plan.kernel == STOCK or flat.dtype not in KERNEL_DTYPES or not flat.is_contiguous():
-        accumulate_runs(stats, plan.slices.views(flat), plan.slices.buckets, extra)
+                         f"list on {chunking.chunks.device}: they must be on one device")
+    if chunking.kernel == STOCK or flat.dtype not in KERNEL_DTYPES or not flat.is_contiguous():
+        accumulate_runs(stats, chunking.slices.views(flat), chunking.slices.buckets, extra)
         return
     bits = sum(EXTRA_BITS[name] for name in extra if name in EXTRA_BITS)
-    if plan.kernel == HOST:
+    if chunking.kernel == HOST:
         from .partition_stats_cpu import host_kernel
 
-        host_kernel()(stats, flat, plan.chunks, bits)
+        host_kernel()(stats, flat, chunking.chunks, bits)
     else:
         from .partition_stats_triton import accumulate_chunks
 
-        accumulate_chunks(stats, flat, plan.chunks, bits)
+        accumulate_chunks(stats, flat, chunking.chunks, bits)

@@ -22,7 +22,7 @@ import torch
 
 from deepspeed_patch import partition_stats as fused_stats
 from deepspeed_patch.partition_slices import PartitionSlices, partition_runs, slices_of_runs
-from deepspeed_patch.partition_stats import HOST, STOCK, TRITON, accumulate_partition, accumulate_runs, chunk_plan
+from deepspeed_patch.partition_stats import HOST, STOCK, TRITON, accumulate_partition, accumulate_runs, chunk_partition
 from deepspeed_patch.statistics import (
     L1,
     MAX,
@@ -104,9 +104,9 @@ def slices_on(runs: Sequence[Tuple[int, int, int]], device) -> PartitionSlices:
 def fused(kernel: str, device, flat: torch.Tensor, runs, stats: torch.Tensor, extra=(), chunk=None) -> torch.Tensor:
     """``stats`` (a copy) with the runs of ``flat`` folded in by ``kernel``."""
     slices = slices_on(runs, device)
-    table = chunk_plan(slices, device, kernel=kernel, **({} if chunk is None else {"chunk": chunk}))
+    chunking = chunk_partition(slices, device, kernel=kernel, **({} if chunk is None else {"chunk": chunk}))
     out = stats.clone().to(device)
-    accumulate_partition(out, flat.to(device), table, extra)
+    accumulate_partition(out, flat.to(device), chunking, extra)
     return out.cpu()
 
 
@@ -251,9 +251,9 @@ def test_empty_runs_and_partitions(kernel, device):
     assert torch.equal(got[[0, 2]], empty_stats(2, "cpu"))
     if kernel == TRITON and triton_unavailable():
         pytest.fail(triton_unavailable())
-    table = chunk_plan(slices_on([], device), device, kernel=kernel)
+    chunking = chunk_partition(slices_on([], device), device, kernel=kernel)
     stats = empty_stats(2, device)
-    accumulate_partition(stats, torch.empty(0, device=device), table, ALL_EXTRA)
+    accumulate_partition(stats, torch.empty(0, device=device), chunking, ALL_EXTRA)
     assert torch.equal(stats.cpu(), empty_stats(2, "cpu"))
 
 
@@ -320,7 +320,7 @@ def test_stock_path_and_kernel_choice(monkeypatch):
     stats = empty_stats(3, "cpu")
     calls = []
     monkeypatch.setattr(fused_stats, "accumulate_runs", lambda *args: calls.append(accumulate_runs(*args)))
-    assert chunk_plan(slices_on(runs, "cpu"), "cpu").kernel == HOST
+    assert chunk_partition(slices_on(runs, "cpu"), "cpu").kernel == HOST
     checked = 0
     for kernel, values in ((STOCK, flat), (HOST, flat.double())):
         got = fused(kernel, "cpu", values, runs, stats, ALL_EXTRA)
@@ -335,17 +335,17 @@ def test_stock_path_and_kernel_choice(monkeypatch):
 @NO_CUDA
 def test_cuda_partition_gets_the_triton_kernel():
     runs = random_runs(10_000, 6, 3, seed=16)
-    assert chunk_plan(slices_on(runs, "cuda"), "cuda").kernel == TRITON
+    assert chunk_partition(slices_on(runs, "cuda"), "cuda").kernel == TRITON
 
 
 def test_mismatched_partition_or_table_is_refused():
-    table = chunk_plan(slices_on([(0, 100, 2)], "cpu"), "cpu")
+    chunking = chunk_partition(slices_on([(0, 100, 2)], "cpu"), "cpu")
     with pytest.raises(ValueError, match="do not fit"):
-        accumulate_partition(empty_stats(3, "cpu"), torch.zeros(99), table)
+        accumulate_partition(empty_stats(3, "cpu"), torch.zeros(99), chunking)
     with pytest.raises(ValueError, match="do not fit"):
-        accumulate_partition(empty_stats(2, "cpu"), torch.zeros(100), table)
+        accumulate_partition(empty_stats(2, "cpu"), torch.zeros(100), chunking)
     with pytest.raises(ValueError, match="one device"):
-        accumulate_partition(empty_stats(3, "meta"), torch.zeros(100), table)
+        accumulate_partition(empty_stats(3, "meta"), torch.zeros(100), chunking)
     kernel = importlib.import_module("deepspeed_patch.partition_stats_cpu").host_kernel()
     with pytest.raises(RuntimeError, match="outside the partition"):
         kernel(empty_stats(3, "cpu"), torch.zeros(100), torch.tensor([[50, 51, 0]]), 0)
@@ -355,16 +355,16 @@ def test_missing_compiler_falls_back_with_one_warning(tmp_path):
     """Without a compiler the host kernel is not built: one warning, then the stock operators' results."""
     script = textwrap.dedent("""
         import torch
-        from deepspeed_patch.partition_stats import STOCK, accumulate_partition, chunk_plan
+        from deepspeed_patch.partition_stats import STOCK, accumulate_partition, chunk_partition
         from deepspeed_patch.partition_slices import slices_of_runs
         from deepspeed_patch.partition_stats import accumulate_runs
         from deepspeed_patch.statistics import empty_stats
         flat = torch.randn(1000)
         slices = slices_of_runs([(0, 600, 0), (600, 400, 1)])
-        tables = [chunk_plan(slices, "cpu") for _ in range(2)]
-        assert all(table.kernel == STOCK for table in tables), [table.kernel for table in tables]
+        chunkings = [chunk_partition(slices, "cpu") for _ in range(2)]
+        assert all(chunking.kernel == STOCK for chunking in chunkings), [chunking.kernel for chunking in chunkings]
         got, want = empty_stats(2, "cpu"), empty_stats(2, "cpu")
-        accumulate_partition(got, flat, tables[0], ("l1",))
+        accumulate_partition(got, flat, chunkings[0], ("l1",))
         accumulate_runs(want, slices.views(flat), slices.buckets, ("l1",))
         assert torch.equal(got, want)
         print("fell back")
@@ -418,7 +418,7 @@ def test_host_kernel_builds_once_per_process(warnings_logged):
 
 
 def test_triton_probe(monkeypatch, warnings_logged):
-    """chunk_plan tries the Triton kernel once on a device before choosing it; where it cannot run, the
+    """chunk_partition tries the Triton kernel once on a device before choosing it; where it cannot run, the
     stock operators are chosen with one warning."""
     if triton_unavailable():
         pytest.fail(triton_unavailable())

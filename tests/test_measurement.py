@@ -121,15 +121,15 @@ PEAK_MEMORY_SCRIPT = textwrap.dedent("""
     from deepspeed_patch.measurement import Measurement
     from deepspeed_patch.adapters.base import observe_chunks
     from deepspeed_patch.partition_slices import slices_of_runs
-    from deepspeed_patch.partition_stats import STOCK, chunk_plan
+    from deepspeed_patch.partition_stats import STOCK, chunk_partition
 
     sizes = [12_000_000, 20_000_000, 18_000_000]  # a 50M-element fp16 partition, as per-parameter pieces
     chunks = [torch.full((size,), 0.5, dtype=torch.float16) for size in sizes]
     chunks[1][7] = float("inf")
-    table = chunk_plan(slices_of_runs([(0, 30_000_000, 0), (30_000_000, 20_000_000, 1)]), "cpu", kernel=STOCK)
+    chunking = chunk_partition(slices_of_runs([(0, 30_000_000, 0), (30_000_000, 20_000_000, 1)]), "cpu", kernel=STOCK)
     measurement = Measurement(step=1, num_buckets=2, num_groups=1, device="cpu", extra=())
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    observe_chunks(measurement, 0, table, chunks)
+    observe_chunks(measurement, 0, chunking, chunks)
     grown = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before
     print(grown, int(measurement.stats[0, 1]), int(measurement.stats[1, 1]))
 """)

@@ -234,7 +234,7 @@ def test_the_update_in_small_windows_matches_the_step():
     changes between the step and the read, as the engine's lr scheduler changes it: the step's lr counts."""
     from deepspeed_patch.optimizer_stats import OptimizerStatistics
     from deepspeed_patch.partition_slices import slices_of_runs
-    from deepspeed_patch.partition_stats import STOCK, chunk_plan
+    from deepspeed_patch.partition_stats import STOCK, chunk_partition
     from deepspeed_patch.statistics import SUMSQ, empty_stats
 
     torch.manual_seed(0)
@@ -243,8 +243,8 @@ def test_the_update_in_small_windows_matches_the_step():
     optimizer = torch.optim.AdamW([flat], lr=1e-2, weight_decay=0.1)
     checked = 0
     for kernel in (None, STOCK):
-        plan = chunk_plan(slices_of_runs(runs), "cpu", kernel=kernel, chunk=64)
-        statistics = OptimizerStatistics(optimizer, [flat], [plan], tuple(KINDS), window=97)
+        chunking = chunk_partition(slices_of_runs(runs), "cpu", kernel=kernel, chunk=64)
+        statistics = OptimizerStatistics(optimizer, [flat], [chunking], tuple(KINDS), window=97)
         assert statistics.scratch.numel() == 97
         before = flat.detach().clone()
         flat.grad = torch.randn(1000)
@@ -285,7 +285,7 @@ def test_each_kernel_reads_every_kind_as_a_float64_reference(kinds):
 
     from deepspeed_patch.optimizer_stats import OptimizerStatistics
     from deepspeed_patch.partition_slices import slices_of_runs
-    from deepspeed_patch.partition_stats import HOST, STOCK, chunk_plan
+    from deepspeed_patch.partition_stats import HOST, STOCK, chunk_partition
     from deepspeed_patch.statistics import bucket_results, empty_stats
     from reference import bucket_stats
 
@@ -301,8 +301,11 @@ def test_each_kernel_reads_every_kind_as_a_float64_reference(kinds):
         torch.manual_seed(0)
         flat = torch.nn.Parameter(torch.randn(73210))
         optimizer = make([flat])
-        plans = {kernel: chunk_plan(slices_of_runs(runs), "cpu", kernel=kernel) for kernel in (HOST, STOCK)}
-        readers = {kernel: OptimizerStatistics(optimizer, [flat], [plan], kinds) for kernel, plan in plans.items()}
+        chunkings = {kernel: chunk_partition(slices_of_runs(runs), "cpu", kernel=kernel) for kernel in (HOST, STOCK)}
+        readers = {
+            kernel: OptimizerStatistics(optimizer, [flat], [chunking], kinds)
+            for kernel, chunking in chunkings.items()
+        }
         for _ in range(2):
             before = flat.detach().clone()
             flat.grad = torch.randn(73210)
@@ -338,15 +341,15 @@ def test_before_the_first_step_the_moments_and_update_are_zero():
     zero moments and a zero update, over every element of each bucket; the weights as they are."""
     from deepspeed_patch.optimizer_stats import OptimizerStatistics
     from deepspeed_patch.partition_slices import slices_of_runs
-    from deepspeed_patch.partition_stats import STOCK, chunk_plan
+    from deepspeed_patch.partition_stats import STOCK, chunk_partition
     from deepspeed_patch.statistics import MAX, NEG_ABS_MIN, NUMEL, SUMSQ, empty_stats
 
     torch.manual_seed(0)
     flat = torch.nn.Parameter(torch.randn(100))
     optimizer = torch.optim.AdamW([flat], lr=1e-2)
-    plan = chunk_plan(slices_of_runs([(0, 40, 0), (40, 60, 1)]), "cpu", kernel=STOCK)
+    chunking = chunk_partition(slices_of_runs([(0, 40, 0), (40, 60, 1)]), "cpu", kernel=STOCK)
     tables = {kind: empty_stats(2, "cpu") for kind in KINDS}
-    OptimizerStatistics(optimizer, [flat], [plan], tuple(KINDS), window=32).accumulate(tables, skipped=True)
+    OptimizerStatistics(optimizer, [flat], [chunking], tuple(KINDS), window=32).accumulate(tables, skipped=True)
     assert tables["param"][:, SUMSQ].sum().item() == pytest.approx(flat.detach().double().square().sum().item())
     for kind in KINDS[1:]:
         assert tables[kind][:, NUMEL].tolist() == [40, 60]

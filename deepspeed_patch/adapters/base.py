@@ -41,7 +41,7 @@ from ..layer_map import LayerMap
 from ..measurement import Measurement, table_rows
 from ..on_demand import rank_of_process
 from ..optimizer_stats import OptimizerStatistics
-from ..partition_stats import ChunkPlan
+from ..partition_stats import Chunking
 from ..publish import Publisher, Reader
 from ..recorder import FlightRecorder, Replay
 from ..remedies import CHECKPOINT_KEY, Action, Remedies, scale_runs
@@ -220,13 +220,13 @@ class LayerGradNormsAdapter:
         them; before the optimizer divides it by the loss scale."""
         factors = measurement.action.factors if measurement.action is not None else None
         if factors is not None:
-            slices = self.plans[index].slices
+            slices = self.chunkings[index].slices
             scale_runs(flat_grad, slices.starts, slices.lengths, self.run_buckets[index], factors)
 
     @functools.cached_property
     def run_buckets(self) -> List[List[int]]:
-        """Each group's runs' bucket rows, on the host (``plans`` holds them on the partition's device)."""
-        return [plan.slices.buckets.tolist() for plan in self.plans]
+        """Each group's runs' bucket rows, on the host (``chunkings`` holds them on the partition's device)."""
+        return [chunking.slices.buckets.tolist() for chunking in self.chunkings]
 
     def clip_divisor(self, global_norm: float) -> float:
         """What the optimizer's global clipping divides a gradient of unscaled norm ``global_norm`` by."""
@@ -361,16 +361,16 @@ class OptimizerAdapter(LayerGradNormsAdapter):
 class ZeroPartitionsAdapter(OptimizerAdapter):
     """ZeRO's optimizers (stages 1 to 3): each group's flat fp32 gradient partition, still multiplied by the
     loss scale, is read in ``unscale_and_clip_grads``; on a step the loss scaler skips, in ``_update_scale``,
-    before the gradients are dropped. ``plans`` holds each group's chunk plan."""
+    before the gradients are dropped. ``chunkings`` holds each group's chunking."""
 
-    plans: List[ChunkPlan]
+    chunkings: List[Chunking]
 
     def observe_group(self, measurement: Measurement, index: int, flat_grad: torch.Tensor, total_norm,
                       zeroes_invalid_norm: bool) -> None:
         """Fold in group ``index``'s flat partition and record what ``unscale_and_clip_grads`` divides it by,
         for the global norm (times the loss scale) ``total_norm``, which stays on the device until ``finish``."""
         optimizer = self.optimizer
-        measurement.observe_partition(index, flat_grad, self.plans[index])
+        measurement.observe_partition(index, flat_grad, self.chunkings[index])
         measurement.set_applied_scale_of_norm(
             total_norm,
             functools.partial(zero_unscale_divisor,
@@ -389,8 +389,8 @@ class ZeroPartitionsAdapter(OptimizerAdapter):
         with measurement.guarded("reading the gradients before the step"):
             measurement.set_gradient_scale(self.optimizer.loss_scale)
             if has_overflow or acting:
-                for index, plan in enumerate(self.plans):
-                    self.observe_skipped(measurement, index, plan)
+                for index, chunking in enumerate(self.chunkings):
+                    self.observe_skipped(measurement, index, chunking)
         if acting:
             self.act(measurement)
         elif self.remedies is not None:
@@ -405,15 +405,15 @@ class ZeroPartitionsAdapter(OptimizerAdapter):
         does not step the learning-rate schedule); the loss scaler itself saw no overflow."""
         self.optimizer.overflow = True
 
-    def observe_skipped(self, measurement: Measurement, index: int, plan: ChunkPlan) -> None:
+    def observe_skipped(self, measurement: Measurement, index: int, chunking: Chunking) -> None:
         """Fold in group ``index``'s gradient on a skipped step, wherever the family holds it then."""
         raise NotImplementedError
 
 
-def observe_chunks(measurement: Measurement, group_index: int, plan: ChunkPlan,
+def observe_chunks(measurement: Measurement, group_index: int, chunking: Chunking,
                    chunks: Sequence[torch.Tensor]) -> None:
     """Fold in a partition still held as per-parameter pieces laid end to end: no copy of it."""
-    measurement.observe(group_index, *plan.slices.chunked_views(chunks))
+    measurement.observe(group_index, *chunking.slices.chunked_views(chunks))
 
 
 def group_of(partitions: Sequence[torch.Tensor], flat_grad: torch.Tensor) -> int:

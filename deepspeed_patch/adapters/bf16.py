@@ -18,7 +18,7 @@ from ..clipping import bf16_clip_divisor
 from ..measurement import Measurement
 from ..optimizer_stats import optimizer_statistics
 from ..partition_slices import PartitionSlices, back_to_back_ranges, partition_runs, slices_of_runs
-from ..partition_stats import chunk_plan
+from ..partition_stats import chunk_partition
 from .base import OptimizerAdapter, Setup
 
 
@@ -27,13 +27,13 @@ class BF16Adapter(OptimizerAdapter):
 
     def __init__(self, optimizer, setup: Setup) -> None:
         device = optimizer.fp32_groups_gradients_flat[0].device
-        self.plans = [
-            chunk_plan(_group_slices(optimizer, index, setup, device), device)
+        self.chunkings = [
+            chunk_partition(_group_slices(optimizer, index, setup, device), device)
             for index in range(len(optimizer.bf16_groups))
         ]
-        super().__init__(optimizer, setup, len(self.plans), device)
+        super().__init__(optimizer, setup, len(self.chunkings), device)
         self.optimizer_statistics = optimizer_statistics(optimizer.optimizer, optimizer.fp32_groups_flat_partition,
-                                                         self.plans, self.kinds)
+                                                         self.chunkings, self.kinds)
 
     @staticmethod
     def handles(optimizer) -> bool:
@@ -47,7 +47,7 @@ class BF16Adapter(OptimizerAdapter):
 
     def read_at_begin(self, measurement: Measurement) -> None:
         for index, flat_grad in enumerate(self.optimizer.fp32_groups_gradient_flat_partition):
-            measurement.observe_partition(index, flat_grad, self.plans[index])
+            measurement.observe_partition(index, flat_grad, self.chunkings[index])
 
     def act_at_begin(self, measurement: Measurement) -> None:
         """With adaptive clipping, reduce the step now and scale each partition in place before ``step()`` computes

@@ -21,7 +21,7 @@ import torch
 
 from ..optimizer_stats import optimizer_statistics
 from ..partition_slices import back_to_back_ranges, partition_runs, slices_of_runs
-from ..partition_stats import chunk_plan
+from ..partition_stats import chunk_partition
 from .base import OptimizerAdapter, Setup, group_of, observe_chunks
 
 
@@ -30,14 +30,14 @@ class FusedFP16Adapter(OptimizerAdapter):
 
     def __init__(self, optimizer, setup: Setup) -> None:
         device = optimizer.fp32_groups_flat[0].device
-        self.plans = [
-            chunk_plan(
+        self.chunkings = [
+            chunk_partition(
                 slices_of_runs(partition_runs(back_to_back_ranges(params, setup.bucket_of), 0, flat.numel()), device),
                 device) for params, flat in zip(optimizer.fp16_groups, optimizer.fp32_groups_flat)
         ]
-        super().__init__(optimizer, setup, len(self.plans), device)
-        self.optimizer_statistics = optimizer_statistics(optimizer.optimizer, optimizer.fp32_groups_flat, self.plans,
-                                                         self.kinds)
+        super().__init__(optimizer, setup, len(self.chunkings), device)
+        self.optimizer_statistics = optimizer_statistics(optimizer.optimizer, optimizer.fp32_groups_flat,
+                                                         self.chunkings, self.kinds)
 
     @staticmethod
     def handles(optimizer) -> bool:
@@ -57,7 +57,7 @@ class FusedFP16Adapter(OptimizerAdapter):
         with measurement.guarded("reading the fp32 gradients"):
             for flat_grad in grad_groups_flat:
                 index = group_of(self.optimizer.fp32_groups_flat, flat_grad)
-                measurement.observe_partition(index, flat_grad, self.plans[index])
+                measurement.observe_partition(index, flat_grad, self.chunkings[index])
 
     def skip_step(self) -> None:
         """Top of ``_skip_invalid_grad_norm`` (where the release has it): a skipped step's gradients, before
@@ -83,9 +83,9 @@ class FusedFP16Adapter(OptimizerAdapter):
         for index, params in enumerate(self.optimizer.fp16_groups):
             flat_grad = self.optimizer.fp32_groups_flat[index].grad
             if flat_grad is not None:
-                measurement.observe_partition(index, flat_grad, self.plans[index])
+                measurement.observe_partition(index, flat_grad, self.chunkings[index])
             else:
-                observe_chunks(measurement, index, self.plans[index], [grad_or_zeros(param) for param in params])
+                observe_chunks(measurement, index, self.chunkings[index], [grad_or_zeros(param) for param in params])
 
 
 def grad_or_zeros(param: torch.nn.Parameter) -> torch.Tensor:

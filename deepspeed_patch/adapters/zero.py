@@ -19,7 +19,7 @@ from deepspeed import comm as dist
 
 from ..optimizer_stats import optimizer_statistics
 from ..partition_slices import PartitionSlices, partition_runs, slices_of_runs
-from ..partition_stats import ChunkPlan, chunk_plan
+from ..partition_stats import Chunking, chunk_partition
 from .base import Setup, ZeroPartitionsAdapter, group_of, observe_chunks
 
 
@@ -28,12 +28,13 @@ class ZeroAdapter(ZeroPartitionsAdapter):
 
     def __init__(self, optimizer, setup: Setup) -> None:
         device = optimizer.single_partition_of_fp32_groups[0].device
-        self.plans = [
-            chunk_plan(_group_slices(optimizer, index, setup), device) for index in range(len(optimizer.bit16_groups))
+        self.chunkings = [
+            chunk_partition(_group_slices(optimizer, index, setup), device)
+            for index in range(len(optimizer.bit16_groups))
         ]
-        super().__init__(optimizer, setup, len(self.plans), device)
+        super().__init__(optimizer, setup, len(self.chunkings), device)
         self.optimizer_statistics = optimizer_statistics(optimizer.optimizer,
-                                                         optimizer.single_partition_of_fp32_groups, self.plans,
+                                                         optimizer.single_partition_of_fp32_groups, self.chunkings,
                                                          self.kinds)
 
     @staticmethod
@@ -60,19 +61,19 @@ class ZeroAdapter(ZeroPartitionsAdapter):
             self.observe_group(measurement, index, flat_grad, total_norm, self.capabilities.zero_zeroes_invalid_norm)
             self.scale_buckets(measurement, index, flat_grad)
 
-    def observe_skipped(self, measurement, index: int, plan: ChunkPlan) -> None:
+    def observe_skipped(self, measurement, index: int, chunking: Chunking) -> None:
         """Group ``index``'s gradient on a skipped step: the offloaded fp32 partition, the flat partition a
         pre-flattening pass left, or the per-parameter pieces (fp16) the partition would be built from."""
         optimizer = self.optimizer
         if optimizer.cpu_offload:
-            measurement.observe_partition(index, optimizer.single_partition_of_fp32_groups[index].grad, plan)
+            measurement.observe_partition(index, optimizer.single_partition_of_fp32_groups[index].grad, chunking)
             return
         pieces = optimizer.averaged_gradients[index]
         flat = getattr(pieces, "flat_partition", None)
         if flat is not None:
-            measurement.observe_partition(index, flat.view(-1), plan)
+            measurement.observe_partition(index, flat.view(-1), chunking)
         else:
-            observe_chunks(measurement, index, plan, pieces)
+            observe_chunks(measurement, index, chunking, pieces)
 
 
 def _group_slices(optimizer, index: int, setup: Setup) -> PartitionSlices:

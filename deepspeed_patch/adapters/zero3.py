@@ -26,7 +26,7 @@ from deepspeed import comm as dist
 from ..capabilities import Capabilities
 from ..optimizer_stats import optimizer_statistics
 from ..partition_slices import PartitionSlices, partition_runs, slices_of_runs
-from ..partition_stats import ChunkPlan, chunk_plan
+from ..partition_stats import Chunking, chunk_partition
 from .base import BucketOf, Setup, ZeroPartitionsAdapter, observe_chunks
 
 
@@ -36,17 +36,17 @@ class Zero3Adapter(ZeroPartitionsAdapter):
     def __init__(self, optimizer, setup: Setup) -> None:
         device = optimizer.fp32_partitioned_groups_flat[0].device
         rank = dist.get_rank(group=optimizer.dp_process_group)
-        self.plans = [
-            chunk_plan(_sub_group_slices(params, rank, setup.bucket_of, device), device)
+        self.chunkings = [
+            chunk_partition(_sub_group_slices(params, rank, setup.bucket_of, device), device)
             for params in optimizer.fp16_groups
         ]
-        super().__init__(optimizer, setup, len(self.plans), device)
+        super().__init__(optimizer, setup, len(self.chunkings), device)
         self.optimizer_statistics = optimizer_statistics(
             optimizer.optimizer,
             optimizer.fp32_partitioned_groups_flat,
-            self.plans,
+            self.chunkings,
             self.kinds,
-            group_ids=[optimizer.sub_group_to_group_id[index] for index in range(len(self.plans))])
+            group_ids=[optimizer.sub_group_to_group_id[index] for index in range(len(self.chunkings))])
 
     @staticmethod
     def handles(optimizer) -> bool:
@@ -116,14 +116,14 @@ class Zero3Adapter(ZeroPartitionsAdapter):
             self.observe_group(measurement, sub_group_id, flat_grad, total_norm, zeroes_invalid_norm=False)
             self.scale_buckets(measurement, sub_group_id, flat_grad)
 
-    def observe_skipped(self, measurement, index: int, plan: ChunkPlan) -> None:
+    def observe_skipped(self, measurement, index: int, chunking: Chunking) -> None:
         """Sub-group ``index``'s gradient on a skipped step: the offloaded flat fp32 gradient, or the
         per-parameter partitions it would be flattened from."""
         optimizer = self.optimizer
         if optimizer.offload_optimizer:
-            measurement.observe_partition(index, optimizer.fp32_partitioned_groups_flat[index].grad, plan)
+            measurement.observe_partition(index, optimizer.fp32_partitioned_groups_flat[index].grad, chunking)
         else:
-            observe_chunks(measurement, index, plan, optimizer.averaged_gradients[index])
+            observe_chunks(measurement, index, chunking, optimizer.averaged_gradients[index])
 
 
 def _sub_group_slices(params: List[torch.nn.Parameter], rank: int, bucket_of: BucketOf, device) -> PartitionSlices:

@@ -291,15 +291,17 @@ SERIES = (
         (),
         cuts=(
             Cut("partition_stats.py",
-                replace=(("chunk_plan", "kernel=kernel or _best_kernel(device))", "kernel=kernel or STOCK)"),
+                replace=(("chunk_partition", "kernel=kernel or _best_kernel(device))", "kernel=kernel or STOCK)"),
                          ("accumulate_partition",
-                          "    if plan.kernel == STOCK or flat.dtype not in KERNEL_DTYPES or not "
+                          "    if chunking.kernel == STOCK or flat.dtype not in KERNEL_DTYPES or not "
                           "flat.is_contiguous():\n"
-                          "        accumulate_runs(stats, plan.slices.views(flat), plan.slices.buckets, extra)\n"
+                          "        accumulate_runs(stats, chunking.slices.views(flat), "
+                          "chunking.slices.buckets, extra)\n"
                           "        return\n",
-                          "    accumulate_runs(stats, plan.slices.views(flat), plan.slices.buckets, extra)\n")),
-                statements=(("accumulate_partition", r"bits = "), ("accumulate_partition",
-                                                                   r"if plan\.kernel == HOST")),
+                          "    accumulate_runs(stats, chunking.slices.views(flat), chunking.slices.buckets, "
+                          "extra)\n")),
+                statements=(("accumulate_partition", r"bits = "),
+                            ("accumulate_partition", r"if chunking\.kernel == HOST")),
                 drop=("KERNEL_DTYPES", "EXTRA_BITS")),
             Cut("optimizer_stats.py",
                 replace=(("OptimizerStatistics.accumulate",

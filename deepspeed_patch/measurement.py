@@ -24,7 +24,7 @@ from typing import Callable, Hashable, List, Optional, Sequence, Tuple
 import torch
 
 from .clipping import torch_clip_divisor
-from .partition_stats import Chunking, accumulate_partition, accumulate_runs
+from .partition_stats import Chunking, accumulate_partition, accumulate_spans
 from .reduction import reduce_stats
 from .remedies import Action
 from .statistics import MAX, NEG_MIN, NUMEL, SUMSQ, bucket_results, empty_stats, reset_stats, total_norm
@@ -93,10 +93,10 @@ class Measurement:
             accumulate_partition(self.stats, flat_grad, chunking, self.extra)
             self.observed.add(group_index)
 
-    def observe(self, group_index: int, runs: Sequence[torch.Tensor], buckets: torch.Tensor) -> None:
-        """Fold in one parameter group's gradient, as 1-D tensors ``runs`` in ``buckets`` (once per group)."""
+    def observe(self, group_index: int, spans: Sequence[torch.Tensor], buckets: torch.Tensor) -> None:
+        """Fold in one parameter group's gradient, as 1-D tensors ``spans`` in ``buckets`` (once per group)."""
         if self._wanted(group_index):
-            accumulate_runs(self.stats, runs, buckets, self.extra)
+            accumulate_spans(self.stats, spans, buckets, self.extra)
             self.observed.add(group_index)
 
     def _wanted(self, group_index: int) -> bool:

@@ -11,7 +11,7 @@ copy of the partition taken before the step: it is derived from the weights and 
 Adam family's rule (``AdamRule``): on the host by the C++ kernel, which reads each chunk of the weights and
 moments once and folds all requested kinds from it (``accumulate_fused``); elsewhere piece by piece into one
 bounded scratch buffer, each piece read with a chunking of its own window (``window_plans``). Optimizers whose
-state is keyed per parameter (no ZeRO) are read the same way, each parameter as a partition of one run
+state is keyed per parameter (no ZeRO) are read the same way, each parameter as a partition of one span
 (``parameter_statistics``).
 """
 
@@ -23,7 +23,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 import torch
 
 from .config import OPTIMIZER_STATISTICS
-from .partition_slices import PartitionSlices, slices_of_runs
+from .partition_slices import PartitionSlices, slices_of_spans
 from .partition_stats import HOST, Chunking, accumulate_partition, chunk_partition
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -117,10 +117,10 @@ def window_plans(slices: PartitionSlices, device, window: int = WINDOW) -> List[
     plans = []
     for low in range(0, end, window):
         high = low + window
-        runs = [(max(start, low) - low, min(start + length, high) - max(start, low), bucket)
-                for start, length, bucket in zip(slices.starts, slices.lengths, buckets)
-                if start < high and start + length > low]
-        plans.append(chunk_partition(slices_of_runs(runs, device), device))
+        spans = [(max(start, low) - low, min(start + length, high) - max(start, low), bucket)
+                 for start, length, bucket in zip(slices.starts, slices.lengths, buckets)
+                 if start < high and start + length > low]
+        plans.append(chunk_partition(slices_of_spans(spans, device), device))
     return plans
 
 
@@ -227,7 +227,7 @@ def optimizer_statistics(optimizer: torch.optim.Optimizer,
 def parameter_statistics(optimizer: torch.optim.Optimizer, buckets: Sequence[Sequence[Optional[int]]],
                          kinds: tuple) -> Optional["OptimizerStatistics"]:
     """The reader of ``kinds`` for an optimizer whose state is keyed per parameter, each parameter read whole
-    as a partition of one run: FP16_UnfusedOptimizer's fp32 copies, or the model's own parameters that a torch
+    as a partition of one span: FP16_UnfusedOptimizer's fp32 copies, or the model's own parameters that a torch
     optimizer steps (fp32 without ZeRO). ``buckets[g][k]``: the bucket row of parameter ``k`` of
     ``optimizer``'s group ``g`` (``None``: not counted on this rank). ``None`` without kinds."""
     if not kinds:
@@ -235,7 +235,7 @@ def parameter_statistics(optimizer: torch.optim.Optimizer, buckets: Sequence[Seq
     members = [(index, param, bucket) for index, group in enumerate(optimizer.param_groups)
                for param, bucket in zip(group["params"], buckets[index], strict=True) if bucket is not None]
     plans = [
-        chunk_partition(slices_of_runs([(0, param.numel(), bucket)], param.device), param.device)
+        chunk_partition(slices_of_spans([(0, param.numel(), bucket)], param.device), param.device)
         for _, param, bucket in members
     ]
     return OptimizerStatistics(optimizer, [param for _, param, _ in members],

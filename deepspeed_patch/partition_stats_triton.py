@@ -7,7 +7,7 @@
 Two stages, no host synchronisation: one program per entry of the chunk list reads its chunk once
 and writes one partial row of the ``(buckets, 9)`` table (sums of squares, L1 and sum in float64;
 min, max and abs-min compared as float, exact for fp32, bf16 and fp16); then the rows fold into the
-table with the same ``scatter_add_`` and ``scatter_reduce_(amax)`` as ``partition_stats.accumulate_runs``,
+table with the same ``scatter_add_`` and ``scatter_reduce_(amax)`` as ``partition_stats.accumulate_spans``,
 so NaN handling is the same: a chunk with a NaN has NaN min, max and abs-min, and NaN stays. Under
 ``TRITON_INTERPRET=1`` (set before this module is imported) the same code runs on host tensors.
 """

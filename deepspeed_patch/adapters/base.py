@@ -44,7 +44,7 @@ from ..optimizer_stats import OptimizerStatistics
 from ..partition_stats import Chunking
 from ..publish import Publisher, Reader
 from ..recorder import FlightRecorder, Replay
-from ..remedies import CHECKPOINT_KEY, Action, Remedies, scale_runs
+from ..remedies import CHECKPOINT_KEY, Action, Remedies, scale_spans
 from ..statistics import empty_stats
 from ..steps import FailureLatch, StepPlan
 from ..trigger import FireSelector, History, TriggerState
@@ -221,11 +221,11 @@ class LayerGradNormsAdapter:
         factors = measurement.action.factors if measurement.action is not None else None
         if factors is not None:
             slices = self.chunkings[index].slices
-            scale_runs(flat_grad, slices.starts, slices.lengths, self.run_buckets[index], factors)
+            scale_spans(flat_grad, slices.starts, slices.lengths, self.span_buckets[index], factors)
 
     @functools.cached_property
-    def run_buckets(self) -> List[List[int]]:
-        """Each group's runs' bucket rows, on the host (``chunkings`` holds them on the partition's device)."""
+    def span_buckets(self) -> List[List[int]]:
+        """Each group's spans' bucket rows, on the host (``chunkings`` holds them on the partition's device)."""
         return [chunking.slices.buckets.tolist() for chunking in self.chunkings]
 
     def clip_divisor(self, global_norm: float) -> float:

@@ -17,7 +17,7 @@ from deepspeed import comm as dist
 from ..clipping import bf16_clip_divisor
 from ..measurement import Measurement
 from ..optimizer_stats import optimizer_statistics
-from ..partition_slices import PartitionSlices, back_to_back_ranges, partition_runs, slices_of_runs
+from ..partition_slices import PartitionSlices, back_to_back_ranges, partition_spans, slices_of_spans
 from ..partition_stats import chunk_partition
 from .base import OptimizerAdapter, Setup
 
@@ -80,4 +80,4 @@ def _group_slices(optimizer, index: int, setup: Setup, device) -> PartitionSlice
     partition_size = optimizer.bf16_groups_flat[index].numel() // dist.get_world_size(group=group)
     ranges = back_to_back_ranges(optimizer.bf16_groups[index], setup.bucket_of)
     start = dist.get_rank(group=group) * partition_size
-    return slices_of_runs(partition_runs(ranges, start, partition_size), device)
+    return slices_of_spans(partition_spans(ranges, start, partition_size), device)

@@ -20,7 +20,7 @@ from typing import List
 import torch
 
 from ..optimizer_stats import optimizer_statistics
-from ..partition_slices import back_to_back_ranges, partition_runs, slices_of_runs
+from ..partition_slices import back_to_back_ranges, partition_spans, slices_of_spans
 from ..partition_stats import chunk_partition
 from .base import OptimizerAdapter, Setup, group_of, observe_chunks
 
@@ -32,8 +32,9 @@ class FusedFP16Adapter(OptimizerAdapter):
         device = optimizer.fp32_groups_flat[0].device
         self.chunkings = [
             chunk_partition(
-                slices_of_runs(partition_runs(back_to_back_ranges(params, setup.bucket_of), 0, flat.numel()), device),
-                device) for params, flat in zip(optimizer.fp16_groups, optimizer.fp32_groups_flat)
+                slices_of_spans(partition_spans(back_to_back_ranges(params, setup.bucket_of), 0, flat.numel()),
+                                device), device)
+            for params, flat in zip(optimizer.fp16_groups, optimizer.fp32_groups_flat)
         ]
         super().__init__(optimizer, setup, len(self.chunkings), device)
         self.optimizer_statistics = optimizer_statistics(optimizer.optimizer, optimizer.fp32_groups_flat,
@@ -89,7 +90,7 @@ class FusedFP16Adapter(OptimizerAdapter):
 
 
 def grad_or_zeros(param: torch.nn.Parameter) -> torch.Tensor:
-    """A parameter's gradient as one run, or zeros where it has none (a broadcast view: no allocation)."""
+    """A parameter's gradient as one span, or zeros where it has none (a broadcast view: no allocation)."""
     if param.grad is None:
         return param.new_zeros(()).expand(param.numel())
     return param.grad.reshape(-1)

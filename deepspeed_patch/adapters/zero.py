@@ -18,7 +18,7 @@ import torch
 from deepspeed import comm as dist
 
 from ..optimizer_stats import optimizer_statistics
-from ..partition_slices import PartitionSlices, partition_runs, slices_of_runs
+from ..partition_slices import PartitionSlices, partition_spans, slices_of_spans
 from ..partition_stats import Chunking, chunk_partition
 from .base import Setup, ZeroPartitionsAdapter, group_of, observe_chunks
 
@@ -77,7 +77,7 @@ class ZeroAdapter(ZeroPartitionsAdapter):
 
 
 def _group_slices(optimizer, index: int, setup: Setup) -> PartitionSlices:
-    """The runs of group ``index`` on this rank, from the optimizer's own layout bookkeeping: the parameter
+    """The spans of group ``index`` on this rank, from the optimizer's own layout bookkeeping: the parameter
     order and offsets of the flat buffer (after round-robin reordering and alignment padding) and the
     data-parallel partitions."""
     params = optimizer.round_robin_bit16_groups[index]
@@ -92,4 +92,4 @@ def _group_slices(optimizer, index: int, setup: Setup) -> PartitionSlices:
     start = sum(part.numel() for part in partitions[:rank])
     ranges = [(offset, size, setup.bucket_of(param)) for param, offset, size in zip(params, offsets, sizes)]
     device = optimizer.single_partition_of_fp32_groups[index].device
-    return slices_of_runs(partition_runs(ranges, start, partitions[rank].numel()), device)
+    return slices_of_spans(partition_spans(ranges, start, partitions[rank].numel()), device)

@@ -25,7 +25,7 @@ from deepspeed import comm as dist
 
 from ..capabilities import Capabilities
 from ..optimizer_stats import optimizer_statistics
-from ..partition_slices import PartitionSlices, partition_runs, slices_of_runs
+from ..partition_slices import PartitionSlices, partition_spans, slices_of_spans
 from ..partition_stats import Chunking, chunk_partition
 from .base import BucketOf, Setup, ZeroPartitionsAdapter, observe_chunks
 
@@ -127,7 +127,7 @@ class Zero3Adapter(ZeroPartitionsAdapter):
 
 
 def _sub_group_slices(params: List[torch.nn.Parameter], rank: int, bucket_of: BucketOf, device) -> PartitionSlices:
-    """The runs of one sub-group's flat gradient on ``rank``: each parameter's ``partition_numel()``
+    """The spans of one sub-group's flat gradient on ``rank``: each parameter's ``partition_numel()``
     elements back to back, of which the first ``ds_numel - rank * partition_numel()`` (none to all) are real."""
     ranges, offset = [], 0
     for param in params:
@@ -135,7 +135,7 @@ def _sub_group_slices(params: List[torch.nn.Parameter], rank: int, bucket_of: Bu
         real = min(size, max(0, param.ds_numel - rank * size))
         ranges.append((offset, real, bucket_of(param)))
         offset += size
-    return slices_of_runs(partition_runs(ranges, 0, offset), device)
+    return slices_of_spans(partition_spans(ranges, 0, offset), device)
 
 
 def _is_mics(optimizer) -> bool:

@@ -13,7 +13,7 @@
 // partial row per chunk, and the rows are folded into the table in chunk order, so the result does
 // not depend on the number of threads. Elements are compared as float (exact for all three dtypes) and
 // summed as double. A chunk with a NaN has NaN min, max and abs-min, and NaN stays in the table once
-// there, as torch.aminmax and scatter_reduce(amax) do in statistics.accumulate_runs.
+// there, as torch.aminmax and scatter_reduce(amax) do in partition_stats.accumulate_spans.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>

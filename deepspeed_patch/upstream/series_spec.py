@@ -295,10 +295,10 @@ SERIES = (
                          ("accumulate_partition",
                           "    if chunking.kernel == STOCK or flat.dtype not in KERNEL_DTYPES or not "
                           "flat.is_contiguous():\n"
-                          "        accumulate_runs(stats, chunking.slices.views(flat), "
+                          "        accumulate_spans(stats, chunking.slices.views(flat), "
                           "chunking.slices.buckets, extra)\n"
                           "        return\n",
-                          "    accumulate_runs(stats, chunking.slices.views(flat), chunking.slices.buckets, "
+                          "    accumulate_spans(stats, chunking.slices.views(flat), chunking.slices.buckets, "
                           "extra)\n")),
                 statements=(("accumulate_partition", r"bits = "),
                             ("accumulate_partition", r"if chunking\.kernel == HOST")),
@@ -379,7 +379,7 @@ SERIES = (
                             ("ZeroPartitionsAdapter.update_scale", r"acting = "),
                             ("ZeroPartitionsAdapter.update_scale", r"if acting:")),
                 drop=("LayerGradNormsAdapter._skip_fire", "LayerGradNormsAdapter.act",
-                      "LayerGradNormsAdapter.scale_buckets", "LayerGradNormsAdapter.run_buckets",
+                      "LayerGradNormsAdapter.scale_buckets", "LayerGradNormsAdapter.span_buckets",
                       "LayerGradNormsAdapter.clip_divisor", "LayerGradNormsAdapter.skip_optimizer_step",
                       "LayerGradNormsAdapter.suspend_global_clipping", "LayerGradNormsAdapter.resume_global_clipping",
                       "LayerGradNormsAdapter.save_remedies", "LayerGradNormsAdapter.load_remedies",

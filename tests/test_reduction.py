@@ -61,7 +61,7 @@ class SimulatedComm:
         def rank_main(rank: int) -> None:
             self.local.rank = rank
             try:
-                results[rank] = reduction.reduce_stats(tables[rank], group=None)
+                results[rank] = reduction.reduce_stats(tables[rank], process_group=None)
             except BaseException as error:  # reported below, not lost in the thread
                 errors.append(error)
                 self.barrier.abort()

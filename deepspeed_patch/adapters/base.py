@@ -62,7 +62,7 @@ class Setup:
     layer_map: LayerMap
     bucket_of: BucketOf
     """A parameter's row in the statistics table (``LayerMap.bucket_of``); ``None`` for one another rank counts."""
-    group: object
+    process_group: object
     """The ranks whose tables add up to the whole model; ``REPLICATED`` where each holds it all."""
     completed_steps: Callable[[], int]
     """The engine's optimizer steps so far, restored from checkpoints: the step numbering."""
@@ -84,7 +84,7 @@ class LayerGradNormsAdapter:
         self.trigger = TriggerState(setup.config.trigger)
         self.publisher = Publisher(setup.config.dump, setup.monitor)
         self.layer_map = setup.layer_map
-        self.group = setup.group
+        self.process_group = setup.process_group
         self.extra = setup.config.statistics
         self.kinds = setup.config.optimizer_statistics
         self.optimizer_statistics: Optional[OptimizerStatistics] = None
@@ -173,7 +173,8 @@ class LayerGradNormsAdapter:
             self.publisher.clear()
             result = finished = None
             with self.latch.failing_locally("finishing the step", step):
-                result = measurement.finish(self.group, overflow, self.layer_map.keys, self.plan.reported_keys())
+                result = measurement.finish(self.process_group, overflow, self.layer_map.keys,
+                                            self.plan.reported_keys())
                 finished = True
             if finished and result is None:
                 self.latch.switch_off(step)
@@ -202,7 +203,7 @@ class LayerGradNormsAdapter:
         step = measurement.step
         reduced = None
         with self.latch.failing_locally("reducing the step before the optimizer step", step):
-            reduced = measurement.reduce_now(self.group)
+            reduced = measurement.reduce_now(self.process_group)
         if reduced is None:  # a rank failed to measure: finish switches the statistics off on every rank
             return
         with self.latch.failing_locally("deciding the remedies", step):
@@ -267,7 +268,7 @@ class LayerGradNormsAdapter:
         failure flag on the fire's own step switches the statistics off (the failure latch)."""
         step = self.plan.step
         with self.latch.failing_locally("reducing the recorded steps", step):
-            replay = self.recorder.replay(self.group,
+            replay = self.recorder.replay(self.process_group,
                                           self.layer_map.keys,
                                           self.extra,
                                           after=self.trigger.published_until)
@@ -416,7 +417,7 @@ def observe_chunks(measurement: Measurement, group_index: int, chunking: Chunkin
     measurement.observe(group_index, *chunking.slices.chunked_views(chunks))
 
 
-def group_of(partitions: Sequence[torch.Tensor], flat_grad: torch.Tensor) -> int:
+def param_group_index(partitions: Sequence[torch.Tensor], flat_grad: torch.Tensor) -> int:
     """The parameter group whose flat fp32 partition has ``flat_grad`` as its gradient."""
     for index, partition in enumerate(partitions):
         if partition.grad is flat_grad:

@@ -42,8 +42,8 @@ class BF16Adapter(OptimizerAdapter):
         return isinstance(optimizer, BF16_Optimizer)
 
     @staticmethod
-    def param_groups(optimizer) -> List[List[torch.nn.Parameter]]:
-        return optimizer.bf16_groups
+    def trainable_params(optimizer) -> List[torch.nn.Parameter]:
+        return [param for params in optimizer.bf16_groups for param in params]
 
     def read_at_begin(self, measurement: Measurement) -> None:
         for index, flat_grad in enumerate(self.optimizer.fp32_groups_gradient_flat_partition):
@@ -76,8 +76,8 @@ class BF16Adapter(OptimizerAdapter):
 def _group_slices(optimizer, index: int, setup: Setup, device) -> PartitionSlices:
     """Its flat buffer holds the parameters back to back (padding only at the end) and splits into equal
     data-parallel partitions."""
-    group = optimizer.real_dp_process_group[index]
-    partition_size = optimizer.bf16_groups_flat[index].numel() // dist.get_world_size(group=group)
+    process_group = optimizer.real_dp_process_group[index]
+    partition_size = optimizer.bf16_groups_flat[index].numel() // dist.get_world_size(group=process_group)
     ranges = back_to_back_ranges(optimizer.bf16_groups[index], setup.bucket_of)
-    start = dist.get_rank(group=group) * partition_size
+    start = dist.get_rank(group=process_group) * partition_size
     return slices_of_spans(partition_spans(ranges, start, partition_size), device)

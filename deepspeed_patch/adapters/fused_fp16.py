@@ -5,7 +5,7 @@
 """``FP16_Optimizer``: fp16 or bf16 without ZeRO, with DeepSpeed's ``FusedAdam``.
 
 Every rank holds each parameter group's whole gradient as one flat fp32 buffer, read where the
-optimizer unscales and clips it, all groups at once; the factor it divides by is its return value. On a
+optimizer unscales and clips it, all parameter groups at once; the factor it divides by is its return value. On a
 skipped step the gradient is read before it is dropped, in whichever method of the release drops it
 (``capabilities.Capabilities.fp16_skip_method``).
 
@@ -22,7 +22,7 @@ import torch
 from ..optimizer_stats import optimizer_statistics
 from ..partition_slices import back_to_back_ranges, partition_spans, slices_of_spans
 from ..partition_stats import chunk_partition
-from .base import OptimizerAdapter, Setup, group_of, observe_chunks
+from .base import OptimizerAdapter, Setup, observe_chunks, param_group_index
 
 
 class FusedFP16Adapter(OptimizerAdapter):
@@ -47,17 +47,17 @@ class FusedFP16Adapter(OptimizerAdapter):
         return isinstance(optimizer, FP16_Optimizer) and not optimizer.fused_adam_legacy
 
     @staticmethod
-    def param_groups(optimizer) -> List[List[torch.nn.Parameter]]:
-        return optimizer.fp16_groups
+    def trainable_params(optimizer) -> List[torch.nn.Parameter]:
+        return [param for params in optimizer.fp16_groups for param in params]
 
     def unscale_and_clip_grads(self, grad_groups_flat, total_norm, apply_scale=True) -> None:
-        """Top of ``unscale_and_clip_grads``: the flat fp32 gradients of all groups."""
+        """Top of ``unscale_and_clip_grads``: the flat fp32 gradients of all parameter groups."""
         measurement = self.measurement
         if measurement is None or not apply_scale:
             return
         with measurement.guarded("reading the fp32 gradients"):
             for flat_grad in grad_groups_flat:
-                index = group_of(self.optimizer.fp32_groups_flat, flat_grad)
+                index = param_group_index(self.optimizer.fp32_groups_flat, flat_grad)
                 measurement.observe_partition(index, flat_grad, self.chunkings[index])
 
     def skip_step(self) -> None:

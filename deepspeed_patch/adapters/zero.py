@@ -6,7 +6,7 @@
 
 Each rank holds one contiguous partition of every parameter group's flat buffer. The optimizer builds
 that partition's fp32 gradient, averaged over ranks and micro-steps and still multiplied by the loss
-scale, and hands it to ``unscale_and_clip_grads``: that is where it is read, once per group. On a step
+scale, and hands it to ``unscale_and_clip_grads``: that is where it is read, once per parameter group. On a step
 the loss scaler skips, the partition is never built: its per-parameter pieces are read in
 ``_update_scale``, before they are dropped.
 """
@@ -20,7 +20,7 @@ from deepspeed import comm as dist
 from ..optimizer_stats import optimizer_statistics
 from ..partition_slices import PartitionSlices, partition_spans, slices_of_spans
 from ..partition_stats import Chunking, chunk_partition
-from .base import Setup, ZeroPartitionsAdapter, group_of, observe_chunks
+from .base import Setup, ZeroPartitionsAdapter, observe_chunks, param_group_index
 
 
 class ZeroAdapter(ZeroPartitionsAdapter):
@@ -44,12 +44,12 @@ class ZeroAdapter(ZeroPartitionsAdapter):
         return isinstance(optimizer, DeepSpeedZeroOptimizer)
 
     @staticmethod
-    def param_groups(optimizer) -> List[List[torch.nn.Parameter]]:
-        """The trainable parameters of each group, in the order of its flat buffer."""
-        return optimizer.bit16_groups
+    def trainable_params(optimizer) -> List[torch.nn.Parameter]:
+        """The trainable parameters, parameter group by parameter group, each in the order of its flat buffer."""
+        return [param for params in optimizer.bit16_groups for param in params]
 
     def unscale_and_clip_grads(self, grad_groups_flat, total_norm) -> None:
-        """Top of ``unscale_and_clip_grads``, once per group: the flat fp32 partition about to be divided by
+        """Top of ``unscale_and_clip_grads``, once per parameter group: the flat fp32 partition about to be divided by
         the loss scale and the clip factor (and, with adaptive clipping, multiplied by each bucket's factor
         first). The global norm stays on the device until ``finish``."""
         measurement = self.measurement
@@ -57,7 +57,7 @@ class ZeroAdapter(ZeroPartitionsAdapter):
             return
         with measurement.guarded("reading the gradient partition"):
             flat_grad = grad_groups_flat[0]
-            index = group_of(self.optimizer.single_partition_of_fp32_groups, flat_grad)
+            index = param_group_index(self.optimizer.single_partition_of_fp32_groups, flat_grad)
             self.observe_group(measurement, index, flat_grad, total_norm, self.capabilities.zero_zeroes_invalid_norm)
             self.scale_buckets(measurement, index, flat_grad)
 
@@ -77,7 +77,7 @@ class ZeroAdapter(ZeroPartitionsAdapter):
 
 
 def _group_slices(optimizer, index: int, setup: Setup) -> PartitionSlices:
-    """The spans of group ``index`` on this rank, from the optimizer's own layout bookkeeping: the parameter
+    """The spans of parameter group ``index`` on this rank, from the optimizer's own layout bookkeeping: the parameter
     order and offsets of the flat buffer (after round-robin reordering and alignment padding) and the
     data-parallel partitions."""
     params = optimizer.round_robin_bit16_groups[index]

@@ -55,24 +55,24 @@ class Zero3Adapter(ZeroPartitionsAdapter):
         return isinstance(optimizer, DeepSpeedZeroOptimizer_Stage3)
 
     @staticmethod
-    def param_groups(optimizer) -> List[List[torch.nn.Parameter]]:
-        """The trainable parameters of each sub-group, in the order of its flat gradient."""
-        return optimizer.fp16_groups
+    def trainable_params(optimizer) -> List[torch.nn.Parameter]:
+        """The trainable parameters, sub-group by sub-group, each in the order of its flat gradient."""
+        return [param for params in optimizer.fp16_groups for param in params]
 
     @staticmethod
     def unsupported(optimizer, names: Dict[torch.nn.Parameter, str], capabilities: Capabilities) -> List[str]:
         """Set-ups whose gradient partitions are not one partition per data-parallel rank on one device."""
-        own_groups = [
+        own_process_group = [
             names.get(param, "?") for params in optimizer.fp16_groups for param in params if
             not _same_ranks(getattr(param, "ds_process_group", optimizer.dp_process_group), optimizer.dp_process_group)
         ]
-        shown = ", ".join(own_groups[:3]) + (", ..." if len(own_groups) > 3 else "")
+        shown = ", ".join(own_process_group[:3]) + (", ..." if len(own_process_group) > 3 else "")
         hpz = optimizer.zero_hpz_partition_size
         refusals = {
             "MiCS (its own shard groups)":
             capabilities.zero3_mics and _is_mics(optimizer),
             f"parameters partitioned over their own process group (ds_process_group: {shown})":
-            bool(own_groups),
+            bool(own_process_group),
             f"hpZ (zero_hpz_partition_size={hpz})":
             hpz > 1,
             "NVMe offload of the optimizer (offload_optimizer.device=nvme)":
@@ -152,10 +152,10 @@ def _is_super_offload(optimizer) -> bool:
     return isinstance(optimizer, SuperOffloadOptimizer_Stage3)
 
 
-def _same_ranks(group: Optional[object], other: Optional[object]) -> bool:
+def _same_ranks(process_group: Optional[object], other: Optional[object]) -> bool:
     """Whether two process groups hold the same global ranks (the same group, or another handle of it)."""
-    return group is other or _global_ranks(group) == _global_ranks(other)
+    return process_group is other or _global_ranks(process_group) == _global_ranks(other)
 
 
-def _global_ranks(group) -> List[int]:
-    return [dist.get_global_rank(group, rank) for rank in range(dist.get_world_size(group=group))]
+def _global_ranks(process_group) -> List[int]:
+    return [dist.get_global_rank(process_group, rank) for rank in range(dist.get_world_size(group=process_group))]

@@ -231,7 +231,7 @@ def test_non_finite_values(kernel, device, dtype):
 
 
 @pytest.mark.parametrize("kernel,device", KERNELS)
-def test_runs_cut_at_partition_boundaries(kernel, device):
+def test_spans_cut_at_partition_boundaries(kernel, device):
     """The partitions of three ranks (uneven), each a view into the flat group buffer, with parameters cut
     by the partition boundaries and a parameter of no bucket (another rank's) left out."""
     numel = 9_000 if INTERPRETED and kernel == TRITON else 90_000
@@ -250,7 +250,7 @@ def test_runs_cut_at_partition_boundaries(kernel, device):
 
 
 @pytest.mark.parametrize("kernel,device", KERNELS)
-def test_empty_runs_and_partitions(kernel, device):
+def test_empty_spans_and_partitions(kernel, device):
     """Empty spans add nothing (the stock operators refuse them); an empty partition changes nothing."""
     flat = gradient(5000, torch.float32, seed=7)
     spans = [(0, 0, 0), (0, 2000, 1), (2000, 0, 2), (2000, 3000, 1), (5000, 0, 0)]

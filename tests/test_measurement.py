@@ -86,7 +86,7 @@ def test_a_failing_dump_stops_itself_alone_logged_once(tmp_path, caplog):
         assert len(lines.readlines()) == 1  # step 1's
 
 
-def test_chunked_views_are_the_runs_of_the_concatenated_chunks():
+def test_chunked_views_are_the_spans_of_the_concatenated_chunks():
     chunks = [torch.arange(start, start + size, dtype=torch.float32) for start, size in ((0, 5), (5, 1), (6, 7))]
     spans = [(0, 3, 0), (3, 4, 1), (8, 3, 2), (11, 2, 0)]  # the second span crosses two chunk boundaries
     slices = slices_of_spans(spans)

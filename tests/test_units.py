@@ -60,7 +60,7 @@ def test_layer_count_includes_frozen_layers():
     assert layer_map.select(parse_layer_spec("0,-1")) == (0, "head")  # layer 2 is frozen: nothing to report
 
 
-def test_runs_cut_parameters_at_partition_boundaries_and_skip_padding():
+def test_spans_cut_parameters_at_partition_boundaries_and_skip_padding():
     # three parameters: [0, 10) bucket 0, [12, 20) bucket 0 after 2 padding, [20, 30) bucket 1
     ranges = [(0, 10, 0), (12, 8, 0), (20, 10, 1)]
     assert partition_spans(ranges, 0, 15) == [(0, 10, 0), (12, 3, 0)]
@@ -68,7 +68,7 @@ def test_runs_cut_parameters_at_partition_boundaries_and_skip_padding():
     assert partition_spans(ranges, 30, 15) == []
 
 
-def test_runs_merge_neighbours_of_one_bucket():
+def test_spans_merge_neighbours_of_one_bucket():
     assert partition_spans([(0, 4, 2), (4, 4, 2), (8, 4, 3)], 0, 12) == [(0, 8, 2), (8, 4, 3)]
 
 

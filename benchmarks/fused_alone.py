@@ -10,9 +10,9 @@ measured step needs it:
 - one read: ``torch.linalg.vector_norm`` of the partition, the physical limit;
 - DeepSpeed's own norm computation: one ``_foreach_norm`` over per-parameter views, summed (16
   parameters a bucket below 224 buckets, else one a bucket);
-- stock: ``partition_stats.accumulate_runs``, today's operators (squared norm, ``aminmax``, ``abs`` + ``amin``
+- stock: ``partition_stats.accumulate_spans``, today's operators (squared norm, ``aminmax``, ``abs`` + ``amin``
   per 2 MiB piece on the host, per 4M-element piece on an accelerator);
-- fused: ``partition_stats.accumulate_partition`` with the chunk plan built at start-up (the host's C++
+- fused: ``partition_stats.accumulate_partition`` with the chunking built at start-up (the host's C++
   kernel, or Triton on CUDA).
 
 On the host the figures are for one thread, then for torch's default, on the shared 2-core machine;
@@ -27,8 +27,8 @@ import torch
 from common import RESULTS, interleaved, machine, ratio_of, times, write_results
 from stats_alone import equal_runs
 
-from deepspeed_patch.partition_slices import slices_of_runs
-from deepspeed_patch.partition_stats import accumulate_partition, accumulate_runs, chunk_plan
+from deepspeed_patch.partition_slices import slices_of_spans
+from deepspeed_patch.partition_stats import accumulate_partition, accumulate_spans, chunk_partition
 from deepspeed_patch.statistics import NUM_SUMMED, empty_stats
 
 PARAMS_PER_BUCKET = 16
@@ -42,23 +42,23 @@ def variants(flat: torch.Tensor, num_buckets: int) -> Tuple[Dict[str, Callable[[
     runs = equal_runs(flat, num_buckets)
     params = equal_runs(flat, num_buckets * (PARAMS_PER_BUCKET if num_buckets < FEW_BUCKETS else 1))
     offset = flat.storage_offset()
-    slices = slices_of_runs([(run.storage_offset() - offset, run.numel(), bucket) for bucket, run in enumerate(runs)],
+    slices = slices_of_spans([(run.storage_offset() - offset, run.numel(), bucket) for bucket, run in enumerate(runs)],
                             device)
-    table = chunk_plan(slices, device)
+    chunking = chunk_partition(slices, device)
     stock, fused = empty_stats(num_buckets, device), empty_stats(num_buckets, device)
-    accumulate_runs(stock, runs, slices.buckets)
-    accumulate_partition(fused, flat, table)
+    accumulate_spans(stock, runs, slices.buckets)
+    accumulate_partition(fused, flat, chunking)
     assert torch.equal(stock[:, NUM_SUMMED:], fused[:, NUM_SUMMED:]), "fused and stock maxima differ"
     assert torch.allclose(stock, fused, rtol=1e-4), "fused and stock sums differ"
     # The table is ready once the accelerator is done (reading it out costs the same for both paths).
     synchronize = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
 
     def stock_stats() -> None:
-        accumulate_runs(empty_stats(num_buckets, device), runs, slices.buckets)
+        accumulate_spans(empty_stats(num_buckets, device), runs, slices.buckets)
         synchronize()
 
     def fused_stats() -> None:
-        accumulate_partition(empty_stats(num_buckets, device), flat, table)
+        accumulate_partition(empty_stats(num_buckets, device), flat, chunking)
         synchronize()
 
     return {
@@ -66,7 +66,7 @@ def variants(flat: torch.Tensor, num_buckets: int) -> Tuple[Dict[str, Callable[[
         "deepspeed_norm": lambda: torch.stack(torch._foreach_norm(params, 2.0)).sum().item(),
         "stock": stock_stats,
         "fused": fused_stats,
-    }, table.kernel
+    }, chunking.kernel
 
 
 def settings(device: str, quick: bool) -> Tuple[Sequence[int], Sequence[int], int, Sequence[int]]:
@@ -89,8 +89,8 @@ def run(quick: bool, device: str = "cpu") -> Tuple[List[str], dict]:
         "model; 224: per-parameter buckets of a small model; 10,000: `granularity: param` of a large one). One "
         "read: `torch.linalg.vector_norm` of the partition. DeepSpeed norm: one `_foreach_norm` over per-parameter "
         f"views, summed ({PARAMS_PER_BUCKET} parameters a bucket below {FEW_BUCKETS} buckets, else one). Stock: "
-        "`partition_stats.accumulate_runs` (today's operators). Fused: `partition_stats.accumulate_partition` "
-        "with the chunk plan built at start-up (kernel: `host` C++, `triton`). Every variant ends when its result "
+        "`partition_stats.accumulate_spans` (today's operators). Fused: `partition_stats.accumulate_partition` "
+        "with the chunking built at start-up (kernel: `host` C++, `triton`). Every variant ends when its result "
         f"is ready for the host. Median over {rounds} rounds in which every variant runs once in turn; ratios are "
         "per round, with their interquartile range in brackets. Threads: torch's intra-op threads (host only); on "
         "a machine shared with other jobs the rows of more than one thread are erratic (a parallel region waits "

@@ -1,7 +1,7 @@
 """A rank's flat gradient partition of a TinyGPT, laid out as ZeRO-1/2 lays it out, without DeepSpeed.
 
 The statistics-alone benchmarks use it: the real layer map (``build_layer_map``) and partition runs
-(``partition_runs``) of the package over a random fp32 partition, so that scaling to 96 layers needs
+(``partition_spans``) of the package over a random fp32 partition, so that scaling to 96 layers needs
 neither a training run nor the memory of the model (built on the ``meta`` device).
 """
 
@@ -11,7 +11,7 @@ from typing import List
 import torch
 
 from deepspeed_patch.layer_map import build_layer_map
-from deepspeed_patch.partition_slices import PartitionSlices, back_to_back_ranges, partition_runs, slices_of_runs
+from deepspeed_patch.partition_slices import PartitionSlices, back_to_back_ranges, partition_spans, slices_of_spans
 from megatron_integration.tiny_gpt import TinyGPT, TinyGPTConfig
 
 
@@ -47,9 +47,9 @@ def tiny_gpt_partition(num_layers: int, hidden: int, world_size: int = 2, rank: 
     offset = sum(numel for _, numel, _ in ranges)
     size = -(-offset // world_size)
     start = rank * size
-    slices = slices_of_runs(partition_runs(ranges, start, min(size, offset - start)))
+    slices = slices_of_spans(partition_spans(ranges, start, min(size, offset - start)))
     flat = torch.randn(size, generator=torch.Generator().manual_seed(seed))
-    param_runs = partition_runs([(begin, numel, index) for index, (begin, numel, _) in enumerate(ranges)], start,
+    param_runs = partition_spans([(begin, numel, index) for index, (begin, numel, _) in enumerate(ranges)], start,
                                 min(size, offset - start))
     return Partition(flat=flat, slices=slices, num_buckets=len(layer_map.keys), num_params=offset,
                      param_views=[flat.narrow(0, begin, length) for begin, length, _ in param_runs])

@@ -4,7 +4,7 @@
 CPU, so memory is read from ``torch.profiler`` (``profile_memory=True``): every allocation and free
 through torch's CPU allocator, in time order, matched by address.
 
-- The local statistics path alone (``empty_stats``, ``accumulate_runs``, the all-reduces' buffers,
+- The local statistics path alone (``empty_stats``, ``accumulate_spans``, the all-reduces' buffers,
   ``bucket_results`` before and after clipping) on TinyGPT partitions of 4 to 96 layers and of
   growing hidden size: peak bytes held at once, against the partition's size.
 - Whole ``engine.step()`` calls of the 2-rank runs of ``scaling.py``: peak of a measured step against
@@ -19,7 +19,7 @@ import torch
 from common import machine, mib
 from layout import tiny_gpt_partition
 
-from deepspeed_patch.partition_stats import HOST_PIECE, accumulate_runs
+from deepspeed_patch.partition_stats import HOST_PIECE, accumulate_spans
 from deepspeed_patch.statistics import NUM_SUMMED, bucket_results, empty_stats
 
 
@@ -76,9 +76,9 @@ def synthetic_rows(points: Sequence[Tuple[int, int, str]]) -> List[dict]:
     for num_layers, hidden, sweep in points:
         part = tiny_gpt_partition(num_layers, hidden)
         runs, buckets = part.runs, part.slices.buckets
-        after = peak_allocated(functools.partial(local_path, accumulate_runs, runs, buckets, part.num_buckets))
+        after = peak_allocated(functools.partial(local_path, accumulate_spans, runs, buckets, part.num_buckets))
         before = peak_allocated(
-            functools.partial(local_path, statistics_before.accumulate_runs, runs, buckets, part.num_buckets))
+            functools.partial(local_path, statistics_before.accumulate_spans, runs, buckets, part.num_buckets))
         rows.append({
             "sweep": sweep,
             "layers": num_layers,
@@ -107,7 +107,7 @@ def run(quick: bool, rank_rows: Sequence[dict] = ()) -> Tuple[List[str], dict]:
         "torch keeps no CPU allocator statistics).", "", "## The statistics path alone", "",
         "Rank 0's fp32 partition of a TinyGPT on 2 ranks (as in scaling.md). Everything a measured step "
         "allocates for the statistics on one rank, the collective aside: the `(buckets, 9)` float64 table, the "
-        "per-run work of `accumulate_runs`, the all-gather's buffers for 2 ranks and their reduction, the "
+        "per-run work of `accumulate_spans`, the all-gather's buffers for 2 ranks and their reduction, the "
         "result dicts. Peak = bytes held at once at the worst moment.", "",
         "| layers | hidden | buckets | runs | partition | peak extra now | now / partition | now, beyond the scratch "
         "buffer | peak extra before | before / partition | allocated in all, now / before |",

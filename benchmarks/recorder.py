@@ -50,7 +50,7 @@ def bench_rank(spec: Spec, history: int) -> Dict[str, Any]:
     for _ in range(10):
         dist.barrier()
         start = time.perf_counter()
-        recorder.history(adapter.group, adapter.layer_map.keys, adapter.extra)
+        recorder.replay(adapter.process_group, adapter.layer_map.keys, adapter.extra)
         fires.append(time.perf_counter() - start)
     engine.destroy()
     return {"timings": timings, "fire": fires, "ring_bytes": recorder.nbytes, "rows": adapter.layer_map.num_rows}

@@ -18,7 +18,7 @@ import torch
 from common import CollectiveCounter, interleaved, machine, ratio_of, times
 from layout import gpt_config, tiny_gpt_partition
 
-from deepspeed_patch.partition_stats import accumulate_runs
+from deepspeed_patch.partition_stats import accumulate_spans
 from deepspeed_patch.statistics import empty_stats
 
 LAYER_COUNTS = (4, 8, 16, 32, 64, 96)
@@ -32,8 +32,8 @@ def time_partition(num_layers: int, hidden: int, rounds: int) -> dict:
     fns = {
         "one_read": lambda: torch.linalg.vector_norm(part.flat).item(),
         "deepspeed_norm": lambda: torch.stack(torch._foreach_norm(part.param_views, 2.0)).sum().item(),
-        "layer_stats": lambda: accumulate_runs(empty_stats(part.num_buckets, "cpu"), runs, buckets),
-        "layer_stats_before": lambda: statistics_before.accumulate_runs(empty_stats(part.num_buckets, "cpu"), runs,
+        "layer_stats": lambda: accumulate_spans(empty_stats(part.num_buckets, "cpu"), runs, buckets),
+        "layer_stats_before": lambda: statistics_before.accumulate_spans(empty_stats(part.num_buckets, "cpu"), runs,
                                                                         buckets),
     }
     timing = interleaved(fns, rounds, "one_read")

@@ -1,6 +1,6 @@
-"""``accumulate_runs`` as it was before the issue-6 optimisation, kept to time it against the current one in one run.
+"""``accumulate_spans`` as it was before the issue-6 optimisation, kept to time it against the current one in one run.
 
-Same results as ``deepspeed_patch.partition_stats.accumulate_runs`` up to float rounding: one
+Same results as ``deepspeed_patch.partition_stats.accumulate_spans`` up to float rounding: one
 ``_foreach_norm`` over whole runs, one ``aminmax`` per run, and ``|x|`` taken in freshly allocated
 chunks of 4M elements for abs_min.
 """
@@ -26,7 +26,7 @@ from deepspeed_patch.statistics import (
 ABS_CHUNK = 1 << 22
 
 
-def accumulate_runs(stats: torch.Tensor, runs: Sequence[torch.Tensor], buckets: torch.Tensor,
+def accumulate_spans(stats: torch.Tensor, runs: Sequence[torch.Tensor], buckets: torch.Tensor,
                     extra: Collection[str] = ()) -> None:
     if not runs:
         return

@@ -16,8 +16,8 @@ import statistics_before
 import torch
 from common import interleaved, machine, ratio_of, times
 
-from deepspeed_patch.partition_slices import slices_of_runs
-from deepspeed_patch.partition_stats import HOST_PIECE, accumulate_partition, accumulate_runs, chunk_plan
+from deepspeed_patch.partition_slices import slices_of_spans
+from deepspeed_patch.partition_stats import HOST_PIECE, accumulate_partition, accumulate_spans, chunk_partition
 from deepspeed_patch.statistics import empty_stats
 
 NUM_BUCKETS = 14
@@ -32,8 +32,8 @@ def equal_runs(flat: torch.Tensor, count: int) -> List[torch.Tensor]:
 def check_same(runs: List[torch.Tensor], buckets: torch.Tensor) -> None:
     """Current and previous implementation agree: maxima exactly, sums to float rounding."""
     new, old = empty_stats(len(buckets), "cpu"), empty_stats(len(buckets), "cpu")
-    accumulate_runs(new, runs, buckets, ("l1", "mean", "zeros"))
-    statistics_before.accumulate_runs(old, runs, buckets, ("l1", "mean", "zeros"))
+    accumulate_spans(new, runs, buckets, ("l1", "mean", "zeros"))
+    statistics_before.accumulate_spans(old, runs, buckets, ("l1", "mean", "zeros"))
     assert torch.equal(new[:, 6:], old[:, 6:]) and torch.allclose(new, old, rtol=1e-3), "implementations disagree"
 
 
@@ -46,10 +46,10 @@ def main_table(num_elements: int, rounds: int) -> Dict[str, dict]:
     fns = {
         "one_read": lambda: torch.linalg.vector_norm(flat).item(),
         "deepspeed_norm": lambda: torch.stack(torch._foreach_norm(per_param, 2.0)).sum().item(),
-        "layer_stats": lambda: accumulate_runs(empty_stats(len(runs), "cpu"), runs, buckets),
-        "layer_stats_before": lambda: statistics_before.accumulate_runs(empty_stats(len(runs), "cpu"), runs, buckets),
-        "param_stats": lambda: accumulate_runs(empty_stats(len(per_param), "cpu"), per_param, param_buckets),
-        "param_stats_before": lambda: statistics_before.accumulate_runs(empty_stats(len(per_param), "cpu"),
+        "layer_stats": lambda: accumulate_spans(empty_stats(len(runs), "cpu"), runs, buckets),
+        "layer_stats_before": lambda: statistics_before.accumulate_spans(empty_stats(len(runs), "cpu"), runs, buckets),
+        "param_stats": lambda: accumulate_spans(empty_stats(len(per_param), "cpu"), per_param, param_buckets),
+        "param_stats_before": lambda: statistics_before.accumulate_spans(empty_stats(len(per_param), "cpu"),
                                                                         per_param, param_buckets),
     }
     return interleaved(fns, rounds, "one_read")
@@ -83,7 +83,7 @@ def int32_loop(pieces: List[torch.Tensor], scratch: torch.Tensor) -> None:
 
 def with_piece(piece: int, runs: List[torch.Tensor], buckets: torch.Tensor) -> None:
     """The current implementation with another piece size."""
-    accumulate_runs(empty_stats(len(runs), "cpu"), runs, buckets, piece=piece)
+    accumulate_spans(empty_stats(len(runs), "cpu"), runs, buckets, piece=piece)
 
 
 def passes_table(num_elements: int, rounds: int, with_compile: bool) -> Dict[str, dict]:
@@ -107,14 +107,14 @@ def passes_table(num_elements: int, rounds: int, with_compile: bool) -> Dict[str
                                                      ]).tolist(),
         "core_loop": lambda: core_loop(pieces, scratch),
         "int32_loop": lambda: int32_loop(pieces, scratch),
-        "before": lambda: statistics_before.accumulate_runs(empty_stats(len(runs), "cpu"), runs, buckets),
-        "after": lambda: accumulate_runs(empty_stats(len(runs), "cpu"), runs, buckets),
+        "before": lambda: statistics_before.accumulate_spans(empty_stats(len(runs), "cpu"), runs, buckets),
+        "after": lambda: accumulate_spans(empty_stats(len(runs), "cpu"), runs, buckets),
     }
     for shift in PIECE_SHIFTS:
         fns[f"after_piece_{shift}"] = functools.partial(with_piece, 1 << shift, runs, buckets)
-    table = chunk_plan(slices_of_runs([(run.storage_offset(), run.numel(), index) for index, run in enumerate(runs)]),
-                      "cpu")
-    fns["fused_kernel"] = lambda: accumulate_partition(empty_stats(len(runs), "cpu"), flat, table)
+    chunking = chunk_partition(
+        slices_of_spans([(run.storage_offset(), run.numel(), index) for index, run in enumerate(runs)]), "cpu")
+    fns["fused_kernel"] = lambda: accumulate_partition(empty_stats(len(runs), "cpu"), flat, chunking)
     if with_compile:
         fused = compiled_single_pass()
         if fused is not None:

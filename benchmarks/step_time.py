@@ -279,7 +279,7 @@ def run(quick: bool) -> Tuple[List[str], dict]:
         "- per-parameter `.norm()` loop: norm, min and max of each parameter's gradient after backward. "
         "ZeRO 0 (DeepSpeed without ZeRO, fp32): `param.grad`, complete on every rank.",
         "- † ZeRO-1 and ZeRO-2: not applicable as such: `param.grad` is None after backward in both stages "
-        "(DeepSpeed 0.19.8 moves each gradient into its reduction buckets and frees it). The figure is the same "
+        "(DeepSpeed 0.19.8 moves each gradient into its reduce buckets and frees it). The figure is the same "
         "loop over ZeRO's per-parameter pieces of this rank's partition (`optimizer.averaged_gradients`, "
         "DeepSpeed internals): local parts only, not combined across ranks, so not a per-parameter norm of the "
         "model; a lower bound on what such a loop costs.",

@@ -21,7 +21,7 @@ from typing import Callable, Hashable, Optional, Sequence
 
 import torch
 
-from .partition_stats import ChunkPlan, accumulate_partition, accumulate_runs
+from .partition_stats import Chunking, accumulate_partition, accumulate_spans
 from .reduction import reduce_stats
 from .remedies import Action
 from .result import NormFormula, StepScales, host_copy, resolve_scales, step_result
@@ -85,16 +85,16 @@ class Measurement:
                     "or fire's), training goes on", what, self.step)
             self.failed = True
 
-    def observe_partition(self, index: int, flat_grad: torch.Tensor, plan: ChunkPlan) -> None:
-        """Fold in flat gradient partition ``index``, laid out as ``plan`` says (once per partition)."""
+    def observe_partition(self, index: int, flat_grad: torch.Tensor, chunking: Chunking) -> None:
+        """Fold in flat gradient partition ``index``, laid out as ``chunking`` says (once per partition)."""
         if self._wanted(index):
-            accumulate_partition(self.stats, flat_grad, plan, self.extra)
+            accumulate_partition(self.stats, flat_grad, chunking, self.extra)
             self.observed.add(index)
 
-    def observe(self, index: int, runs: Sequence[torch.Tensor], buckets: torch.Tensor) -> None:
-        """Fold in partition ``index``'s gradient, as 1-D tensors ``runs`` in ``buckets`` (once per partition)."""
+    def observe(self, index: int, spans: Sequence[torch.Tensor], buckets: torch.Tensor) -> None:
+        """Fold in partition ``index``'s gradient, as 1-D tensors ``spans`` in ``buckets`` (once per partition)."""
         if self._wanted(index):
-            accumulate_runs(self.stats, runs, buckets, self.extra)
+            accumulate_spans(self.stats, spans, buckets, self.extra)
             self.observed.add(index)
 
     def _wanted(self, index: int) -> bool:

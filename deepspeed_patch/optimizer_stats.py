@@ -6,12 +6,12 @@
 step, the Adam moments after it, and the update (after minus before).
 
 The fp32 master partition and its moments have the layout of the flat gradient partition, so the gradient's
-``ChunkPlan`` reads each of them in one fused pass (``accumulate_partition``). The update is not read from a
+``Chunking`` reads each of them in one fused pass (``accumulate_partition``). The update is not read from a
 copy of the partition taken before the step: it is derived from the weights and moments after the step and the
 Adam family's rule (``adam_rule.AdamRule``): on the host by the C++ kernel, which reads each chunk of the weights
 and moments once and folds all requested kinds from it (``accumulate_fused``); elsewhere piece by piece into one
-bounded scratch buffer, each piece read with a chunk plan of its own window (``cut_into_windows``). Each
-partition's tensors, state and chunk plans are held by one ``PartitionState``. Optimizers whose state is keyed
+bounded scratch buffer, each piece read with a chunking of its own window (``cut_into_windows``). Each
+partition's tensors, state and chunkings are held by one ``PartitionState``. Optimizers whose state is keyed
 per parameter (no ZeRO) are read the same way, each parameter as a partition of one run
 (``parameter_statistics``).
 """
@@ -22,43 +22,43 @@ import torch
 
 from .adam_rule import MOMENTS, NEEDS_ADAM, AdamRule, adam_rule, step_counter
 from .config import OPTIMIZER_STATISTICS
-from .partition_slices import PartitionSlices, slices_of_runs
-from .partition_stats import HOST, ChunkPlan, accumulate_partition, chunk_plan
+from .partition_slices import PartitionSlices, slices_of_spans
+from .partition_stats import HOST, Chunking, accumulate_partition, chunk_partition
 
 # The most elements one piece of a derived statistic (the update, or zeros) holds in the scratch buffer.
 WINDOW = 1 << 20
 
 
-def cut_into_windows(slices: PartitionSlices, device, window: int = WINDOW) -> List[ChunkPlan]:
-    """The chunk plans of ``slices`` cut into windows of ``window`` elements, each relative to its window's
+def cut_into_windows(slices: PartitionSlices, device, window: int = WINDOW) -> List[Chunking]:
+    """The chunkings of ``slices`` cut into windows of ``window`` elements, each relative to its window's
     start: window ``k`` reads elements ``[k * window, (k + 1) * window)`` of the partition."""
     end = max((start + length for start, length in zip(slices.starts, slices.lengths)), default=0)
     buckets = slices.buckets.tolist()
-    plans = []
+    chunkings = []
     for low in range(0, end, window):
         high = low + window
-        runs = [(max(start, low) - low, min(start + length, high) - max(start, low), bucket)
-                for start, length, bucket in zip(slices.starts, slices.lengths, buckets)
-                if start < high and start + length > low]
-        plans.append(chunk_plan(slices_of_runs(runs, device), device))
-    return plans
+        spans = [(max(start, low) - low, min(start + length, high) - max(start, low), bucket)
+                 for start, length, bucket in zip(slices.starts, slices.lengths, buckets)
+                 if start < high and start + length > low]
+        chunkings.append(chunk_partition(slices_of_spans(spans, device), device))
+    return chunkings
 
 
 class PartitionState:
     """One fp32 master partition (a parameter group's under ZeRO, a sub-group's under ZeRO-3, or one parameter:
-    ``parameter_statistics``), its optimizer state and hyper-parameters, and the chunk plans that read them."""
+    ``parameter_statistics``), its optimizer state and hyper-parameters, and the chunkings that read them."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, group_id: int, partition: torch.Tensor, plan: ChunkPlan,
+    def __init__(self, optimizer: torch.optim.Optimizer, group_id: int, partition: torch.Tensor, chunking: Chunking,
                  kinds: tuple, window: int) -> None:
         """``group_id``: the parameter group of ``optimizer`` that steps ``partition`` (its hyper-parameters)."""
         self.optimizer = optimizer
         self.group_id = group_id
         self.partition = partition
-        self.plan = plan
+        self.chunking = chunking
         self.window = window
         derived = any(kind != "param" for kind in kinds)
-        self.windows = cut_into_windows(plan.slices, plan.chunks.device, window) if derived else []
-        """Per-window chunk plans: the update's pieces, and zero moments before the optimizer's first step."""
+        self.windows = cut_into_windows(chunking.slices, chunking.chunks.device, window) if derived else []
+        """Per-window chunkings: the update's pieces, and zero moments before the optimizer's first step."""
         reads_adam = any(kind in NEEDS_ADAM for kind in kinds)
         self.rule: Optional[AdamRule] = None
         """The step's rule, as its parameter group stood when the step began (``OptimizerStatistics.begin_step``)."""
@@ -75,7 +75,7 @@ class PartitionState:
         """Every requested kind in one read of the weights and moments by the host kernel, where it applies (fp32
         on the host, after a step of an Adam optimizer that was not skipped); whether it did."""
         state = self.state()
-        if self.rule is None or self.plan.kernel != HOST or skipped or "exp_avg_sq" not in state:
+        if self.rule is None or self.chunking.kernel != HOST or skipped or "exp_avg_sq" not in state:
             return False
         tensors = (self.partition, state["exp_avg"], state["exp_avg_sq"])
         if any(tensor.dtype != torch.float32 or not tensor.is_contiguous() for tensor in tensors):
@@ -84,7 +84,7 @@ class PartitionState:
 
         requested = [kind for kind in OPTIMIZER_STATISTICS if kind in kind_stats]
         bits = sum(1 << OPTIMIZER_STATISTICS.index(kind) for kind in requested)  # the kernel's order
-        host_adam_kernel()([kind_stats[kind] for kind in requested], *map(_flat, tensors), self.plan.chunks,
+        host_adam_kernel()([kind_stats[kind] for kind in requested], *map(_flat, tensors), self.chunking.chunks,
                            self.rule.coefficients(self.step()), bits)
         return True
 
@@ -92,9 +92,9 @@ class PartitionState:
         """Fold ``kind`` of this partition into ``stats`` (its block of the table)."""
         state = self.state()
         if kind == "param":
-            accumulate_partition(stats, _flat(self.partition), self.plan)
+            accumulate_partition(stats, _flat(self.partition), self.chunking)
         elif kind in MOMENTS and kind in state:
-            accumulate_partition(stats, _flat(state[kind]), self.plan)
+            accumulate_partition(stats, _flat(state[kind]), self.chunking)
         elif kind in MOMENTS or skipped or "exp_avg" not in state:  # no step yet, or a skipped one: zeros
             self._pieces(stats, scratch, lambda low, high, out: out.zero_())
         else:
@@ -106,13 +106,13 @@ class PartitionState:
 
     def _pieces(self, stats: torch.Tensor, scratch: torch.Tensor, fill) -> None:
         """A derived statistic, window by window: ``fill(low, high, out)`` writes elements ``[low, high)``
-        into the scratch buffer, which that window's plan then reads."""
+        into the scratch buffer, which that window's chunking then reads."""
         window = self.window
-        for number, plan in enumerate(self.windows):
+        for number, chunking in enumerate(self.windows):
             low = number * window
             high = min(low + window, self.partition.numel())
             out = fill(low, high, scratch[:high - low])
-            accumulate_partition(stats, out, plan)
+            accumulate_partition(stats, out, chunking)
 
 
 def _flat(tensor: torch.Tensor) -> torch.Tensor:
@@ -122,13 +122,13 @@ def _flat(tensor: torch.Tensor) -> torch.Tensor:
 
 def optimizer_statistics(optimizer: torch.optim.Optimizer,
                          partitions: List[torch.Tensor],
-                         plans: List[ChunkPlan],
+                         chunkings: List[Chunking],
                          kinds: tuple,
                          group_ids: Optional[Sequence[int]] = None) -> Optional["OptimizerStatistics"]:
     """The reader of ``kinds`` for the fp32 master ``partitions`` that ``optimizer`` (the inner torch
-    optimizer) steps, laid out as their gradients' ``plans``; ``None`` without kinds. ``group_ids``: the
+    optimizer) steps, laid out as their gradients' ``chunkings``; ``None`` without kinds. ``group_ids``: the
     parameter group of ``optimizer`` that steps each partition (default: partition ``i`` is group ``i``)."""
-    return OptimizerStatistics(optimizer, partitions, plans, kinds, group_ids=group_ids) if kinds else None
+    return OptimizerStatistics(optimizer, partitions, chunkings, kinds, group_ids=group_ids) if kinds else None
 
 
 def parameter_statistics(optimizer: torch.optim.Optimizer, buckets: Sequence[Sequence[Optional[int]]],
@@ -141,12 +141,12 @@ def parameter_statistics(optimizer: torch.optim.Optimizer, buckets: Sequence[Seq
         return None
     members = [(index, param, bucket) for index, group in enumerate(optimizer.param_groups)
                for param, bucket in zip(group["params"], buckets[index], strict=True) if bucket is not None]
-    plans = [
-        chunk_plan(slices_of_runs([(0, param.numel(), bucket)], param.device), param.device)
+    chunkings = [
+        chunk_partition(slices_of_spans([(0, param.numel(), bucket)], param.device), param.device)
         for _, param, bucket in members
     ]
     return OptimizerStatistics(optimizer, [param for _, param, _ in members],
-                               plans,
+                               chunkings,
                                kinds,
                                group_ids=[index for index, _, _ in members])
 
@@ -159,7 +159,7 @@ class OptimizerStatistics:
     def __init__(self,
                  optimizer: torch.optim.Optimizer,
                  partitions: List[torch.Tensor],
-                 plans: List[ChunkPlan],
+                 chunkings: List[Chunking],
                  kinds: tuple,
                  window: int = WINDOW,
                  group_ids: Optional[Sequence[int]] = None) -> None:
@@ -173,8 +173,8 @@ class OptimizerStatistics:
         self.group_ids = sorted(set(group_ids))
         """The parameter groups of ``optimizer`` that the partitions belong to, each once."""
         self.states = [
-            PartitionState(optimizer, group_id, partition, plan, kinds, window)
-            for group_id, partition, plan in zip(group_ids, partitions, plans, strict=True)
+            PartitionState(optimizer, group_id, partition, chunking, kinds, window)
+            for group_id, partition, chunking in zip(group_ids, partitions, chunkings, strict=True)
         ]
         largest = min(window, max((partition.numel() for partition in partitions), default=0))
         self.scratch: Optional[torch.Tensor] = None

@@ -21,20 +21,20 @@ import torch
 
 @dataclass(frozen=True)
 class PartitionSlices:
-    """Contiguous runs of one group's local partition, each inside a single bucket."""
+    """Contiguous spans of one group's local partition, each inside a single bucket."""
 
     starts: Tuple[int, ...]
     lengths: Tuple[int, ...]
     buckets: torch.Tensor
-    """Bucket position of each run (int64, on the device the statistics are computed on)."""
+    """Bucket position of each span (int64, on the device the statistics are computed on)."""
 
     def views(self, flat_partition: torch.Tensor) -> List[torch.Tensor]:
-        """Views of ``flat_partition`` for each run; no copy."""
+        """Views of ``flat_partition`` for each span; no copy."""
         return [flat_partition.narrow(0, start, length) for start, length in zip(self.starts, self.lengths)]
 
     def chunked_views(self, chunks: Sequence[torch.Tensor]) -> Tuple[List[torch.Tensor], torch.Tensor]:
-        """Views of the runs, and their buckets, when the partition is held as ``chunks`` laid end to end
-        (a rank's per-parameter gradient pieces before they are flattened); no copy. A run that spans
+        """Views of the spans, and their buckets, when the partition is held as ``chunks`` laid end to end
+        (a rank's per-parameter gradient pieces before they are flattened); no copy. A span that crosses
         several chunks becomes several views of its bucket."""
         views, owners, chunk, chunk_start = [], [], 0, 0
         for index, (start, length) in enumerate(zip(self.starts, self.lengths)):
@@ -50,27 +50,27 @@ class PartitionSlices:
         return views, self.buckets[torch.tensor(owners, dtype=torch.int64, device=self.buckets.device)]
 
 
-def partition_runs(param_ranges: Sequence[Tuple[int, int, Optional[int]]], partition_start: int,
-                   partition_size: int) -> List[Tuple[int, int, int]]:
-    """Runs ``(local_start, length, bucket)`` of one partition.
+def partition_spans(param_ranges: Sequence[Tuple[int, int, Optional[int]]], partition_start: int,
+                    partition_size: int) -> List[Tuple[int, int, int]]:
+    """Spans ``(local_start, length, bucket)`` of one partition.
 
     ``param_ranges`` holds ``(offset, numel, bucket)`` of each parameter in the flat group buffer;
     a bucket of ``None`` leaves the parameter out (another rank counts it). Neighbouring parameters
-    of the same bucket with no padding between them form one run.
+    of the same bucket with no padding between them form one span.
     """
     partition_end = partition_start + partition_size
-    runs: List[Tuple[int, int, int]] = []
+    spans: List[Tuple[int, int, int]] = []
     for offset, numel, bucket in param_ranges:
         start, end = max(offset, partition_start), min(offset + numel, partition_end)
         if bucket is None or start >= end:
             continue
         local_start = start - partition_start
-        if runs and runs[-1][2] == bucket and runs[-1][0] + runs[-1][1] == local_start:
-            last_start, last_length, _ = runs[-1]
-            runs[-1] = (last_start, last_length + end - start, bucket)
+        if spans and spans[-1][2] == bucket and spans[-1][0] + spans[-1][1] == local_start:
+            last_start, last_length, _ = spans[-1]
+            spans[-1] = (last_start, last_length + end - start, bucket)
         else:
-            runs.append((local_start, end - start, bucket))
-    return runs
+            spans.append((local_start, end - start, bucket))
+    return spans
 
 
 def back_to_back_ranges(params, bucket_of) -> List[Tuple[int, int, Optional[int]]]:
@@ -82,8 +82,8 @@ def back_to_back_ranges(params, bucket_of) -> List[Tuple[int, int, Optional[int]
     return ranges
 
 
-def slices_of_runs(runs: List[Tuple[int, int, int]], device=None) -> PartitionSlices:
-    """The ``PartitionSlices`` of runs ``(local_start, length, bucket)``."""
-    return PartitionSlices(starts=tuple(run[0] for run in runs),
-                           lengths=tuple(run[1] for run in runs),
-                           buckets=torch.tensor([run[2] for run in runs], dtype=torch.int64, device=device))
+def slices_of_spans(spans: List[Tuple[int, int, int]], device=None) -> PartitionSlices:
+    """The ``PartitionSlices`` of spans ``(local_start, length, bucket)``."""
+    return PartitionSlices(starts=tuple(span[0] for span in spans),
+                           lengths=tuple(span[1] for span in spans),
+                           buckets=torch.tensor([span[2] for span in spans], dtype=torch.int64, device=device))

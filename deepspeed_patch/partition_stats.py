@@ -2,11 +2,11 @@
 # SPDX-License-Identifier: Apache-2.0
 
 # DeepSpeed Team
-"""The kernels that fold a gradient partition's runs into the statistics table (``statistics``).
+"""The kernels that fold a gradient partition's spans into the statistics table (``statistics``).
 
 In one read by a fused kernel where one is available (C++ and OpenMP on the host, ``partition_stats_cpu``;
-Triton on CUDA and ROCm, ``partition_stats_triton``), else with stock PyTorch operators over the runs
-(``accumulate_runs``), with the same results. A ``ChunkPlan``, built once per parameter group at start-up,
+Triton on CUDA and ROCm, ``partition_stats_triton``), else with stock PyTorch operators over the spans
+(``accumulate_spans``), with the same results. A ``Chunking``, built once per parameter group at start-up,
 says where each run lies and which kernel reads it; the probe that picks the kernel runs then too. The
 extra statistics (L1, sum, zeros) are computed only when asked for.
 """
@@ -21,33 +21,33 @@ from deepspeed.utils import logger
 from . import statistics as columns
 from .partition_slices import PartitionSlices
 
-# Runs are read piece by piece, each piece three times in a row (squared norm, min and max, |x| into a
+# Spans are read piece by piece, each piece three times in a row (squared norm, min and max, |x| into a
 # scratch buffer for abs_min). On the host a piece of 2 MiB of fp32 stays in the CPU's cache between those
 # reads, so the partition comes from memory about once; elsewhere pieces only bound the scratch buffer.
 HOST_PIECE = 1 << 19
 DEVICE_PIECE = 1 << 22
 
 
-def accumulate_runs(stats: torch.Tensor,
-                    runs: Sequence[torch.Tensor],
-                    buckets: torch.Tensor,
-                    extra: Collection[str] = (),
-                    piece: Optional[int] = None) -> None:
-    """Fold the statistics of ``runs`` (1-D gradient slices) into their ``buckets`` rows of ``stats``.
+def accumulate_spans(stats: torch.Tensor,
+                     spans: Sequence[torch.Tensor],
+                     buckets: torch.Tensor,
+                     extra: Collection[str] = (),
+                     piece: Optional[int] = None) -> None:
+    """Fold the statistics of ``spans`` (1-D gradient slices) into their ``buckets`` rows of ``stats``.
 
     ``extra`` names the statistics of ``EXTRA_STATISTICS`` to compute as well; ``piece`` overrides the
-    number of elements read at a time (``HOST_PIECE`` or ``DEVICE_PIECE``). Runs of any floating dtype
+    number of elements read at a time (``HOST_PIECE`` or ``DEVICE_PIECE``). Spans of any floating dtype
     are read; fp16 and bf16 pieces are converted one at a time into a scratch buffer, never as a whole.
-    One host synchronisation per call: non-finite elements are counted only when a run's min or max says
+    One host synchronisation per call: non-finite elements are counted only when a span's min or max says
     there are some, which keeps the common case to three reductions over the gradient.
     """
-    if not runs:
+    if not spans:
         return
-    piece = piece or (HOST_PIECE if runs[0].device.type == "cpu" else DEVICE_PIECE)
+    piece = piece or (HOST_PIECE if spans[0].device.type == "cpu" else DEVICE_PIECE)
     pieces: List[torch.Tensor] = []
     owners: List[int] = []
-    for index, run in enumerate(runs):
-        split = run.split(piece)
+    for index, span in enumerate(spans):
+        split = span.split(piece)
         pieces.extend(split)
         owners.extend([index] * len(split))
     scratch = torch.empty(max(piece.numel() for piece in pieces), dtype=torch.float32, device=pieces[0].device)
@@ -70,7 +70,7 @@ def accumulate_runs(stats: torch.Tensor,
     if not bool(finite.all()):  # a NaN or an infinity makes its piece's min or max non-finite
         for index in torch.nonzero(~finite).flatten().tolist():
             per_piece[index, columns.NONFINITE] = _count_nonfinite(pieces[index], scratch)
-    piece_buckets = buckets if len(pieces) == len(runs) else buckets[torch.tensor(owners, device=buckets.device)]
+    piece_buckets = buckets if len(pieces) == len(spans) else buckets[torch.tensor(owners, device=buckets.device)]
     index = piece_buckets.unsqueeze(1).expand(-1, columns.NUM_SUMMED)
     stats[:, :columns.NUM_SUMMED].scatter_add_(0, index, per_piece[:, :columns.NUM_SUMMED])
     index = piece_buckets.unsqueeze(1).expand(-1, columns.NUM_COLUMNS - columns.NUM_SUMMED)
@@ -109,30 +109,31 @@ def _count_nonfinite(piece: torch.Tensor, scratch: torch.Tensor) -> torch.Tensor
 
 HOST, TRITON, STOCK = "host", "triton", "stock"
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-# Runs are cut into chunks of at most this many elements: a host thread's or a Triton program's unit of
-# work (256 KiB of fp32 stays in a core's cache), so long runs spread over all threads and programs.
+# Spans are cut into chunks of at most this many elements: a host thread's or a Triton program's unit of
+# work (256 KiB of fp32 stays in a core's cache), so long spans spread over all threads and programs.
 CHUNK = 1 << 16
 EXTRA_BITS = {"l1": 1, "mean": 2, "zeros": 4}  # the statistics of EXTRA_STATISTICS a kernel computes on request
 
 
 @dataclass(frozen=True)
-class ChunkPlan:
-    """How the kernels read one group's partition: its runs cut into chunks, and the kernel that reads them;
-    built once, next to its slices."""
+class Chunking:
+    """How the kernels read one parameter group's partition: its spans cut into chunks (the chunk list), and the
+    kernel that reads them; built once, next to its slices."""
 
     slices: PartitionSlices
     chunks: torch.Tensor
-    """``(chunks, 3)`` int64 on the partition's device: start, length and bucket row of each chunk."""
+    """The chunk list the kernels take: ``(chunks, 3)`` int64 on the partition's device, the start, length and
+    bucket row of each chunk."""
     end: int
-    """One past the last element a run covers: the partition must have at least that many."""
+    """One past the last element a span covers: the partition must have at least that many."""
     rows: int
     """One more than the largest bucket row: the statistics table must have at least that many."""
     kernel: str
     """``HOST``, ``TRITON`` or ``STOCK``: which path ``accumulate_partition`` takes."""
 
 
-def chunk_plan(slices: PartitionSlices, device, kernel: Optional[str] = None, chunk: int = CHUNK) -> ChunkPlan:
-    """The chunk plan of ``slices`` on ``device`` (where the partition lives).
+def chunk_partition(slices: PartitionSlices, device, kernel: Optional[str] = None, chunk: int = CHUNK) -> Chunking:
+    """The chunking of ``slices`` on ``device`` (where the partition lives).
 
     ``kernel`` forces a path (tests, benchmarks); by default the best one that ``device`` allows,
     which on the host compiles the C++ kernel now, at start-up, rather than in the first measured step.
@@ -144,11 +145,11 @@ def chunk_plan(slices: PartitionSlices, device, kernel: Optional[str] = None, ch
                for offset in range(0, length, chunk)]
     chunks = torch.tensor(entries, dtype=torch.int64).reshape(-1, 3).to(device)
     ends = [start + length for start, length in zip(slices.starts, slices.lengths)]
-    return ChunkPlan(slices=slices,
-                     chunks=chunks,
-                     end=max(ends, default=0),
-                     rows=max(buckets, default=-1) + 1,
-                     kernel=kernel or _best_kernel(device))
+    return Chunking(slices=slices,
+                    chunks=chunks,
+                    end=max(ends, default=0),
+                    rows=max(buckets, default=-1) + 1,
+                    kernel=kernel or _best_kernel(device))
 
 
 def _best_kernel(device: torch.device) -> str:
@@ -182,31 +183,31 @@ def _triton_runs(device: torch.device) -> bool:
         return False
 
 
-def accumulate_partition(stats: torch.Tensor, flat: torch.Tensor, plan: ChunkPlan,
+def accumulate_partition(stats: torch.Tensor, flat: torch.Tensor, chunking: Chunking,
                          extra: Collection[str] = ()) -> None:
-    """Fold the runs of ``plan`` in ``flat`` (this rank's 1-D gradient partition) into ``stats``.
+    """Fold the spans of ``chunking`` in ``flat`` (this rank's 1-D gradient partition) into ``stats``.
 
     ``extra`` names the statistics of ``EXTRA_STATISTICS`` to compute as well. No host
-    synchronisation, no per-run Python; only the stock path keeps ``accumulate_runs``' own (on an
+    synchronisation, no per-span Python; only the stock path keeps ``accumulate_spans``' own (on an
     accelerator, its non-finite check and small host-to-device copies). A partition of another dtype,
     or not contiguous, takes the stock path.
     """
-    if flat.dim() != 1 or flat.numel() < plan.end or stats.shape[0] < plan.rows:
+    if flat.dim() != 1 or flat.numel() < chunking.end or stats.shape[0] < chunking.rows:
         raise ValueError(f"layer_grad_norms: a partition of {flat.numel()} elements and a table of "
-                         f"{stats.shape[0]} buckets do not fit runs up to element {plan.end} and bucket "
-                         f"row {plan.rows - 1}")
-    if not flat.device == stats.device == plan.chunks.device:
+                         f"{stats.shape[0]} buckets do not fit spans up to element {chunking.end} and bucket "
+                         f"row {chunking.rows - 1}")
+    if not flat.device == stats.device == chunking.chunks.device:
         raise ValueError(f"layer_grad_norms: partition on {flat.device}, statistics on {stats.device}, chunk "
-                         f"plan on {plan.chunks.device}: they must be on one device")
-    if plan.kernel == STOCK or flat.dtype not in KERNEL_DTYPES or not flat.is_contiguous():
-        accumulate_runs(stats, plan.slices.views(flat), plan.slices.buckets, extra)
+                         f"list on {chunking.chunks.device}: they must be on one device")
+    if chunking.kernel == STOCK or flat.dtype not in KERNEL_DTYPES or not flat.is_contiguous():
+        accumulate_spans(stats, chunking.slices.views(flat), chunking.slices.buckets, extra)
         return
     bits = sum(EXTRA_BITS[name] for name in extra if name in EXTRA_BITS)
-    if plan.kernel == HOST:
+    if chunking.kernel == HOST:
         from .partition_stats_cpu import host_kernel
 
-        host_kernel()(stats, flat, plan.chunks, bits)
+        host_kernel()(stats, flat, chunking.chunks, bits)
     else:
         from .partition_stats_triton import accumulate_chunks
 
-        accumulate_chunks(stats, flat, plan.chunks, bits)
+        accumulate_chunks(stats, flat, chunking.chunks, bits)

@@ -43,7 +43,7 @@ def host_kernel() -> Optional[Callable[[torch.Tensor, torch.Tensor, torch.Tensor
     """The op ``accumulate_chunks(stats, flat, chunks, extra)``, or None when it cannot be built.
 
     A missing compiler or a failed build is logged once per process; callers then use the stock
-    operators of ``partition_stats.accumulate_runs``.
+    operators of ``partition_stats.accumulate_spans``.
     """
     from torch.utils import cpp_extension
 

@@ -4,10 +4,10 @@
 # DeepSpeed Team
 """The accelerator kernel of the fused statistics, in Triton (CUDA and ROCm).
 
-Two stages, no host synchronisation: one program per chunk of the chunk plan reads its chunk once
+Two stages, no host synchronisation: one program per entry of the chunk list reads its chunk once
 and writes one partial row of the ``(buckets, 9)`` table (sums of squares, L1 and sum in float64;
 min, max and abs-min compared as float, exact for fp32, bf16 and fp16); then the rows fold into the
-table with the same ``scatter_add_`` and ``scatter_reduce_(amax)`` as ``partition_stats.accumulate_runs``,
+table with the same ``scatter_add_`` and ``scatter_reduce_(amax)`` as ``partition_stats.accumulate_spans``,
 so NaN handling is the same: a chunk with a NaN has NaN min, max and abs-min, and NaN stays. Under
 ``TRITON_INTERPRET=1`` (set before this module is imported) the same code runs on host tensors.
 """
@@ -72,7 +72,7 @@ def _chunk_rows(flat, chunks, rows, extra, BLOCK: tl.constexpr, BF16: tl.constex
 def accumulate_chunks(stats: torch.Tensor, flat: torch.Tensor, chunks: torch.Tensor, extra: int) -> None:
     """Fold the chunks ``(start, length, bucket row)`` of ``flat`` into ``stats``.
 
-    ``extra``: bit 1 L1, bit 2 sum, bit 4 zeros. The caller has checked the table against ``flat``
+    ``extra``: bit 1 L1, bit 2 sum, bit 4 zeros. The caller has checked the chunk list against ``flat``
     and ``stats`` (``partition_stats.accumulate_partition`` does). Three kernel launches, no synchronisation.
     """
     count = chunks.shape[0]

@@ -126,14 +126,15 @@ class FlightRecorder:
         block[:, NUMEL].add_(table[:, NUMEL])  # the buckets' element counts, and the status row's failure flag
         torch.maximum(block[-1, NUM_SUMMED:], table[-1, NUM_SUMMED:], out=block[-1, NUM_SUMMED:])
 
-    def history(self, group, keys: Sequence[Hashable], extra: Collection[str], after: int = 0) -> Replay:
-        """The recorded steps after step ``after``, all buckets: the whole ring reduced across ``group`` in one
+    def replay(self, process_group, keys: Sequence[Hashable], extra: Collection[str], after: int = 0) -> Replay:
+        """The recorded steps after step ``after``, all buckets: the whole ring reduced across ``process_group`` in one
         reduction (every rank must call it). Each slot's status row carries the step in a maximum column and
         its negation in another, so the reduction gives every rank the highest and the lowest step the ranks
         recorded there: a slot where they differ, or that a rank flagged as failed, gives no result."""
         filled = [slot for slot, scales in enumerate(self.scales) if scales is not None]
         self._stamp_blocks()
-        reduced, resolved = host_copy(reduce_stats(self.storage, group), [self.scales[slot] for slot in filled])
+        reduced, resolved = host_copy(reduce_stats(self.storage, process_group),
+                                      [self.scales[slot] for slot in filled])
         reduced, blocks = reduced.view(-1, *self.tables.shape[1:]).split([self.tables.shape[0], BEFORE_BLOCKS])
         scales_of = dict(zip(filled, resolved))
         replay = Replay()

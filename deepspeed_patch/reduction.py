@@ -36,7 +36,7 @@ from deepspeed.accelerator import get_accelerator
 
 from .statistics import NUM_SUMMED
 
-# The group of a measurement whose gradients are already complete and identical on every rank (plain
+# The process group of a measurement whose gradients are already complete and identical on every rank (plain
 # PyTorch, DistributedDataParallel, DeepSpeed without ZeRO): nothing to combine.
 REPLICATED = "replicated"
 COLLECTIVES_PER_STEP = 2
@@ -56,17 +56,17 @@ exception"). Held here, the worker's release is a count decrement: the last refe
 (``upstream/bug_reports/gloo_exit_abort.md``.)"""
 
 
-def reduce_stats(stats: torch.Tensor, group=None) -> torch.Tensor:
-    """Combine every rank's table in ``group`` (``None``: all ranks) with ``COLLECTIVES_PER_STEP``
+def reduce_stats(stats: torch.Tensor, process_group=None) -> torch.Tensor:
+    """Combine every rank's table in ``process_group`` (``None``: all ranks) with ``COLLECTIVES_PER_STEP``
     all-reduces of O(buckets) bytes each; the same result, bit for bit, on every rank."""
-    if group is REPLICATED or not dist.is_initialized() or dist.get_world_size(group=group) == 1:
+    if process_group is REPLICATED or not dist.is_initialized() or dist.get_world_size(group=process_group) == 1:
         return stats
     # Offloaded partitions live in host memory; the communication backend wants accelerator tensors.
     stats = stats.to(get_accelerator().current_device_name())
     summed = stats[:, :NUM_SUMMED].contiguous()
     maxima = stats[:, NUM_SUMMED:].nan_to_num(nan=NAN_CODE, posinf=INF_CODE, neginf=-math.inf)
-    dist.all_reduce(summed, op=dist.ReduceOp.SUM, group=group)
-    dist.all_reduce(maxima, op=dist.ReduceOp.MAX, group=group)
+    dist.all_reduce(summed, op=dist.ReduceOp.SUM, group=process_group)
+    dist.all_reduce(maxima, op=dist.ReduceOp.MAX, group=process_group)
     _LAST_REDUCED[:] = [summed, maxima]
     return torch.cat([summed, decode_maxima(maxima)], dim=1)
 

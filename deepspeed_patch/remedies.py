@@ -95,10 +95,10 @@ class Remedies:
             self.adaptive.load_state_dict(state["adaptive_clipping"])
 
 
-def scale_runs(flat: torch.Tensor, starts: Sequence[int], lengths: Sequence[int], buckets: Sequence[int],
-               factors: Sequence[float]) -> None:
-    """Multiply each run of a flat gradient partition by its bucket's factor, in place; runs of factor 1 are left
-    alone. One multiply per run, and runs are whole buckets where the layout keeps a bucket's parameters together."""
+def scale_spans(flat: torch.Tensor, starts: Sequence[int], lengths: Sequence[int], buckets: Sequence[int],
+                factors: Sequence[float]) -> None:
+    """Multiply each span of a flat gradient partition by its bucket's factor, in place; spans of factor 1 are left
+    alone. One multiply per span, and spans are whole buckets where the layout keeps a bucket's parameters together."""
     for start, length, bucket in zip(starts, lengths, buckets):
         factor = factors[bucket]
         if factor != 1.0:

@@ -27,7 +27,7 @@ logger = logging.getLogger(__name__)
 
 History = Union[None, List[dict], Dict[int, List[dict]]]
 """What ``TriggerState.history`` returns: one fire's recorded steps, or every kept fire's by its step."""
-Fire = Union[None, int, str]
+FireSelector = Union[None, int, str]
 """Which fire ``TriggerState.history`` reads: ``None`` (the last), a step, or ``"all"``."""
 
 KEPT_FIRES = 16
@@ -91,7 +91,7 @@ class TriggerState:
         self.published_until = max(self.published_until, fired["fired_at"])
         return entries
 
-    def history(self, fire: Fire = None) -> History:
+    def history(self, fire: FireSelector = None) -> History:
         """``None``: the last fire's recorded steps, or ``None`` before any fire; a step: the recorded steps
         of the fire at that step (``None`` if none fired there, or it is no longer kept); ``"all"``: every
         kept fire's, by the step it fired at."""

@@ -27,32 +27,32 @@ LAYER_FLAG_FORMS = ('"all" or a comma-separated list such as 0,1,mid,-2,-1 (nega
 
 def add_layer_grad_norms_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add the "layer grad norms" argument group to a Megatron argument parser."""
-    group = parser.add_argument_group(title="layer grad norms")
-    group.add_argument("--log-layer-grad-norms", action="store_true",
+    flags = parser.add_argument_group(title="layer grad norms")
+    flags.add_argument("--log-layer-grad-norms", action="store_true",
                        help="Log per-layer gradient norm, min and max (pre- and post-clip) to TensorBoard "
                        "and the training log.")
-    group.add_argument("--layer-grad-norms-layers", type=str, default=DEFAULT_LAYERS,
+    flags.add_argument("--layer-grad-norms-layers", type=str, default=DEFAULT_LAYERS,
                        help=f"Layers to log: {LAYER_FLAG_FORMS} (default: {DEFAULT_LAYERS}).")
-    group.add_argument("--layer-grad-norms-interval", type=int, default=None,
+    flags.add_argument("--layer-grad-norms-interval", type=int, default=None,
                        help="Measure every N iterations (default: --tensorboard-log-interval).")
-    group.add_argument("--layer-grad-norms-trigger", type=float, default=None, metavar="FACTOR",
+    flags.add_argument("--layer-grad-norms-trigger", type=float, default=None, metavar="FACTOR",
                        help="Capture every layer after a spike: the global gradient norm or the reported loss "
                        "above FACTOR x its running median, or an fp16 overflow (trigger.grad_norm_factor and "
                        "trigger.loss_factor).")
-    group.add_argument("--layer-grad-norms-history", type=int, default=None, metavar="K",
+    flags.add_argument("--layer-grad-norms-history", type=int, default=None, metavar="K",
                        help="Record every layer's statistics of the last K steps, reduced when the trigger "
                        "fires (trigger.history; with the default trigger unless --layer-grad-norms-trigger).")
-    group.add_argument("--layer-grad-norms-optimizer-statistics", type=str, default=None, metavar="KINDS",
+    flags.add_argument("--layer-grad-norms-optimizer-statistics", type=str, default=None, metavar="KINDS",
                        help=f"Also log what each measured optimizer step did to each layer: a comma-separated "
                        f"list of {','.join(OPTIMIZER_KINDS)} (the fp32 weights, the step's update, the Adam "
                        "moments; with param and update, their norms' ratio update-to-weight too); the ds_config's "
                        "optimizer_statistics.")
-    group.add_argument("--layer-grad-norms-adaptive-clipping", type=str, nargs="?", const="", default=None,
+    flags.add_argument("--layer-grad-norms-adaptive-clipping", type=str, nargs="?", const="", default=None,
                        metavar="KEY=VALUE,...",
                        help="Clip each layer's gradient against the moving average of its own clipped norm (AdaGC) "
                        "after a warm-up of global clipping; optional settings such as beta=0.98,factor=1.05,"
                        "warmup_steps=100 (the ds_config's adaptive_clipping). Every step is then measured.")
-    group.add_argument("--layer-grad-norms-skip-step", type=str, nargs="?", const="", default=None,
+    flags.add_argument("--layer-grad-norms-skip-step", type=str, nargs="?", const="", default=None,
                        metavar="KEY=VALUE,...",
                        help="Skip an optimizer step whose global gradient norm is more than sigma standard "
                        "deviations above its last window steps' mean; optional settings such as sigma=6,window=128 "

@@ -47,7 +47,7 @@ def nan_reductions() -> Dict[str, Dict[str, Any]]:
     own MAX all-reduce of ``[NaN, 1]`` against ``[1, NaN]`` (what the coding works around)."""
     from deepspeed import comm as dist
 
-    from deepspeed_patch.partition_stats import accumulate_runs
+    from deepspeed_patch.partition_stats import accumulate_spans
     from deepspeed_patch.reduction import reduce_stats
     from deepspeed_patch.statistics import empty_stats
 
@@ -55,7 +55,7 @@ def nan_reductions() -> Dict[str, Dict[str, Any]]:
     for name, pieces in NAN_CASES.items():
         table = empty_stats(2, "cpu")  # the bucket, and a status row left at the identity
         if pieces[rank]:
-            accumulate_runs(table, [torch.tensor(pieces[rank], dtype=torch.float32)], torch.tensor([0]))
+            accumulate_spans(table, [torch.tensor(pieces[rank], dtype=torch.float32)], torch.tensor([0]))
         results[name] = reduce_stats(table, None)
     raw = torch.tensor([NAN, 1.0] if rank == 0 else [1.0, NAN], dtype=torch.float64)
     dist.all_reduce(raw, op=dist.ReduceOp.MAX)

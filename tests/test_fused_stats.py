@@ -1,8 +1,8 @@
 """The fused statistics kernels against today's stock operators and a plain float64 reference.
 
 Each kernel (the host's C++, and Triton: on CUDA where there is one, else in Triton's interpreter on
-the host) folds partitions into a ``(buckets, 9)`` table; ``partition_stats.accumulate_runs`` (the stock
-operators) and ``reference_table`` (float64 PyTorch, one run at a time) fold the same runs. Min, max,
+the host) folds partitions into a ``(buckets, 9)`` table; ``partition_stats.accumulate_spans`` (the stock
+operators) and ``reference_table`` (float64 PyTorch, one span at a time) fold the same spans. Min, max,
 abs-min and the counts must match both exactly (NaN where NaN); the sums must match the reference to
 float64 rounding and the stock operators to their own (fp32) rounding.
 """
@@ -21,8 +21,15 @@ import pytest
 import torch
 
 from deepspeed_patch import partition_stats as fused_stats
-from deepspeed_patch.partition_slices import PartitionSlices, partition_runs, slices_of_runs
-from deepspeed_patch.partition_stats import HOST, STOCK, TRITON, accumulate_partition, accumulate_runs, chunk_plan
+from deepspeed_patch.partition_slices import PartitionSlices, partition_spans, slices_of_spans
+from deepspeed_patch.partition_stats import (
+    HOST,
+    STOCK,
+    TRITON,
+    accumulate_partition,
+    accumulate_spans,
+    chunk_partition,
+)
 from deepspeed_patch.statistics import (
     L1,
     MAX,
@@ -67,11 +74,11 @@ KERNELS = [
 # --- the independent reference -----------------------------------------------------------------------
 
 
-def reference_table(flat: torch.Tensor, runs: Sequence[Tuple[int, int, int]], stats: torch.Tensor,
+def reference_table(flat: torch.Tensor, spans: Sequence[Tuple[int, int, int]], stats: torch.Tensor,
                     extra: Sequence[str]) -> torch.Tensor:
-    """``stats`` with ``runs`` (start, length, bucket) of ``flat`` folded in: float64 PyTorch, run by run."""
+    """``stats`` with ``spans`` (start, length, bucket) of ``flat`` folded in: float64 PyTorch, span by span."""
     table = stats.double().cpu().clone()
-    for start, length, bucket in runs:
+    for start, length, bucket in spans:
         if length == 0:
             continue
         values = flat[start:start + length].double().cpu()
@@ -97,25 +104,25 @@ def reference_table(flat: torch.Tensor, runs: Sequence[Tuple[int, int, int]], st
 # --- helpers ----------------------------------------------------------------------------------------
 
 
-def slices_on(runs: Sequence[Tuple[int, int, int]], device) -> PartitionSlices:
-    return slices_of_runs(list(runs), device)
+def slices_on(spans: Sequence[Tuple[int, int, int]], device) -> PartitionSlices:
+    return slices_of_spans(list(spans), device)
 
 
-def fused(kernel: str, device, flat: torch.Tensor, runs, stats: torch.Tensor, extra=(), chunk=None) -> torch.Tensor:
-    """``stats`` (a copy) with the runs of ``flat`` folded in by ``kernel``."""
-    slices = slices_on(runs, device)
-    table = chunk_plan(slices, device, kernel=kernel, **({} if chunk is None else {"chunk": chunk}))
+def fused(kernel: str, device, flat: torch.Tensor, spans, stats: torch.Tensor, extra=(), chunk=None) -> torch.Tensor:
+    """``stats`` (a copy) with the spans of ``flat`` folded in by ``kernel``."""
+    slices = slices_on(spans, device)
+    chunking = chunk_partition(slices, device, kernel=kernel, **({} if chunk is None else {"chunk": chunk}))
     out = stats.clone().to(device)
-    accumulate_partition(out, flat.to(device), table, extra)
+    accumulate_partition(out, flat.to(device), chunking, extra)
     return out.cpu()
 
 
-def stock(flat: torch.Tensor, runs, stats: torch.Tensor, extra=()) -> torch.Tensor:
-    """``stats`` (a copy) with the non-empty runs folded in by ``accumulate_runs`` (it refuses empty runs)."""
-    runs = [run for run in runs if run[1] > 0]
+def stock(flat: torch.Tensor, spans, stats: torch.Tensor, extra=()) -> torch.Tensor:
+    """``stats`` (a copy) with the non-empty spans folded in by ``accumulate_spans`` (it refuses empty spans)."""
+    spans = [span for span in spans if span[1] > 0]
     out = stats.clone()
-    accumulate_runs(out, [flat.narrow(0, start, length) for start, length, _ in runs],
-                    torch.tensor([bucket for _, _, bucket in runs], dtype=torch.int64), extra)
+    accumulate_spans(out, [flat.narrow(0, start, length) for start, length, _ in spans],
+                    torch.tensor([bucket for _, _, bucket in spans], dtype=torch.int64), extra)
     return out
 
 
@@ -143,32 +150,32 @@ def assert_sums_close(got: torch.Tensor,
     assert bool((error <= rtol * magnitude[finite]).all()), f"column SUM: {got[:, SUM]} != {want[:, SUM]}"
 
 
-def check(kernel: str, device, flat: torch.Tensor, runs, stats: Optional[torch.Tensor] = None,
+def check(kernel: str, device, flat: torch.Tensor, spans, stats: Optional[torch.Tensor] = None,
           extra=ALL_EXTRA, chunk=None, with_stock: bool = True) -> torch.Tensor:
     """The fused table against the reference (and the stock operators); returns the fused table."""
     if kernel == TRITON and triton_unavailable():
         pytest.fail(triton_unavailable())
-    num_buckets = max(bucket for _, _, bucket in runs) + 1
+    num_buckets = max(bucket for _, _, bucket in spans) + 1
     stats = empty_stats(num_buckets, "cpu") if stats is None else stats
-    got = fused(kernel, device, flat, runs, stats, extra, chunk)
-    want = reference_table(flat, runs, stats, extra)
+    got = fused(kernel, device, flat, spans, stats, extra, chunk)
+    want = reference_table(flat, spans, stats, extra)
     assert_same_maxima_and_counts(got, want)
-    magnitude = reference_table(flat, runs, empty_stats(len(stats), "cpu"), ("l1", ))[:, L1] + stats[:, SUM].abs()
+    magnitude = reference_table(flat, spans, empty_stats(len(stats), "cpu"), ("l1", ))[:, L1] + stats[:, SUM].abs()
     assert_sums_close(got, want, 1e-12, magnitude)
     if with_stock:
-        old = stock(flat, runs, stats, extra)
+        old = stock(flat, spans, stats, extra)
         assert_same_maxima_and_counts(got, old)
         # The stock operators take the squared norm in fp32 and L1 in the gradient's dtype (rounded to it).
         assert_sums_close(got, old, 1e-5, magnitude, l1_rtol=max(1e-5, torch.finfo(flat.dtype).eps))
     return got
 
 
-def random_runs(numel: int, num_runs: int, num_buckets: int, seed: int) -> List[Tuple[int, int, int]]:
-    """Back-to-back runs of random lengths covering ``numel`` elements, in random buckets (which repeat)."""
+def random_spans(numel: int, num_spans: int, num_buckets: int, seed: int) -> List[Tuple[int, int, int]]:
+    """Back-to-back spans of random lengths covering ``numel`` elements, in random buckets (which repeat)."""
     generator = torch.Generator().manual_seed(seed)
-    cuts = sorted(torch.randint(0, numel + 1, (num_runs - 1, ), generator=generator).tolist())
+    cuts = sorted(torch.randint(0, numel + 1, (num_spans - 1, ), generator=generator).tolist())
     bounds = [0] + cuts + [numel]
-    buckets = torch.randint(0, num_buckets, (num_runs, ), generator=generator).tolist()
+    buckets = torch.randint(0, num_buckets, (num_spans, ), generator=generator).tolist()
     buckets[0] = num_buckets - 1  # the last row is used
     return [(start, end - start, bucket) for start, end, bucket in zip(bounds, bounds[1:], buckets)]
 
@@ -190,41 +197,41 @@ def gradient(numel: int, dtype: torch.dtype, seed: int, scale: float = 1e-3) -> 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda dtype: str(dtype).split(".")[-1])
 @pytest.mark.parametrize("extra", [(), ALL_EXTRA, ("zeros", )], ids=["plain", "extra", "zeros"])
 def test_dtypes_and_extra_statistics(kernel, device, dtype, extra):
-    """Runs of random lengths in repeated buckets, several chunks per run (short chunks: every vector
+    """Spans of random lengths in repeated buckets, several chunks per span (short chunks: every vector
     loop's tail is exercised), folded into a table that already holds another partition's statistics."""
     numel = 20_000 if INTERPRETED and kernel == TRITON else 200_000
     flat = gradient(numel, dtype, seed=1)
-    runs = random_runs(numel, 9, 5, seed=2)
-    before = stock(gradient(3000, torch.float32, seed=3), random_runs(3000, 4, 5, seed=4), empty_stats(5, "cpu"),
+    spans = random_spans(numel, 9, 5, seed=2)
+    before = stock(gradient(3000, torch.float32, seed=3), random_spans(3000, 4, 5, seed=4), empty_stats(5, "cpu"),
                    ALL_EXTRA)
-    check(kernel, device, flat, runs, stats=before, extra=extra, chunk=1000 + 17)
+    check(kernel, device, flat, spans, stats=before, extra=extra, chunk=1000 + 17)
 
 
 @pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # NaN in the interpreter's numpy
 @pytest.mark.parametrize("kernel,device", KERNELS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda dtype: str(dtype).split(".")[-1])
 def test_non_finite_values(kernel, device, dtype):
-    """nan, +inf and -inf in some runs and chunks: NaN min/max/abs-min where a run holds a NaN, infinite
+    """nan, +inf and -inf in some spans and chunks: NaN min/max/abs-min where a span holds a NaN, infinite
     ones where it holds only infinities, counts exact; a NaN already in the table stays."""
     flat = gradient(12_000, dtype, seed=5)
-    flat[10] = math.nan  # run 0 (bucket 0): a NaN
-    flat[2500] = math.inf  # run 1 (bucket 1): +inf and -inf, no NaN
+    flat[10] = math.nan  # span 0 (bucket 0): a NaN
+    flat[2500] = math.inf  # span 1 (bucket 1): +inf and -inf, no NaN
     flat[2999] = -math.inf
-    flat[4095:4097] = math.nan  # run 2 (bucket 2): NaN across a chunk boundary, and inf
+    flat[4095:4097] = math.nan  # span 2 (bucket 2): NaN across a chunk boundary, and inf
     flat[5000] = math.inf
-    flat[7000:8000] = -math.inf  # run 3 (bucket 3): a whole chunk of -inf
-    runs = [(0, 2000, 0), (2000, 2000, 1), (4000, 2000, 2), (6000, 3000, 3), (9000, 3000, 4)]
+    flat[7000:8000] = -math.inf  # span 3 (bucket 3): a whole chunk of -inf
+    spans = [(0, 2000, 0), (2000, 2000, 1), (4000, 2000, 2), (6000, 3000, 3), (9000, 3000, 4)]
     before = empty_stats(6, "cpu")
     before[4, MAX] = math.nan  # an earlier partition had a NaN in bucket 4: it stays NaN
     before[5, SUMSQ], before[5, NEG_ABS_MIN] = 3.0, math.nan
-    got = check(kernel, device, flat, runs, stats=before, chunk=1024)
+    got = check(kernel, device, flat, spans, stats=before, chunk=1024)
     assert got[:, NONFINITE].tolist() == [1, 2, 3, 1000, 0, 0]
     assert math.isnan(got[2, MAX]) and got[1, MAX] == math.inf and got[3, NEG_MIN] == math.inf
     assert math.isnan(got[4, MAX]) and not math.isnan(got[4, NEG_ABS_MIN])
 
 
 @pytest.mark.parametrize("kernel,device", KERNELS)
-def test_runs_cut_at_partition_boundaries(kernel, device):
+def test_spans_cut_at_partition_boundaries(kernel, device):
     """The partitions of three ranks (uneven), each a view into the flat group buffer, with parameters cut
     by the partition boundaries and a parameter of no bucket (another rank's) left out."""
     numel = 9_000 if INTERPRETED and kernel == TRITON else 90_000
@@ -237,42 +244,42 @@ def test_runs_cut_at_partition_boundaries(kernel, device):
     for rank in range(3):
         start = rank * partition
         size = min(partition, numel - start)
-        runs = partition_runs(ranges, start, size)
+        spans = partition_spans(ranges, start, size)
         flat = group.narrow(0, start, size)
-        check(kernel, device, flat, runs, stats=empty_stats(3, "cpu"), chunk=4096)
+        check(kernel, device, flat, spans, stats=empty_stats(3, "cpu"), chunk=4096)
 
 
 @pytest.mark.parametrize("kernel,device", KERNELS)
-def test_empty_runs_and_partitions(kernel, device):
-    """Empty runs add nothing (the stock operators refuse them); an empty partition changes nothing."""
+def test_empty_spans_and_partitions(kernel, device):
+    """Empty spans add nothing (the stock operators refuse them); an empty partition changes nothing."""
     flat = gradient(5000, torch.float32, seed=7)
-    runs = [(0, 0, 0), (0, 2000, 1), (2000, 0, 2), (2000, 3000, 1), (5000, 0, 0)]
-    got = check(kernel, device, flat, runs, stats=empty_stats(3, "cpu"))
+    spans = [(0, 0, 0), (0, 2000, 1), (2000, 0, 2), (2000, 3000, 1), (5000, 0, 0)]
+    got = check(kernel, device, flat, spans, stats=empty_stats(3, "cpu"))
     assert torch.equal(got[[0, 2]], empty_stats(2, "cpu"))
     if kernel == TRITON and triton_unavailable():
         pytest.fail(triton_unavailable())
-    table = chunk_plan(slices_on([], device), device, kernel=kernel)
+    chunking = chunk_partition(slices_on([], device), device, kernel=kernel)
     stats = empty_stats(2, device)
-    accumulate_partition(stats, torch.empty(0, device=device), table, ALL_EXTRA)
+    accumulate_partition(stats, torch.empty(0, device=device), chunking, ALL_EXTRA)
     assert torch.equal(stats.cpu(), empty_stats(2, "cpu"))
 
 
 @pytest.mark.parametrize("kernel,device", KERNELS)
 @pytest.mark.parametrize("num_buckets", [1, 12, 10_000])
 def test_bucket_counts(kernel, device, num_buckets):
-    """1 to 10,000 buckets (``granularity: param``), runs in shuffled bucket order. Triton's interpreter
-    runs a program per chunk at about 0.1 s each: there the 10,000-row table gets 40 runs spread over it
-    (10,000 runs are checked on CUDA by benchmarks/gpu_check.sh)."""
-    num_runs = num_buckets
+    """1 to 10,000 buckets (``granularity: param``), spans in shuffled bucket order. Triton's interpreter
+    runs a program per chunk at about 0.1 s each: there the 10,000-row table gets 40 spans spread over it
+    (10,000 spans are checked on CUDA by benchmarks/gpu_check.sh)."""
+    num_spans = num_buckets
     if kernel == TRITON and INTERPRETED:
-        num_runs = min(num_buckets, 40)
-    numel = max(60 * num_runs, 30_000)
+        num_spans = min(num_buckets, 40)
+    numel = max(60 * num_spans, 30_000)
     flat = gradient(numel, torch.float32, seed=8)
     generator = torch.Generator().manual_seed(9)
-    rows = torch.randperm(num_buckets, generator=generator)[:num_runs].tolist()
-    runs = [(start, length, rows[index % num_runs])
-            for index, (start, length, _) in enumerate(random_runs(numel, num_runs, 1, seed=10))]
-    check(kernel, device, flat, runs, stats=empty_stats(num_buckets, "cpu"), extra=("l1", ))
+    rows = torch.randperm(num_buckets, generator=generator)[:num_spans].tolist()
+    spans = [(start, length, rows[index % num_spans])
+            for index, (start, length, _) in enumerate(random_spans(numel, num_spans, 1, seed=10))]
+    check(kernel, device, flat, spans, stats=empty_stats(num_buckets, "cpu"), extra=("l1", ))
 
 
 @pytest.mark.parametrize("kernel,device", KERNELS)
@@ -292,41 +299,41 @@ NO_CUDA = pytest.mark.skipif(not ON_CUDA, reason="no CUDA device (benchmarks/gpu
 def test_fifty_million_elements(kernel, device):
     """One partition of 50M fp32 elements in 12 buckets, every statistic."""
     flat = torch.randn(50_000_000, generator=torch.Generator().manual_seed(11)) * 1e-2
-    runs = random_runs(flat.numel(), 12, 12, seed=12)
-    check(kernel, device, flat, runs, extra=ALL_EXTRA)
+    spans = random_spans(flat.numel(), 12, 12, seed=12)
+    check(kernel, device, flat, spans, extra=ALL_EXTRA)
 
 
 def test_host_result_does_not_depend_on_threads():
     """Threads take ranges of chunks, and rows fold in chunk order: the same bits with 1 or 2 threads."""
     flat = gradient(600_000, torch.float32, seed=13)  # enough work for two threads
-    runs = random_runs(flat.numel(), 30, 7, seed=14)
+    spans = random_spans(flat.numel(), 30, 7, seed=14)
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        one = fused(HOST, "cpu", flat, runs, empty_stats(7, "cpu"), ALL_EXTRA)
+        one = fused(HOST, "cpu", flat, spans, empty_stats(7, "cpu"), ALL_EXTRA)
         torch.set_num_threads(2)
-        two = fused(HOST, "cpu", flat, runs, empty_stats(7, "cpu"), ALL_EXTRA)
+        two = fused(HOST, "cpu", flat, spans, empty_stats(7, "cpu"), ALL_EXTRA)
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(one, two)
 
 
 def test_stock_path_and_kernel_choice(monkeypatch):
-    """The stock path (``accumulate_runs``' operators) against the float64 reference: min, max, abs-min and the
+    """The stock path (``accumulate_spans``' operators) against the float64 reference: min, max, abs-min and the
     counts exactly, the sums to the stock operators' fp32 rounding. A host partition gets the host kernel; a dtype
     the kernels do not take goes to the stock operators (seen calling them), with the reference's result."""
     flat = gradient(10_000, torch.float32, seed=15)
-    runs = random_runs(flat.numel(), 6, 3, seed=16)
+    spans = random_spans(flat.numel(), 6, 3, seed=16)
     stats = empty_stats(3, "cpu")
     calls = []
-    monkeypatch.setattr(fused_stats, "accumulate_runs", lambda *args: calls.append(accumulate_runs(*args)))
-    assert chunk_plan(slices_on(runs, "cpu"), "cpu").kernel == HOST
+    monkeypatch.setattr(fused_stats, "accumulate_spans", lambda *args: calls.append(accumulate_spans(*args)))
+    assert chunk_partition(slices_on(spans, "cpu"), "cpu").kernel == HOST
     checked = 0
     for kernel, values in ((STOCK, flat), (HOST, flat.double())):
-        got = fused(kernel, "cpu", values, runs, stats, ALL_EXTRA)
-        want = reference_table(values, runs, stats, ALL_EXTRA)
+        got = fused(kernel, "cpu", values, spans, stats, ALL_EXTRA)
+        want = reference_table(values, spans, stats, ALL_EXTRA)
         assert_same_maxima_and_counts(got, want)
-        magnitude = reference_table(values, runs, empty_stats(3, "cpu"), ("l1", ))[:, L1]
+        magnitude = reference_table(values, spans, empty_stats(3, "cpu"), ("l1", ))[:, L1]
         assert_sums_close(got, want, 1e-5, magnitude, l1_rtol=torch.finfo(torch.float32).eps)
         checked += 1
     assert checked == 2 and len(calls) == 2  # both went to the stock operators
@@ -334,18 +341,18 @@ def test_stock_path_and_kernel_choice(monkeypatch):
 
 @NO_CUDA
 def test_cuda_partition_gets_the_triton_kernel():
-    runs = random_runs(10_000, 6, 3, seed=16)
-    assert chunk_plan(slices_on(runs, "cuda"), "cuda").kernel == TRITON
+    spans = random_spans(10_000, 6, 3, seed=16)
+    assert chunk_partition(slices_on(spans, "cuda"), "cuda").kernel == TRITON
 
 
 def test_mismatched_partition_or_table_is_refused():
-    table = chunk_plan(slices_on([(0, 100, 2)], "cpu"), "cpu")
+    chunking = chunk_partition(slices_on([(0, 100, 2)], "cpu"), "cpu")
     with pytest.raises(ValueError, match="do not fit"):
-        accumulate_partition(empty_stats(3, "cpu"), torch.zeros(99), table)
+        accumulate_partition(empty_stats(3, "cpu"), torch.zeros(99), chunking)
     with pytest.raises(ValueError, match="do not fit"):
-        accumulate_partition(empty_stats(2, "cpu"), torch.zeros(100), table)
+        accumulate_partition(empty_stats(2, "cpu"), torch.zeros(100), chunking)
     with pytest.raises(ValueError, match="one device"):
-        accumulate_partition(empty_stats(3, "meta"), torch.zeros(100), table)
+        accumulate_partition(empty_stats(3, "meta"), torch.zeros(100), chunking)
     kernel = importlib.import_module("deepspeed_patch.partition_stats_cpu").host_kernel()
     with pytest.raises(RuntimeError, match="outside the partition"):
         kernel(empty_stats(3, "cpu"), torch.zeros(100), torch.tensor([[50, 51, 0]]), 0)
@@ -355,17 +362,17 @@ def test_missing_compiler_falls_back_with_one_warning(tmp_path):
     """Without a compiler the host kernel is not built: one warning, then the stock operators' results."""
     script = textwrap.dedent("""
         import torch
-        from deepspeed_patch.partition_stats import STOCK, accumulate_partition, chunk_plan
-        from deepspeed_patch.partition_slices import slices_of_runs
-        from deepspeed_patch.partition_stats import accumulate_runs
+        from deepspeed_patch.partition_stats import STOCK, accumulate_partition, chunk_partition
+        from deepspeed_patch.partition_slices import slices_of_spans
+        from deepspeed_patch.partition_stats import accumulate_spans
         from deepspeed_patch.statistics import empty_stats
         flat = torch.randn(1000)
-        slices = slices_of_runs([(0, 600, 0), (600, 400, 1)])
-        tables = [chunk_plan(slices, "cpu") for _ in range(2)]
-        assert all(table.kernel == STOCK for table in tables), [table.kernel for table in tables]
+        slices = slices_of_spans([(0, 600, 0), (600, 400, 1)])
+        chunkings = [chunk_partition(slices, "cpu") for _ in range(2)]
+        assert all(chunking.kernel == STOCK for chunking in chunkings), [chunking.kernel for chunking in chunkings]
         got, want = empty_stats(2, "cpu"), empty_stats(2, "cpu")
-        accumulate_partition(got, flat, tables[0], ("l1",))
-        accumulate_runs(want, slices.views(flat), slices.buckets, ("l1",))
+        accumulate_partition(got, flat, chunkings[0], ("l1",))
+        accumulate_spans(want, slices.views(flat), slices.buckets, ("l1",))
         assert torch.equal(got, want)
         print("fell back")
     """)
@@ -418,7 +425,7 @@ def test_host_kernel_builds_once_per_process(warnings_logged):
 
 
 def test_triton_probe(monkeypatch, warnings_logged):
-    """chunk_plan tries the Triton kernel once on a device before choosing it; where it cannot run, the
+    """chunk_partition tries the Triton kernel once on a device before choosing it; where it cannot run, the
     stock operators are chosen with one warning."""
     if triton_unavailable():
         pytest.fail(triton_unavailable())

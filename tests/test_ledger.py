@@ -39,7 +39,7 @@ EXPECTED = {
     ("Megatron hook (ZeRO-2)", "hook, loss_factor set"): (0, 0, 0),
     ("stage 0 fp32", "quiet"): (0, 0, 0),
     # every rank holds the whole gradient: no collective; the stock operators' one check for non-finite values
-    # (partition_stats.accumulate_runs), then the host copy
+    # (partition_stats.accumulate_spans), then the host copy
     ("stage 0 fp32", "measured"): (0, 2, None),
 }
 

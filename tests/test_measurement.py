@@ -10,7 +10,7 @@ import torch
 from deepspeed_patch.config import LayerGradNormsConfig
 from deepspeed_patch.layer_map import build_layer_map
 from deepspeed_patch.measurement import Measurement
-from deepspeed_patch.partition_slices import slices_of_runs
+from deepspeed_patch.partition_slices import slices_of_spans
 from deepspeed_patch.plain import LayerGradNorms
 from deepspeed_patch.reduction import REPLICATED
 from megatron_integration.tiny_gpt import TinyGPT, TinyGPTConfig, synthetic_batch
@@ -89,7 +89,7 @@ def test_a_failing_dump_stops_itself_alone_logged_once(tmp_path, caplog):
 def test_chunked_views_are_the_runs_of_the_concatenated_chunks():
     chunks = [torch.arange(start, start + size, dtype=torch.float32) for start, size in ((0, 5), (5, 1), (6, 7))]
     runs = [(0, 3, 0), (3, 4, 1), (8, 3, 2), (11, 2, 0)]  # the second run crosses two chunk boundaries
-    slices = slices_of_runs(runs)
+    slices = slices_of_spans(runs)
     views, buckets = slices.chunked_views(chunks)
     flat = torch.cat(chunks)
     by_bucket = {bucket: [] for bucket in range(3)}
@@ -120,13 +120,13 @@ PEAK_MEMORY_SCRIPT = textwrap.dedent("""
     import resource, torch
     from deepspeed_patch.measurement import Measurement
     from deepspeed_patch.adapters.optimizer import observe_chunks
-    from deepspeed_patch.partition_slices import slices_of_runs
-    from deepspeed_patch.partition_stats import STOCK, chunk_plan
+    from deepspeed_patch.partition_slices import slices_of_spans
+    from deepspeed_patch.partition_stats import STOCK, chunk_partition
 
     sizes = [12_000_000, 20_000_000, 18_000_000]  # a 50M-element fp16 partition, as per-parameter pieces
     chunks = [torch.full((size,), 0.5, dtype=torch.float16) for size in sizes]
     chunks[1][7] = float("inf")
-    table = chunk_plan(slices_of_runs([(0, 30_000_000, 0), (30_000_000, 20_000_000, 1)]), "cpu", kernel=STOCK)
+    table = chunk_partition(slices_of_spans([(0, 30_000_000, 0), (30_000_000, 20_000_000, 1)]), "cpu", kernel=STOCK)
     measurement = Measurement(step=1, num_buckets=2, num_partitions=1, device="cpu", extra=())
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     observe_chunks(measurement, 0, table, chunks)

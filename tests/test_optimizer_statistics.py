@@ -229,22 +229,22 @@ def test_update_rule_reconstructs_torch_adam_steps():
 
 
 def test_the_update_in_small_windows_matches_the_step():
-    """A flat fp32 partition stepped by AdamW, read with windows far smaller than its runs and cutting them:
+    """A flat fp32 partition stepped by AdamW, read with windows far smaller than its spans and cutting them:
     each bucket's update, weights and moments against plain torch on the actual after minus before. The lr
     changes between the step and the read, as the engine's lr scheduler changes it: the step's lr counts."""
     from deepspeed_patch.optimizer_stats import OptimizerStatistics
-    from deepspeed_patch.partition_slices import slices_of_runs
-    from deepspeed_patch.partition_stats import STOCK, chunk_plan
+    from deepspeed_patch.partition_slices import slices_of_spans
+    from deepspeed_patch.partition_stats import STOCK, chunk_partition
     from deepspeed_patch.statistics import SUMSQ, empty_stats
 
     torch.manual_seed(0)
     flat = torch.nn.Parameter(torch.randn(1000))
-    runs = [(0, 300, 1), (310, 200, 0), (510, 490, 2)]  # a gap of padding that no bucket counts
+    spans = [(0, 300, 1), (310, 200, 0), (510, 490, 2)]  # a gap of padding that no bucket counts
     optimizer = torch.optim.AdamW([flat], lr=1e-2, weight_decay=0.1)
     checked = 0
     for kernel in (None, STOCK):
-        plan = chunk_plan(slices_of_runs(runs), "cpu", kernel=kernel, chunk=64)
-        statistics = OptimizerStatistics(optimizer, [flat], [plan], tuple(KINDS), window=97)
+        chunking = chunk_partition(slices_of_spans(spans), "cpu", kernel=kernel, chunk=64)
+        statistics = OptimizerStatistics(optimizer, [flat], [chunking], tuple(KINDS), window=97)
         assert statistics.scratch.numel() == 97
         before = flat.detach().clone()
         flat.grad = torch.randn(1000)
@@ -256,11 +256,11 @@ def test_the_update_in_small_windows_matches_the_step():
         state = optimizer.state[flat]
         values = {"param": flat.detach(), "update": flat.detach() - before, **{m: state[m] for m in KINDS[2:]}}
         for kind, table in tables.items():
-            for start, length, bucket in runs:
+            for start, length, bucket in spans:
                 expected = values[kind][start:start + length].double().square().sum().item()
                 assert math.isclose(table[bucket, SUMSQ].item(), expected, rel_tol=TOLERANCE), (kind, bucket)
                 checked += 1
-    assert checked == 2 * len(KINDS) * len(runs)
+    assert checked == 2 * len(KINDS) * len(spans)
 
 
 def adam_update(before: torch.Tensor, grad: torch.Tensor, state: dict, lr: float, decay: float, decoupled: bool,
@@ -284,12 +284,12 @@ def test_each_kernel_reads_every_kind_as_a_float64_reference(kinds):
     from deepspeed.ops.adam import FusedAdam
 
     from deepspeed_patch.optimizer_stats import OptimizerStatistics
-    from deepspeed_patch.partition_slices import slices_of_runs
-    from deepspeed_patch.partition_stats import HOST, STOCK, chunk_plan
+    from deepspeed_patch.partition_slices import slices_of_spans
+    from deepspeed_patch.partition_stats import HOST, STOCK, chunk_partition
     from deepspeed_patch.statistics import bucket_results, empty_stats
     from reference import bucket_stats
 
-    runs = [(0, 3000, 1), (3010, 200, 0), (3210, 70000, 2)]  # longer than a chunk, and a gap
+    spans = [(0, 3000, 1), (3010, 200, 0), (3210, 70000, 2)]  # longer than a chunk, and a gap
     optimizers = {  # (make, decoupled decay, bias correction)
         "adamw": (lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.1), True, True),
         "adam_l2": (lambda p: torch.optim.Adam(p, lr=1e-2, weight_decay=0.1), False, True),
@@ -301,8 +301,11 @@ def test_each_kernel_reads_every_kind_as_a_float64_reference(kinds):
         torch.manual_seed(0)
         flat = torch.nn.Parameter(torch.randn(73210))
         optimizer = make([flat])
-        plans = {kernel: chunk_plan(slices_of_runs(runs), "cpu", kernel=kernel) for kernel in (HOST, STOCK)}
-        readers = {kernel: OptimizerStatistics(optimizer, [flat], [plan], kinds) for kernel, plan in plans.items()}
+        chunkings = {kernel: chunk_partition(slices_of_spans(spans), "cpu", kernel=kernel) for kernel in (HOST, STOCK)}
+        readers = {
+            kernel: OptimizerStatistics(optimizer, [flat], [chunking], kinds)
+            for kernel, chunking in chunkings.items()
+        }
         for _ in range(2):
             before = flat.detach().clone()
             flat.grad = torch.randn(73210)
@@ -322,7 +325,7 @@ def test_each_kernel_reads_every_kind_as_a_float64_reference(kinds):
             reader.accumulate(tables, skipped=False)
             for kind in kinds:
                 want = bucket_stats({str(bucket): values[kind][start:start + length]
-                                     for start, length, bucket in runs}, key_of=int)
+                                     for start, length, bucket in spans}, key_of=int)
                 got = bucket_results(tables[kind], [0, 1, 2], [0, 1, 2], 1.0)
                 for bucket, expected in want.items():
                     assert got[bucket]["norm"] == pytest.approx(expected["norm"], rel=1e-5), (name, kernel, kind)
@@ -337,16 +340,16 @@ def test_before_the_first_step_the_moments_and_update_are_zero():
     """A step the loss scaler skips before the optimizer ever stepped (fp16's first steps): no state yet, so
     zero moments and a zero update, over every element of each bucket; the weights as they are."""
     from deepspeed_patch.optimizer_stats import OptimizerStatistics
-    from deepspeed_patch.partition_slices import slices_of_runs
-    from deepspeed_patch.partition_stats import STOCK, chunk_plan
+    from deepspeed_patch.partition_slices import slices_of_spans
+    from deepspeed_patch.partition_stats import STOCK, chunk_partition
     from deepspeed_patch.statistics import MAX, NEG_ABS_MIN, NUMEL, SUMSQ, empty_stats
 
     torch.manual_seed(0)
     flat = torch.nn.Parameter(torch.randn(100))
     optimizer = torch.optim.AdamW([flat], lr=1e-2)
-    plan = chunk_plan(slices_of_runs([(0, 40, 0), (40, 60, 1)]), "cpu", kernel=STOCK)
+    chunking = chunk_partition(slices_of_spans([(0, 40, 0), (40, 60, 1)]), "cpu", kernel=STOCK)
     tables = {kind: empty_stats(2, "cpu") for kind in KINDS}
-    OptimizerStatistics(optimizer, [flat], [plan], tuple(KINDS), window=32).accumulate(tables, skipped=True)
+    OptimizerStatistics(optimizer, [flat], [chunking], tuple(KINDS), window=32).accumulate(tables, skipped=True)
     assert tables["param"][:, SUMSQ].sum().item() == pytest.approx(flat.detach().double().square().sum().item())
     for kind in KINDS[1:]:
         assert tables[kind][:, NUMEL].tolist() == [40, 60]

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from deepspeed_patch import reduction
-from deepspeed_patch.partition_stats import accumulate_runs
+from deepspeed_patch.partition_stats import accumulate_spans
 from deepspeed_patch.statistics import NUMEL, bucket_results, empty_stats
 from reference import TOLERANCE, bucket_stats
 
@@ -61,7 +61,7 @@ class SimulatedComm:
         def rank_main(rank: int) -> None:
             self.local.rank = rank
             try:
-                results[rank] = reduction.reduce_stats(tables[rank], group=None)
+                results[rank] = reduction.reduce_stats(tables[rank], process_group=None)
             except BaseException as error:  # reported below, not lost in the thread
                 errors.append(error)
                 self.barrier.abort()
@@ -91,7 +91,7 @@ def simulated_world(world_size: int, num_buckets: int, seed: int):
         cuts = torch.sort(torch.randint(0, grad.numel() + 1, (world_size - 1, ), generator=generator)).values.tolist()
         for rank, piece in enumerate(torch.tensor_split(grad, cuts)):
             if piece.numel():  # an empty piece leaves the rank's row at the identity
-                accumulate_runs(tables[rank], [piece], torch.tensor([bucket]), EXTRA)
+                accumulate_spans(tables[rank], [piece], torch.tensor([bucket]), EXTRA)
     return gradients, tables
 
 

@@ -1,4 +1,4 @@
-"""The pure pieces: layer specs, bucket keys, partition runs, the clip factor."""
+"""The pure pieces: layer specs, bucket keys, partition spans, the clip factor."""
 
 import math
 import re
@@ -8,7 +8,7 @@ import pytest
 from deepspeed_patch.clipping import bf16_clip_divisor, zero_unscale_divisor
 from deepspeed_patch.config import LayerGradNormsConfig, LayerGradNormsConfigError, load_config, parse_layer_spec
 from deepspeed_patch.layer_map import DEFAULT_LAYER_PATTERN, build_layer_map, locate_layer, module_of, resolve_layers
-from deepspeed_patch.partition_slices import partition_runs
+from deepspeed_patch.partition_slices import partition_spans
 
 
 @pytest.mark.parametrize("spec,expected", [
@@ -60,16 +60,16 @@ def test_layer_count_includes_frozen_layers():
     assert layer_map.select(parse_layer_spec("0,-1")) == (0, "head")  # layer 2 is frozen: nothing to report
 
 
-def test_runs_cut_parameters_at_partition_boundaries_and_skip_padding():
+def test_spans_cut_parameters_at_partition_boundaries_and_skip_padding():
     # three parameters: [0, 10) bucket 0, [12, 20) bucket 0 after 2 padding, [20, 30) bucket 1
     ranges = [(0, 10, 0), (12, 8, 0), (20, 10, 1)]
-    assert partition_runs(ranges, 0, 15) == [(0, 10, 0), (12, 3, 0)]
-    assert partition_runs(ranges, 15, 15) == [(0, 5, 0), (5, 10, 1)]
-    assert partition_runs(ranges, 30, 15) == []
+    assert partition_spans(ranges, 0, 15) == [(0, 10, 0), (12, 3, 0)]
+    assert partition_spans(ranges, 15, 15) == [(0, 5, 0), (5, 10, 1)]
+    assert partition_spans(ranges, 30, 15) == []
 
 
-def test_runs_merge_neighbours_of_one_bucket():
-    assert partition_runs([(0, 4, 2), (4, 4, 2), (8, 4, 3)], 0, 12) == [(0, 8, 2), (8, 4, 3)]
+def test_spans_merge_neighbours_of_one_bucket():
+    assert partition_spans([(0, 4, 2), (4, 4, 2), (8, 4, 3)], 0, 12) == [(0, 8, 2), (8, 4, 3)]
 
 
 def test_zero_unscale_divisor_mirrors_deepspeed_clipping():

@@ -58,7 +58,7 @@ CASES = {
         "z2_bf16_fp32accum_gas2": {"stage": 2, "dtype": "bf16", "grad_accum_dtype": "fp32", "gas": 2, "clip": 0.1},
         "z1_fp16_overflow_gas2": {"stage": 1, "dtype": "fp16", "gas": 2, "overflow_step": 2, "clip": 0.1},
         "z2_fp16_clip": {"stage": 2, "dtype": "fp16", "clip": 0.1, "compare_off": True},
-        "z2_small_buckets_overlap": {"stage": 2, "zero": {"reduce_bucket_size": 300, "overlap_comm": True}},
+        "z2_small_reduce_buckets_overlap": {"stage": 2, "zero": {"reduce_bucket_size": 300, "overlap_comm": True}},
         "z2_noncontiguous": {"stage": 2, "zero": {"contiguous_gradients": False, "overlap_comm": False}},
         "z1_overlap_noncontiguous": {"stage": 1, "zero": {"contiguous_gradients": False, "overlap_comm": True}},
         "z2_frozen_tied": {"stage": 2, "tie": True, "frozen": ("layers.1.dense.weight", "layers.2.dense_h_to_4h.bias"),

@@ -12,7 +12,7 @@ step protocol they share, ``optimizer`` what DeepSpeed's optimizers share beyond
 from typing import Optional
 
 from ..config import CONFIG_KEY, UnsupportedSetupError
-from ..trigger import Fire, History
+from ..trigger import FireSelector, History
 from .attach import attach
 from .base import LayerGradNormsAdapter
 
@@ -32,7 +32,7 @@ def get_layer_grad_norms(owner) -> Optional[dict]:
     return None if adapter is None else adapter.result()
 
 
-def get_layer_grad_norms_history(owner, fire: Fire = None) -> History:
+def get_layer_grad_norms_history(owner, fire: FireSelector = None) -> History:
     """The flight recorder's steps at the trigger's fires (``trigger.history``), oldest first; ``None`` before
     any fire (or without a recorder).
 

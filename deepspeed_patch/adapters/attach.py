@@ -70,7 +70,7 @@ def attach(engine) -> Optional[LayerGradNormsAdapter]:
     else:
         group = _stats_group(engine, optimizer)
     try:
-        params = [param for group_params in family.param_groups(optimizer) for param in group_params]
+        params = family.trainable_params(optimizer)
         adapter = family(optimizer, _setup(engine, config, params, group))
     except AttributeError as err:  # a DeepSpeed release whose optimizer keeps its layout elsewhere
         raise UnsupportedSetupError(f"{CONFIG_KEY}: {type(optimizer).__name__} of DeepSpeed {deepspeed.__version__} "

@@ -42,10 +42,10 @@ from ..optimizer_stats import OptimizerStatistics
 from ..process_rank import rank_of_process
 from ..publish import Publisher, Reader
 from ..recorder import FlightRecorder, Replay
-from ..remedies import CHECKPOINT_KEY, Action, Remedies, scale_runs
+from ..remedies import CHECKPOINT_KEY, Action, Remedies, scale_spans
 from ..statistics import empty_stats, table_rows
 from ..steps import FailureLatch, StepSchedule
-from ..trigger import Fire, History, TriggerState
+from ..trigger import FireSelector, History, TriggerState
 
 logger = logging.getLogger(__name__)
 
@@ -60,7 +60,7 @@ class Setup:
     layer_map: LayerMap
     bucket_of: BucketOf
     """A parameter's row in the statistics table (``LayerMap.bucket_of``); ``None`` for one another rank counts."""
-    group: object
+    process_group: object
     """The ranks whose tables add up to the whole model; ``REPLICATED`` where each holds it all."""
     completed_steps: Callable[[], int]
     """The engine's optimizer steps so far, restored from checkpoints: the step numbering."""
@@ -82,7 +82,7 @@ class LayerGradNormsAdapter:
         self.trigger = TriggerState(setup.config.trigger)
         self.publisher = Publisher(setup.config.dump, setup.monitor)
         self.layer_map = setup.layer_map
-        self.group = setup.group
+        self.process_group = setup.process_group
         self.extra = setup.config.statistics
         self.kinds = setup.config.optimizer_statistics
         self.optimizer_statistics: Optional[OptimizerStatistics] = None
@@ -171,7 +171,8 @@ class LayerGradNormsAdapter:
             self.publisher.clear()
             result = finished = None
             with self.latch.failing_locally("finishing the step", step):
-                result = measurement.finish(self.group, overflow, self.layer_map.keys, self.schedule.reported_keys())
+                result = measurement.finish(self.process_group, overflow, self.layer_map.keys,
+                                            self.schedule.reported_keys())
                 finished = True
             if finished and result is None:
                 self.latch.switch_off(step)
@@ -200,7 +201,7 @@ class LayerGradNormsAdapter:
         step = measurement.step
         reduced = None
         with self.latch.failing_locally("reducing the step before the optimizer step", step):
-            reduced = measurement.reduce_now(self.group)
+            reduced = measurement.reduce_now(self.process_group)
         if reduced is None:  # a rank failed to measure: finish switches the statistics off on every rank
             return
         with self.latch.failing_locally("deciding the remedies", step):
@@ -218,13 +219,13 @@ class LayerGradNormsAdapter:
         them; before the optimizer divides it by the loss scale."""
         factors = measurement.action.factors if measurement.action is not None else None
         if factors is not None:
-            slices = self.plans[index].slices
-            scale_runs(flat_grad, slices.starts, slices.lengths, self.run_buckets[index], factors)
+            slices = self.chunkings[index].slices
+            scale_spans(flat_grad, slices.starts, slices.lengths, self.span_buckets[index], factors)
 
     @functools.cached_property
-    def run_buckets(self) -> List[List[int]]:
-        """Each partition's runs' bucket rows, on the host (``plans`` holds them on the partition's device)."""
-        return [plan.slices.buckets.tolist() for plan in self.plans]
+    def span_buckets(self) -> List[List[int]]:
+        """Each partition's spans' bucket rows, on the host (``chunkings`` holds them on the partition's device)."""
+        return [chunking.slices.buckets.tolist() for chunking in self.chunkings]
 
     def clip_divisor(self, global_norm: float) -> float:
         """What the optimizer's global clipping divides a gradient of unscaled norm ``global_norm`` by."""
@@ -265,10 +266,10 @@ class LayerGradNormsAdapter:
         failure flag on the fire's own step switches the statistics off (the failure latch)."""
         step = self.schedule.step
         with self.latch.failing_locally("reducing the recorded steps", step):
-            replay = self.recorder.history(self.group,
-                                           self.layer_map.keys,
-                                           self.extra,
-                                           after=self.trigger.published_until)
+            replay = self.recorder.replay(self.process_group,
+                                          self.layer_map.keys,
+                                          self.extra,
+                                          after=self.trigger.published_until)
             _log_left_out(replay, step)
             self.publisher.publish_history(self.trigger.keep(fired, replay.results))
             if step in replay.failed:
@@ -308,7 +309,7 @@ class LayerGradNormsAdapter:
         """The statistics of the last measured step (``engine.get_layer_grad_norms()``), or ``None``."""
         return self.publisher.result
 
-    def history(self, fire: Fire = None) -> History:
+    def history(self, fire: FireSelector = None) -> History:
         """The recorded steps of the trigger's fires (``engine.get_layer_grad_norms_history()``), oldest first:
         the last fire's, a given fire's, or every kept fire's (``TriggerState.history``)."""
         return self.trigger.history(fire)

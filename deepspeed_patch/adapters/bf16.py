@@ -17,8 +17,8 @@ from deepspeed import comm as dist
 from ..clipping import bf16_clip_divisor
 from ..measurement import Measurement
 from ..optimizer_stats import optimizer_statistics
-from ..partition_slices import PartitionSlices, back_to_back_ranges, partition_runs, slices_of_runs
-from ..partition_stats import chunk_plan
+from ..partition_slices import PartitionSlices, back_to_back_ranges, partition_spans, slices_of_spans
+from ..partition_stats import chunk_partition
 from .base import Setup
 from .optimizer import OptimizerAdapter
 
@@ -28,13 +28,13 @@ class BF16Adapter(OptimizerAdapter):
 
     def __init__(self, optimizer, setup: Setup) -> None:
         device = optimizer.fp32_groups_gradients_flat[0].device
-        self.plans = [
-            chunk_plan(_group_slices(optimizer, index, setup, device), device)
+        self.chunkings = [
+            chunk_partition(_group_slices(optimizer, index, setup, device), device)
             for index in range(len(optimizer.bf16_groups))
         ]
-        super().__init__(optimizer, setup, len(self.plans), device)
+        super().__init__(optimizer, setup, len(self.chunkings), device)
         self.optimizer_statistics = optimizer_statistics(optimizer.optimizer, optimizer.fp32_groups_flat_partition,
-                                                         self.plans, self.kinds)
+                                                         self.chunkings, self.kinds)
 
     @staticmethod
     def handles(optimizer) -> bool:
@@ -43,12 +43,12 @@ class BF16Adapter(OptimizerAdapter):
         return isinstance(optimizer, BF16_Optimizer)
 
     @staticmethod
-    def param_groups(optimizer) -> List[List[torch.nn.Parameter]]:
-        return optimizer.bf16_groups
+    def trainable_params(optimizer) -> List[torch.nn.Parameter]:
+        return [param for params in optimizer.bf16_groups for param in params]
 
     def read_at_begin(self, measurement: Measurement) -> None:
         for index, flat_grad in enumerate(self.optimizer.fp32_groups_gradient_flat_partition):
-            measurement.observe_partition(index, flat_grad, self.plans[index])
+            measurement.observe_partition(index, flat_grad, self.chunkings[index])
 
     def act_at_begin(self, measurement: Measurement) -> None:
         """With adaptive clipping, reduce the step now and scale each partition in place before ``step()`` computes
@@ -77,8 +77,8 @@ class BF16Adapter(OptimizerAdapter):
 def _group_slices(optimizer, index: int, setup: Setup, device) -> PartitionSlices:
     """Its flat buffer holds the parameters back to back (padding only at the end) and splits into equal
     data-parallel partitions."""
-    group = optimizer.real_dp_process_group[index]
-    partition_size = optimizer.bf16_groups_flat[index].numel() // dist.get_world_size(group=group)
+    process_group = optimizer.real_dp_process_group[index]
+    partition_size = optimizer.bf16_groups_flat[index].numel() // dist.get_world_size(group=process_group)
     ranges = back_to_back_ranges(optimizer.bf16_groups[index], setup.bucket_of)
-    start = dist.get_rank(group=group) * partition_size
-    return slices_of_runs(partition_runs(ranges, start, partition_size), device)
+    start = dist.get_rank(group=process_group) * partition_size
+    return slices_of_spans(partition_spans(ranges, start, partition_size), device)

@@ -5,7 +5,7 @@
 """``FP16_Optimizer``: fp16 or bf16 without ZeRO, with DeepSpeed's ``FusedAdam``.
 
 Every rank holds each parameter group's whole gradient as one flat fp32 buffer, read where the
-optimizer unscales and clips it, all groups at once; the factor it divides by is its return value. On a
+optimizer unscales and clips it, all parameter groups at once; the factor it divides by is its return value. On a
 skipped step the gradient is read before it is dropped, in whichever method of the release drops it
 (``capabilities.Capabilities.fp16_skip_method``).
 
@@ -20,8 +20,8 @@ from typing import List
 import torch
 
 from ..optimizer_stats import optimizer_statistics
-from ..partition_slices import back_to_back_ranges, partition_runs, slices_of_runs
-from ..partition_stats import chunk_plan
+from ..partition_slices import back_to_back_ranges, partition_spans, slices_of_spans
+from ..partition_stats import chunk_partition
 from .base import Setup
 from .optimizer import OptimizerAdapter, observe_chunks, param_group_of
 
@@ -31,14 +31,15 @@ class FusedFP16Adapter(OptimizerAdapter):
 
     def __init__(self, optimizer, setup: Setup) -> None:
         device = optimizer.fp32_groups_flat[0].device
-        self.plans = [
-            chunk_plan(
-                slices_of_runs(partition_runs(back_to_back_ranges(params, setup.bucket_of), 0, flat.numel()), device),
-                device) for params, flat in zip(optimizer.fp16_groups, optimizer.fp32_groups_flat)
+        self.chunkings = [
+            chunk_partition(
+                slices_of_spans(partition_spans(back_to_back_ranges(params, setup.bucket_of), 0, flat.numel()),
+                                device), device)
+            for params, flat in zip(optimizer.fp16_groups, optimizer.fp32_groups_flat)
         ]
-        super().__init__(optimizer, setup, len(self.plans), device)
-        self.optimizer_statistics = optimizer_statistics(optimizer.optimizer, optimizer.fp32_groups_flat, self.plans,
-                                                         self.kinds)
+        super().__init__(optimizer, setup, len(self.chunkings), device)
+        self.optimizer_statistics = optimizer_statistics(optimizer.optimizer, optimizer.fp32_groups_flat,
+                                                         self.chunkings, self.kinds)
 
     @staticmethod
     def handles(optimizer) -> bool:
@@ -47,18 +48,18 @@ class FusedFP16Adapter(OptimizerAdapter):
         return isinstance(optimizer, FP16_Optimizer) and not optimizer.fused_adam_legacy
 
     @staticmethod
-    def param_groups(optimizer) -> List[List[torch.nn.Parameter]]:
-        return optimizer.fp16_groups
+    def trainable_params(optimizer) -> List[torch.nn.Parameter]:
+        return [param for params in optimizer.fp16_groups for param in params]
 
     def unscale_and_clip_grads(self, grad_groups_flat, total_norm, apply_scale=True) -> None:
-        """Top of ``unscale_and_clip_grads``: the flat fp32 gradients of all groups."""
+        """Top of ``unscale_and_clip_grads``: the flat fp32 gradients of all parameter groups."""
         measurement = self.measurement
         if measurement is None or not apply_scale:
             return
         with measurement.guarded("reading the fp32 gradients"):
             for flat_grad in grad_groups_flat:
                 index = param_group_of(self.optimizer.fp32_groups_flat, flat_grad)
-                measurement.observe_partition(index, flat_grad, self.plans[index])
+                measurement.observe_partition(index, flat_grad, self.chunkings[index])
 
     def skip_step(self) -> None:
         """Top of ``_skip_invalid_grad_norm`` (where the release has it): a skipped step's gradients, before
@@ -84,13 +85,13 @@ class FusedFP16Adapter(OptimizerAdapter):
         for index, params in enumerate(self.optimizer.fp16_groups):
             flat_grad = self.optimizer.fp32_groups_flat[index].grad
             if flat_grad is not None:
-                measurement.observe_partition(index, flat_grad, self.plans[index])
+                measurement.observe_partition(index, flat_grad, self.chunkings[index])
             else:
-                observe_chunks(measurement, index, self.plans[index], [grad_or_zeros(param) for param in params])
+                observe_chunks(measurement, index, self.chunkings[index], [grad_or_zeros(param) for param in params])
 
 
 def grad_or_zeros(param: torch.nn.Parameter) -> torch.Tensor:
-    """A parameter's gradient as one run, or zeros where it has none (a broadcast view: no allocation)."""
+    """A parameter's gradient as one span, or zeros where it has none (a broadcast view: no allocation)."""
     if param.grad is None:
         return param.new_zeros(()).expand(param.numel())
     return param.grad.reshape(-1)

@@ -14,7 +14,7 @@ import torch
 from ..capabilities import Capabilities
 from ..clipping import zero_unscale_divisor
 from ..measurement import Measurement
-from ..partition_stats import ChunkPlan
+from ..partition_stats import Chunking
 from .base import LayerGradNormsAdapter, Setup
 
 
@@ -42,16 +42,16 @@ class OptimizerAdapter(LayerGradNormsAdapter):
 class ZeroPartitionsAdapter(OptimizerAdapter):
     """ZeRO's optimizers (stages 1 to 3): each flat fp32 gradient partition (of a parameter group; of a sub-group
     in stage 3), still multiplied by the loss scale, is read in ``unscale_and_clip_grads``; on a step the loss
-    scaler skips, in ``_update_scale``, before the gradients are dropped. ``plans``: each partition's chunk plan."""
+    scaler skips, in ``_update_scale``, before the gradients are dropped. ``chunkings``: each partition's chunking."""
 
-    plans: List[ChunkPlan]
+    chunkings: List[Chunking]
 
     def observe_flat(self, measurement: Measurement, index: int, flat_grad: torch.Tensor, total_norm,
                      zeroes_invalid_norm: bool) -> None:
         """Fold in flat partition ``index`` and record what ``unscale_and_clip_grads`` divides it by,
         for the global norm (times the loss scale) ``total_norm``, which stays on the device until ``finish``."""
         optimizer = self.optimizer
-        measurement.observe_partition(index, flat_grad, self.plans[index])
+        measurement.observe_partition(index, flat_grad, self.chunkings[index])
         measurement.set_applied_scale_of_norm(
             total_norm,
             functools.partial(zero_unscale_divisor,
@@ -70,8 +70,8 @@ class ZeroPartitionsAdapter(OptimizerAdapter):
         with measurement.guarded("reading the gradients before the step"):
             measurement.set_gradient_scale(self.optimizer.loss_scale)
             if has_overflow or acting:
-                for index, plan in enumerate(self.plans):
-                    self.observe_skipped(measurement, index, plan)
+                for index, chunking in enumerate(self.chunkings):
+                    self.observe_skipped(measurement, index, chunking)
         if acting:
             self.act(measurement)
         elif self.remedies is not None:
@@ -86,14 +86,14 @@ class ZeroPartitionsAdapter(OptimizerAdapter):
         does not step the learning-rate schedule); the loss scaler itself saw no overflow."""
         self.optimizer.overflow = True
 
-    def observe_skipped(self, measurement: Measurement, index: int, plan: ChunkPlan) -> None:
+    def observe_skipped(self, measurement: Measurement, index: int, chunking: Chunking) -> None:
         """Fold in partition ``index``'s gradient on a skipped step, wherever the family holds it then."""
         raise NotImplementedError
 
 
-def observe_chunks(measurement: Measurement, index: int, plan: ChunkPlan, chunks: Sequence[torch.Tensor]) -> None:
+def observe_chunks(measurement: Measurement, index: int, chunking: Chunking, chunks: Sequence[torch.Tensor]) -> None:
     """Fold in a partition still held as per-parameter pieces laid end to end: no copy of it."""
-    measurement.observe(index, *plan.slices.chunked_views(chunks))
+    measurement.observe(index, *chunking.slices.chunked_views(chunks))
 
 
 def param_group_of(partitions: Sequence[torch.Tensor], flat_grad: torch.Tensor) -> int:

@@ -27,7 +27,7 @@ class UnfusedFP16Adapter(OptimizerAdapter):
     def __init__(self, optimizer, setup: Setup) -> None:
         device = optimizer.fp16_groups[0][0].device
         self.members: List[Tuple[List[int], torch.Tensor]] = []
-        """Per group: the positions of its measured parameters, and their buckets."""
+        """Per parameter group: the positions of its measured parameters, and their buckets."""
         for params in optimizer.fp16_groups:
             measured = [index for index, param in enumerate(params) if setup.bucket_of(param) is not None]
             buckets = [setup.bucket_of(params[index]) for index in measured]
@@ -44,8 +44,8 @@ class UnfusedFP16Adapter(OptimizerAdapter):
         return isinstance(optimizer, FP16_UnfusedOptimizer) and not optimizer.fused_lamb_legacy
 
     @staticmethod
-    def param_groups(optimizer) -> List[List[torch.nn.Parameter]]:
-        return optimizer.fp16_groups
+    def trainable_params(optimizer) -> List[torch.nn.Parameter]:
+        return [param for params in optimizer.fp16_groups for param in params]
 
     def unscale_and_clip_grads(self, total_norm, apply_scale=True) -> None:
         """Top of ``unscale_and_clip_grads``: the fp32 gradient copies."""

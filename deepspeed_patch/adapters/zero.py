@@ -6,7 +6,7 @@
 
 Each rank holds one contiguous partition of every parameter group's flat buffer. The optimizer builds
 that partition's fp32 gradient, averaged over ranks and micro-steps and still multiplied by the loss
-scale, and hands it to ``unscale_and_clip_grads``: that is where it is read, once per group. On a step
+scale, and hands it to ``unscale_and_clip_grads``: that is where it is read, once per parameter group. On a step
 the loss scaler skips, the partition is never built: its per-parameter pieces are read in
 ``_update_scale``, before they are dropped.
 """
@@ -18,8 +18,8 @@ import torch
 from deepspeed import comm as dist
 
 from ..optimizer_stats import optimizer_statistics
-from ..partition_slices import PartitionSlices, partition_runs, slices_of_runs
-from ..partition_stats import ChunkPlan, chunk_plan
+from ..partition_slices import PartitionSlices, partition_spans, slices_of_spans
+from ..partition_stats import Chunking, chunk_partition
 from .base import Setup
 from .optimizer import ZeroPartitionsAdapter, observe_chunks, param_group_of
 
@@ -29,12 +29,13 @@ class ZeroAdapter(ZeroPartitionsAdapter):
 
     def __init__(self, optimizer, setup: Setup) -> None:
         device = optimizer.single_partition_of_fp32_groups[0].device
-        self.plans = [
-            chunk_plan(_group_slices(optimizer, index, setup), device) for index in range(len(optimizer.bit16_groups))
+        self.chunkings = [
+            chunk_partition(_group_slices(optimizer, index, setup), device)
+            for index in range(len(optimizer.bit16_groups))
         ]
-        super().__init__(optimizer, setup, len(self.plans), device)
+        super().__init__(optimizer, setup, len(self.chunkings), device)
         self.optimizer_statistics = optimizer_statistics(optimizer.optimizer,
-                                                         optimizer.single_partition_of_fp32_groups, self.plans,
+                                                         optimizer.single_partition_of_fp32_groups, self.chunkings,
                                                          self.kinds)
 
     @staticmethod
@@ -44,12 +45,12 @@ class ZeroAdapter(ZeroPartitionsAdapter):
         return isinstance(optimizer, DeepSpeedZeroOptimizer)
 
     @staticmethod
-    def param_groups(optimizer) -> List[List[torch.nn.Parameter]]:
-        """The trainable parameters of each group, in the order of its flat buffer."""
-        return optimizer.bit16_groups
+    def trainable_params(optimizer) -> List[torch.nn.Parameter]:
+        """The trainable parameters, parameter group by parameter group, each in the order of its flat buffer."""
+        return [param for params in optimizer.bit16_groups for param in params]
 
     def unscale_and_clip_grads(self, grad_groups_flat, total_norm) -> None:
-        """Top of ``unscale_and_clip_grads``, once per group: the flat fp32 partition about to be divided by
+        """Top of ``unscale_and_clip_grads``, once per parameter group: the flat fp32 partition about to be divided by
         the loss scale and the clip factor (and, with adaptive clipping, multiplied by each bucket's factor
         first). The global norm stays on the device until ``finish``."""
         measurement = self.measurement
@@ -61,23 +62,23 @@ class ZeroAdapter(ZeroPartitionsAdapter):
             self.observe_flat(measurement, index, flat_grad, total_norm, self.capabilities.zero_zeroes_invalid_norm)
             self.scale_buckets(measurement, index, flat_grad)
 
-    def observe_skipped(self, measurement, index: int, plan: ChunkPlan) -> None:
+    def observe_skipped(self, measurement, index: int, chunking: Chunking) -> None:
         """Group ``index``'s gradient on a skipped step: the offloaded fp32 partition, the flat partition a
         pre-flattening pass left, or the per-parameter pieces (fp16) the partition would be built from."""
         optimizer = self.optimizer
         if optimizer.cpu_offload:
-            measurement.observe_partition(index, optimizer.single_partition_of_fp32_groups[index].grad, plan)
+            measurement.observe_partition(index, optimizer.single_partition_of_fp32_groups[index].grad, chunking)
             return
         pieces = optimizer.averaged_gradients[index]
         flat = getattr(pieces, "flat_partition", None)
         if flat is not None:
-            measurement.observe_partition(index, flat.view(-1), plan)
+            measurement.observe_partition(index, flat.view(-1), chunking)
         else:
-            observe_chunks(measurement, index, plan, pieces)
+            observe_chunks(measurement, index, chunking, pieces)
 
 
 def _group_slices(optimizer, index: int, setup: Setup) -> PartitionSlices:
-    """The runs of group ``index`` on this rank, from the optimizer's own layout bookkeeping: the parameter
+    """The spans of parameter group ``index`` on this rank, from the optimizer's own layout bookkeeping: the parameter
     order and offsets of the flat buffer (after round-robin reordering and alignment padding) and the
     data-parallel partitions."""
     params = optimizer.round_robin_bit16_groups[index]
@@ -92,4 +93,4 @@ def _group_slices(optimizer, index: int, setup: Setup) -> PartitionSlices:
     start = sum(part.numel() for part in partitions[:rank])
     ranges = [(offset, size, setup.bucket_of(param)) for param, offset, size in zip(params, offsets, sizes)]
     device = optimizer.single_partition_of_fp32_groups[index].device
-    return slices_of_runs(partition_runs(ranges, start, partitions[rank].numel()), device)
+    return slices_of_spans(partition_spans(ranges, start, partitions[rank].numel()), device)

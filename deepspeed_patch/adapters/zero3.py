@@ -25,8 +25,8 @@ from deepspeed import comm as dist
 
 from ..capabilities import Capabilities
 from ..optimizer_stats import optimizer_statistics
-from ..partition_slices import PartitionSlices, partition_runs, slices_of_runs
-from ..partition_stats import ChunkPlan, chunk_plan
+from ..partition_slices import PartitionSlices, partition_spans, slices_of_spans
+from ..partition_stats import Chunking, chunk_partition
 from .base import BucketOf, Setup
 from .optimizer import ZeroPartitionsAdapter, observe_chunks
 
@@ -37,17 +37,17 @@ class Zero3Adapter(ZeroPartitionsAdapter):
     def __init__(self, optimizer, setup: Setup) -> None:
         device = optimizer.fp32_partitioned_groups_flat[0].device
         rank = dist.get_rank(group=optimizer.dp_process_group)
-        self.plans = [
-            chunk_plan(_sub_group_slices(params, rank, setup.bucket_of, device), device)
+        self.chunkings = [
+            chunk_partition(_sub_group_slices(params, rank, setup.bucket_of, device), device)
             for params in optimizer.fp16_groups
         ]
-        super().__init__(optimizer, setup, len(self.plans), device)
+        super().__init__(optimizer, setup, len(self.chunkings), device)
         self.optimizer_statistics = optimizer_statistics(
             optimizer.optimizer,
             optimizer.fp32_partitioned_groups_flat,
-            self.plans,
+            self.chunkings,
             self.kinds,
-            group_ids=[optimizer.sub_group_to_group_id[index] for index in range(len(self.plans))])
+            group_ids=[optimizer.sub_group_to_group_id[index] for index in range(len(self.chunkings))])
 
     @staticmethod
     def handles(optimizer) -> bool:
@@ -56,24 +56,24 @@ class Zero3Adapter(ZeroPartitionsAdapter):
         return isinstance(optimizer, DeepSpeedZeroOptimizer_Stage3)
 
     @staticmethod
-    def param_groups(optimizer) -> List[List[torch.nn.Parameter]]:
-        """The trainable parameters of each sub-group, in the order of its flat gradient."""
-        return optimizer.fp16_groups
+    def trainable_params(optimizer) -> List[torch.nn.Parameter]:
+        """The trainable parameters, sub-group by sub-group, each in the order of its flat gradient."""
+        return [param for params in optimizer.fp16_groups for param in params]
 
     @staticmethod
     def unsupported(optimizer, names: Dict[torch.nn.Parameter, str], capabilities: Capabilities) -> List[str]:
         """Set-ups whose gradient partitions are not one partition per data-parallel rank on one device."""
-        own_groups = [
+        own_process_group = [
             names.get(param, "?") for params in optimizer.fp16_groups for param in params if
             not _same_ranks(getattr(param, "ds_process_group", optimizer.dp_process_group), optimizer.dp_process_group)
         ]
-        shown = ", ".join(own_groups[:3]) + (", ..." if len(own_groups) > 3 else "")
+        shown = ", ".join(own_process_group[:3]) + (", ..." if len(own_process_group) > 3 else "")
         hpz = optimizer.zero_hpz_partition_size
         refusals = {
             "MiCS (its own shard groups)":
             capabilities.zero3_mics and _is_mics(optimizer),
             f"parameters partitioned over their own process group (ds_process_group: {shown})":
-            bool(own_groups),
+            bool(own_process_group),
             f"hpZ (zero_hpz_partition_size={hpz})":
             hpz > 1,
             "NVMe offload of the optimizer (offload_optimizer.device=nvme)":
@@ -117,18 +117,18 @@ class Zero3Adapter(ZeroPartitionsAdapter):
             self.observe_flat(measurement, sub_group_id, flat_grad, total_norm, zeroes_invalid_norm=False)
             self.scale_buckets(measurement, sub_group_id, flat_grad)
 
-    def observe_skipped(self, measurement, index: int, plan: ChunkPlan) -> None:
+    def observe_skipped(self, measurement, index: int, chunking: Chunking) -> None:
         """Sub-group ``index``'s gradient on a skipped step: the offloaded flat fp32 gradient, or the
         per-parameter partitions it would be flattened from."""
         optimizer = self.optimizer
         if optimizer.offload_optimizer:
-            measurement.observe_partition(index, optimizer.fp32_partitioned_groups_flat[index].grad, plan)
+            measurement.observe_partition(index, optimizer.fp32_partitioned_groups_flat[index].grad, chunking)
         else:
-            observe_chunks(measurement, index, plan, optimizer.averaged_gradients[index])
+            observe_chunks(measurement, index, chunking, optimizer.averaged_gradients[index])
 
 
 def _sub_group_slices(params: List[torch.nn.Parameter], rank: int, bucket_of: BucketOf, device) -> PartitionSlices:
-    """The runs of one sub-group's flat gradient on ``rank``: each parameter's ``partition_numel()``
+    """The spans of one sub-group's flat gradient on ``rank``: each parameter's ``partition_numel()``
     elements back to back, of which the first ``ds_numel - rank * partition_numel()`` (none to all) are real."""
     ranges, offset = [], 0
     for param in params:
@@ -136,7 +136,7 @@ def _sub_group_slices(params: List[torch.nn.Parameter], rank: int, bucket_of: Bu
         real = min(size, max(0, param.ds_numel - rank * size))
         ranges.append((offset, real, bucket_of(param)))
         offset += size
-    return slices_of_runs(partition_runs(ranges, 0, offset), device)
+    return slices_of_spans(partition_spans(ranges, 0, offset), device)
 
 
 def _is_mics(optimizer) -> bool:
@@ -153,10 +153,10 @@ def _is_super_offload(optimizer) -> bool:
     return isinstance(optimizer, SuperOffloadOptimizer_Stage3)
 
 
-def _same_ranks(group: Optional[object], other: Optional[object]) -> bool:
+def _same_ranks(process_group: Optional[object], other: Optional[object]) -> bool:
     """Whether two process groups hold the same global ranks (the same group, or another handle of it)."""
-    return group is other or _global_ranks(group) == _global_ranks(other)
+    return process_group is other or _global_ranks(process_group) == _global_ranks(other)
 
 
-def _global_ranks(group) -> List[int]:
-    return [dist.get_global_rank(group, rank) for rank in range(dist.get_world_size(group=group))]
+def _global_ranks(process_group) -> List[int]:
+    return [dist.get_global_rank(process_group, rank) for rank in range(dist.get_world_size(group=process_group))]

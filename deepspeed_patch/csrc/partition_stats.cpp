@@ -6,14 +6,14 @@
 // Per-bucket gradient statistics of one flat gradient partition in a single read, on the host; and those of an
 // fp32 master partition, its Adam moments and the update the step made, in a single read of the three.
 //
-// The op folds every row of a chunk table (start, length, bucket row) of a flat 1-D fp32, bf16 or fp16
+// The op folds every entry of a chunk list (start, length, bucket row) of a flat 1-D fp32, bf16 or fp16
 // partition into a (buckets, 9) float64 table with the columns of statistics.py: SUMSQ, NONFINITE, L1,
 // SUM, ZEROS, NUMEL (added up) and MAX, NEG_MIN, NEG_ABS_MIN (maxima). Each chunk is read once, all
 // statistics together; the threads take contiguous ranges of chunks of about equal size, write one
 // partial row per chunk, and the rows are folded into the table in chunk order, so the result does
 // not depend on the number of threads. Elements are compared as float (exact for all three dtypes) and
 // summed as double. A chunk with a NaN has NaN min, max and abs-min, and NaN stays in the table once
-// there, as torch.aminmax and scatter_reduce(amax) do in statistics.accumulate_runs.
+// there, as torch.aminmax and scatter_reduce(amax) do in partition_stats.accumulate_spans.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -31,7 +31,7 @@ namespace {
 
 enum Column : int { SUMSQ, NONFINITE, L1, SUM, ZEROS, NUMEL, MAX, NEG_MIN, NEG_ABS_MIN, NUM_COLUMNS };
 constexpr int NUM_SUMMED = 6;
-constexpr int64_t TABLE_COLUMNS = 3;  // start, length, bucket row
+constexpr int64_t CHUNK_FIELDS = 3;  // start, length, bucket row
 // Extra statistics, as bits of the op's `extra` argument.
 constexpr int64_t WITH_L1 = 1, WITH_SUM = 2, WITH_ZEROS = 4;
 // What a chunk costs beside its elements, in elements: evens out threads over many small chunks.
@@ -123,11 +123,11 @@ inline __attribute__((always_inline)) void chunk_row(const Load& load, int64_t l
 }
 
 template <class In, bool kExtra>
-inline __attribute__((always_inline)) void range_rows(const void* flat, const int64_t* table, int64_t first,
+inline __attribute__((always_inline)) void range_rows(const void* flat, const int64_t* chunk_list, int64_t first,
                                                       int64_t last, int64_t extra, double* rows) {
   const auto* data = static_cast<const typename In::Raw*>(flat);
   for (int64_t chunk = first; chunk < last; ++chunk) {
-    const int64_t* entry = table + chunk * TABLE_COLUMNS;
+    const int64_t* entry = chunk_list + chunk * CHUNK_FIELDS;
     chunk_row<Stored<In>, kExtra>(Stored<In>{data + entry[0]}, entry[1], extra, rows + chunk * NUM_COLUMNS);
   }
 }
@@ -137,21 +137,21 @@ inline __attribute__((always_inline)) void range_rows(const void* flat, const in
 #if defined(__x86_64__) && defined(__linux__) && defined(__GNUC__)
 __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
 #endif
-void rows_of_chunks(int dtype, const void* flat, const int64_t* table, int64_t first, int64_t last, int64_t extra,
+void rows_of_chunks(int dtype, const void* flat, const int64_t* chunk_list, int64_t first, int64_t last, int64_t extra,
                     double* rows) {
   const bool with_extra = extra != 0;
   switch (dtype) {
     case 0:
-      with_extra ? range_rows<Float32, true>(flat, table, first, last, extra, rows)
-                 : range_rows<Float32, false>(flat, table, first, last, extra, rows);
+      with_extra ? range_rows<Float32, true>(flat, chunk_list, first, last, extra, rows)
+                 : range_rows<Float32, false>(flat, chunk_list, first, last, extra, rows);
       break;
     case 1:
-      with_extra ? range_rows<BFloat16, true>(flat, table, first, last, extra, rows)
-                 : range_rows<BFloat16, false>(flat, table, first, last, extra, rows);
+      with_extra ? range_rows<BFloat16, true>(flat, chunk_list, first, last, extra, rows)
+                 : range_rows<BFloat16, false>(flat, chunk_list, first, last, extra, rows);
       break;
     default:
-      with_extra ? range_rows<Float16, true>(flat, table, first, last, extra, rows)
-                 : range_rows<Float16, false>(flat, table, first, last, extra, rows);
+      with_extra ? range_rows<Float16, true>(flat, chunk_list, first, last, extra, rows)
+                 : range_rows<Float16, false>(flat, chunk_list, first, last, extra, rows);
   }
 }
 
@@ -164,13 +164,13 @@ int dtype_code(const at::Tensor& flat) {
   }
 }
 
-// Checks every entry of the table against the partition and the stats table; returns each chunk's
+// Checks every entry of the chunk list against the partition and the statistics table; returns each chunk's
 // cumulative cost (elements plus CHUNK_OVERHEAD), which the threads split evenly.
-std::vector<int64_t> checked_costs(const int64_t* table, int64_t chunks, int64_t numel, int64_t buckets) {
+std::vector<int64_t> checked_costs(const int64_t* chunk_list, int64_t chunks, int64_t numel, int64_t buckets) {
   std::vector<int64_t> cumulative(chunks + 1, 0);
   for (int64_t chunk = 0; chunk < chunks; ++chunk) {
-    const int64_t start = table[chunk * TABLE_COLUMNS], length = table[chunk * TABLE_COLUMNS + 1];
-    const int64_t bucket = table[chunk * TABLE_COLUMNS + 2];
+    const int64_t start = chunk_list[chunk * CHUNK_FIELDS], length = chunk_list[chunk * CHUNK_FIELDS + 1];
+    const int64_t bucket = chunk_list[chunk * CHUNK_FIELDS + 2];
     TORCH_CHECK(start >= 0 && length >= 0 && length <= std::numeric_limits<int32_t>::max() && start <= numel - length,
                 "partition_stats: chunk ", chunk, " (start ", start, ", length ", length,
                 ") is outside the partition of ", numel, " elements");
@@ -185,9 +185,9 @@ inline double nan_max(double current, double value) {
   return (std::isnan(current) || std::isnan(value)) ? NAN64 : std::max(current, value);
 }
 
-void fold_rows(double* stats, const int64_t* table, const double* rows, int64_t chunks) {
+void fold_rows(double* stats, const int64_t* chunk_list, const double* rows, int64_t chunks) {
   for (int64_t chunk = 0; chunk < chunks; ++chunk) {
-    double* target = stats + table[chunk * TABLE_COLUMNS + 2] * NUM_COLUMNS;
+    double* target = stats + chunk_list[chunk * CHUNK_FIELDS + 2] * NUM_COLUMNS;
     const double* row = rows + chunk * NUM_COLUMNS;
     for (int column = 0; column < NUM_SUMMED; ++column) { target[column] += row[column]; }
     for (int column = NUM_SUMMED; column < NUM_COLUMNS; ++column) {
@@ -221,8 +221,8 @@ void check_table(const at::Tensor& stats) {
 
 void check_chunks(const at::Tensor& chunks) {
   TORCH_CHECK(chunks.device().is_cpu() && chunks.scalar_type() == at::kLong && chunks.dim() == 2 &&
-                  chunks.size(1) == TABLE_COLUMNS && chunks.is_contiguous(),
-              "partition_stats: chunk table must be a contiguous (chunks, 3) int64 host tensor");
+                  chunks.size(1) == CHUNK_FIELDS && chunks.is_contiguous(),
+              "partition_stats: chunk list must be a contiguous (chunks, 3) int64 host tensor");
 }
 
 void accumulate_chunks(at::Tensor stats, const at::Tensor& flat, const at::Tensor& chunks, int64_t extra) {
@@ -232,15 +232,15 @@ void accumulate_chunks(at::Tensor stats, const at::Tensor& flat, const at::Tenso
               "partition_stats: flat partition must be 1-D, contiguous, on the host");
   const int dtype = dtype_code(flat);
   const int64_t count = chunks.size(0);
-  const int64_t* table = chunks.data_ptr<int64_t>();
-  const std::vector<int64_t> cumulative = checked_costs(table, count, flat.numel(), stats.size(0));
+  const int64_t* chunk_list = chunks.data_ptr<int64_t>();
+  const std::vector<int64_t> cumulative = checked_costs(chunk_list, count, flat.numel(), stats.size(0));
   if (count == 0) { return; }
   std::vector<double> rows(count * NUM_COLUMNS);
   const void* data = flat.data_ptr();
   over_threads(cumulative, count, [&](int64_t first, int64_t last) {
-    rows_of_chunks(dtype, data, table, first, last, extra, rows.data());
+    rows_of_chunks(dtype, data, chunk_list, first, last, extra, rows.data());
   });
-  fold_rows(stats.data_ptr<double>(), table, rows.data(), count);
+  fold_rows(stats.data_ptr<double>(), chunk_list, rows.data(), count);
 }
 
 // An Adam step's update, element by element, from the fp32 weights and moments after it, in the order of
@@ -268,12 +268,12 @@ constexpr int64_t PARAM = 1, UPDATE = 2, EXP_AVG = 4, EXP_AVG_SQ = 8;
 // A chunk's three arrays stay in the core's cache while its four rows are computed: one read from memory.
 template <bool kDecoupled>
 inline __attribute__((always_inline)) void adam_range_rows(const float* param, const float* exp_avg,
-                                                           const float* exp_avg_sq, const int64_t* table,
+                                                           const float* exp_avg_sq, const int64_t* chunk_list,
                                                            int64_t first, int64_t last, int64_t count,
                                                            AdamRule rule, int64_t kinds, double* rows) {
   using Fp32 = Stored<Float32>;
   for (int64_t chunk = first; chunk < last; ++chunk) {
-    const int64_t start = table[chunk * TABLE_COLUMNS], length = table[chunk * TABLE_COLUMNS + 1];
+    const int64_t start = chunk_list[chunk * CHUNK_FIELDS], length = chunk_list[chunk * CHUNK_FIELDS + 1];
     double* row = rows + chunk * NUM_COLUMNS;
     const int64_t stride = count * NUM_COLUMNS;
     if (kinds & PARAM) {
@@ -296,11 +296,11 @@ inline __attribute__((always_inline)) void adam_range_rows(const float* param, c
 #if defined(__x86_64__) && defined(__linux__) && defined(__GNUC__)
 __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
 #endif
-void adam_rows_of_chunks(const float* param, const float* exp_avg, const float* exp_avg_sq, const int64_t* table,
+void adam_rows_of_chunks(const float* param, const float* exp_avg, const float* exp_avg_sq, const int64_t* chunk_list,
                          int64_t first, int64_t last, int64_t count, AdamRule rule, int64_t kinds, double* rows) {
   rule.decay != 0.0f
-      ? adam_range_rows<true>(param, exp_avg, exp_avg_sq, table, first, last, count, rule, kinds, rows)
-      : adam_range_rows<false>(param, exp_avg, exp_avg_sq, table, first, last, count, rule, kinds, rows);
+      ? adam_range_rows<true>(param, exp_avg, exp_avg_sq, chunk_list, first, last, count, rule, kinds, rows)
+      : adam_range_rows<false>(param, exp_avg, exp_avg_sq, chunk_list, first, last, count, rule, kinds, rows);
 }
 
 void check_fp32_like(const at::Tensor& flat, const at::Tensor& param, const char* name) {
@@ -327,18 +327,18 @@ void accumulate_adam_chunks(at::TensorList stats, const at::Tensor& param, const
     TORCH_CHECK(table.size(0) == stats[0].size(0), "partition_stats: the kinds' tables differ in rows");
   }
   const int64_t count = chunks.size(0);
-  const int64_t* table = chunks.data_ptr<int64_t>();
-  const std::vector<int64_t> cumulative = checked_costs(table, count, param.numel(), stats[0].size(0));
+  const int64_t* chunk_list = chunks.data_ptr<int64_t>();
+  const std::vector<int64_t> cumulative = checked_costs(chunk_list, count, param.numel(), stats[0].size(0));
   if (count == 0) { return; }
   const AdamRule coefficients{static_cast<float>(rule[0]), static_cast<float>(rule[1]), static_cast<float>(rule[2]),
                               static_cast<float>(rule[3]), static_cast<float>(rule[4])};
   std::vector<double> rows(stats.size() * count * NUM_COLUMNS);
   over_threads(cumulative, count, [&](int64_t first, int64_t last) {
-    adam_rows_of_chunks(param.data_ptr<float>(), exp_avg.data_ptr<float>(), exp_avg_sq.data_ptr<float>(), table,
+    adam_rows_of_chunks(param.data_ptr<float>(), exp_avg.data_ptr<float>(), exp_avg_sq.data_ptr<float>(), chunk_list,
                         first, last, count, coefficients, kinds, rows.data());
   });
   for (size_t slot = 0; slot < stats.size(); ++slot) {
-    fold_rows(stats[slot].data_ptr<double>(), table, rows.data() + slot * count * NUM_COLUMNS, count);
+    fold_rows(stats[slot].data_ptr<double>(), chunk_list, rows.data() + slot * count * NUM_COLUMNS, count);
   }
 }
 

@@ -292,15 +292,17 @@ SERIES = (
         (),
         cuts=(
             Cut("partition_stats.py",
-                replace=(("chunk_plan", "kernel=kernel or _best_kernel(device))", "kernel=kernel or STOCK)"),
+                replace=(("chunk_partition", "kernel=kernel or _best_kernel(device))", "kernel=kernel or STOCK)"),
                          ("accumulate_partition",
-                          "    if plan.kernel == STOCK or flat.dtype not in KERNEL_DTYPES or not "
+                          "    if chunking.kernel == STOCK or flat.dtype not in KERNEL_DTYPES or not "
                           "flat.is_contiguous():\n"
-                          "        accumulate_runs(stats, plan.slices.views(flat), plan.slices.buckets, extra)\n"
+                          "        accumulate_spans(stats, chunking.slices.views(flat), "
+                          "chunking.slices.buckets, extra)\n"
                           "        return\n",
-                          "    accumulate_runs(stats, plan.slices.views(flat), plan.slices.buckets, extra)\n")),
-                statements=(("accumulate_partition", r"bits = "), ("accumulate_partition",
-                                                                   r"if plan\.kernel == HOST")),
+                          "    accumulate_spans(stats, chunking.slices.views(flat), chunking.slices.buckets, "
+                          "extra)\n")),
+                statements=(("accumulate_partition", r"bits = "),
+                            ("accumulate_partition", r"if chunking\.kernel == HOST")),
                 drop=("KERNEL_DTYPES", "EXTRA_BITS")),
             Cut("optimizer_stats.py",
                 replace=(("OptimizerStatistics.accumulate",
@@ -373,7 +375,7 @@ SERIES = (
                             ("LayerGradNormsAdapter._end", r"if fired is None and skipped:"),
                             ("LayerGradNormsAdapter.report_loss", r"if self\.remedies is not None and before_step")),
                 drop=("LayerGradNormsAdapter._skip_fire", "LayerGradNormsAdapter.act",
-                      "LayerGradNormsAdapter.scale_buckets", "LayerGradNormsAdapter.run_buckets",
+                      "LayerGradNormsAdapter.scale_buckets", "LayerGradNormsAdapter.span_buckets",
                       "LayerGradNormsAdapter.clip_divisor", "LayerGradNormsAdapter.skip_optimizer_step",
                       "LayerGradNormsAdapter.suspend_global_clipping", "LayerGradNormsAdapter.resume_global_clipping",
                       "LayerGradNormsAdapter.save_remedies", "LayerGradNormsAdapter.load_remedies",

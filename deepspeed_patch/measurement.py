@@ -153,8 +153,9 @@ class Measurement:
                           kinds=self.kinds,
                           action=self.action)
 
-    def finish(self, group, overflow: bool, keys: Sequence[Hashable], selected: Sequence[Hashable]) -> Optional[dict]:
-        """Reduce the step across ``group`` (``reduce_stats``; every rank must call it) and return the
+    def finish(self, process_group, overflow: bool, keys: Sequence[Hashable],
+               selected: Sequence[Hashable]) -> Optional[dict]:
+        """Reduce the step across ``process_group`` (``reduce_stats``; every rank must call it) and return the
         result of the ``selected`` buckets; ``None`` when any rank failed to measure.
 
         ``overflow``: the loss scaler skipped the step; pre-clip statistics only.
@@ -163,12 +164,12 @@ class Measurement:
         if self.reduced is not None:
             stats, scales = self.reduced, resolve_scales([self.scales(overflow)])
         else:
-            stats, scales = host_copy(reduce_stats(self.local_table(), group), [self.scales(overflow)])
+            stats, scales = host_copy(reduce_stats(self.local_table(), process_group), [self.scales(overflow)])
         return step_result(stats, scales[0], keys, selected, self.extra)
 
-    def reduce_now(self, group) -> Optional[torch.Tensor]:
-        """Reduce the gradient observed so far across ``group`` before the optimizer steps (every rank must call
-        it), for the remedies to act on: the host table, kept for ``finish``, which then issues no collective;
-        ``None`` when a rank failed to measure the step (the status row says so)."""
-        self.reduced = reduce_stats(self.local_table(), group).cpu()
+    def reduce_now(self, process_group) -> Optional[torch.Tensor]:
+        """Reduce the gradient observed so far across ``process_group`` before the optimizer steps (every rank
+        must call it), for the remedies to act on: the host table, kept for ``finish``, which then issues no
+        collective; ``None`` when a rank failed to measure the step (the status row says so)."""
+        self.reduced = reduce_stats(self.local_table(), process_group).cpu()
         return None if self.reduced[-1, NUMEL] > 0 else self.reduced

@@ -289,13 +289,14 @@ def release_facts(root: str) -> Tuple[object, Dict[str, bool]]:
     return release, {name: release.has(name) for name in release.__dataclass_fields__ if name != "release"}
 
 
-def make_series(root: str) -> List[Tuple[PullRequest, str]]:
-    """``(pull request, patch)`` of each pull request of the series, against the DeepSpeed checkout ``root``."""
+def make_series(root: str, upto: Optional[int] = None) -> List[Tuple[PullRequest, str]]:
+    """``(pull request, patch)`` of each pull request of the series (of the first ``upto``), against the DeepSpeed
+    checkout ``root``."""
     release, facts = release_facts(root)
     full = full_texts(facts)
     previous: Dict[str, str] = {}
     patches = []
-    for request in SERIES:
+    for request in SERIES[:upto]:
         current = stage_tree(root, int(request.number), full, release)
         diffs = []
         for path in sorted(current):

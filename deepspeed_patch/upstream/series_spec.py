@@ -113,7 +113,8 @@ _FAMILIES = "(ZeroAdapter, Zero3Adapter, BF16Adapter, FusedFP16Adapter, UnfusedF
 
 # PR 02: buckets other than the layer: one per parameter (granularity "param"), or per match of group_by
 _KEYS_BY_LAYER = ("        in_layers = [key for key in keys if None not in key_layers[key]]\n"
-                  "        layers = sorted(in_layers, key=lambda key: (next(iter(key_layers[key])), not is_layer(key)))\n"
+                  "        layers = sorted(in_layers, key=lambda key: (next(iter(key_layers[key])), "
+                  "not is_layer(key)))\n"
                   "        keys = layers + [key for key in keys if None in key_layers[key]]\n")
 _GRANULARITY_CUTS = (
     Cut("config.py",
@@ -121,8 +122,8 @@ _GRANULARITY_CUTS = (
               "LayerGradNormsConfig._validate_granularity", "LayerGradNormsConfig._validate_group_by",
               "LayerGradNormsConfig._group_by_goes_with_its_granularity")),
     Cut("layer_map.py",
-        replace=(("build_layer_map", ',\n                    granularity: str = "layer",\n                    group_by: '
-                  "Optional[str] = None) -> LayerMap:", ") -> LayerMap:"),
+        replace=(("build_layer_map", ',\n                    granularity: str = "layer",\n'
+                  "                    group_by: Optional[str] = None) -> LayerMap:", ") -> LayerMap:"),
                  ("build_layer_map", '    if granularity == "layer":\n        _refuse_merged_buckets(key_layers, '
                   "layer_pattern)\n" + _KEYS_BY_LAYER, "    _refuse_merged_buckets(key_layers, layer_pattern)\n" +
                   _KEYS_BY_LAYER.replace("\n        ", "\n    ").replace("        ", "    ", 1)),
@@ -145,7 +146,8 @@ _GRANULARITY_CUTS = (
 # PR 03: Mixture-of-Experts buckets, PipelineModule specs, tensor parallelism; PR 01 refuses them by name
 _PIPELINE_BRANCH = (
     '        if config.granularity != "layer":\n'
-    '            raise UnsupportedSetupError(f"{CONFIG_KEY}.granularity={config.granularity!r}: a PipelineModule is "\n'
+    '            raise UnsupportedSetupError(f"{CONFIG_KEY}.granularity={config.granularity!r}: a PipelineModule '
+    'is "\n'
     '                                        "measured per layer only (its stages do not know each other\'s '
     'parameters)")\n'
     "        if config.layer_pattern:\n"

@@ -141,6 +141,7 @@ _GRANULARITY_CUTS = (
                     ("build_layer_map", r'if granularity == "group_by"'),
                     ("model_layer_map", r'if config\.granularity == "group_by"'))),
     Cut(DOCS, rows=("granularity", "group_by")),
+    Cut(ZERO_TESTS, drop=("GROUP_BY", "bucket_key", "TestLayerGradNormsGranularity")),
 )
 
 # PR 03: Mixture-of-Experts buckets, PipelineModule specs, tensor parallelism; PR 01 refuses them by name

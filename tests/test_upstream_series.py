@@ -23,7 +23,7 @@ PATCHES = sorted(glob.glob(os.path.join(series.SERIES_DIR, "*.patch")))
 VENVS = os.environ.get("LGN_RELEASE_VENVS", os.path.expanduser("~/.cache/layer-grad-norms/venvs"))
 PRECOMMIT_TOOLS = os.path.join(VENVS, "precommit", "bin")  # .ci/precommit prepare builds it
 # tests/test_zero_stats.py's 2-rank cases that patch 01 alone must pass: DeepSpeedZeroOptimizer, stages 1 and 2
-FIRST_PATCH_CASES = ("z1_fp16_overflow_gas2", "z2_bf16_clip", "z2_fp32_clip_groups")
+FIRST_PATCH_CASES = ("z1_fp16_overflow_gas2", "z2_fp16_clip", "z2_bf16_clip", "z2_fp32_clip_groups")
 
 
 def _read(path: str) -> str:
@@ -160,6 +160,6 @@ def test_whole_series_gives_the_packages_results(tmp_path):
 @pytest.mark.extended
 def test_first_patch_alone_gives_exact_zero12_statistics(tmp_path):
     """Patch 01 alone, applied to the installed DeepSpeed: ZeRO-1 and ZeRO-2 in fp16 (an overflow step, gradient
-    accumulation, clipping), bf16 and fp32 (clipping, two parameter groups), training unchanged with the block
-    off where the case compares."""
+    accumulation, a loss-scale growth step, clipping), bf16 and fp32 (clipping, two parameter groups), training
+    unchanged with the block off where the case compares."""
     _zero_stats_pass_on(_patched_copy(tmp_path, upto=1), FIRST_PATCH_CASES)

@@ -46,6 +46,11 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 SERIES_DIR = os.path.join(HERE, "series")
 STYLE = os.path.join(os.path.dirname(os.path.dirname(HERE)), ".style.yapf")
 MAX_ADDED_LINES = 1000
+# Pull requests allowed past the cap, with their own limit. PR 01 is the whole ZeRO-1/2 feature on its own (config,
+# layer map, statistics table, adapter, engine API, monitor events, docs section, tests): about 2,000 added lines as
+# the package's modules are written (a quarter docstrings, a fifth blank lines and comments); moving every part it
+# does not need to PRs 02-04 leaves it there (issue 39).
+OVER_THE_CAP = {"01": 2100}
 FACTS_FILE = "master.json"  # the checkout the series was generated against: release, commit, capabilities facts
 
 PACKAGE_ONLY_MODULES = ("capabilities.py", "plain.py", "tags.py")
@@ -284,13 +289,14 @@ def release_facts(root: str) -> Tuple[object, Dict[str, bool]]:
     return release, {name: release.has(name) for name in release.__dataclass_fields__ if name != "release"}
 
 
-def make_series(root: str) -> List[Tuple[PullRequest, str]]:
-    """``(pull request, patch)`` of each pull request of the series, against the DeepSpeed checkout ``root``."""
+def make_series(root: str, upto: Optional[int] = None) -> List[Tuple[PullRequest, str]]:
+    """``(pull request, patch)`` of each pull request of the series (of the first ``upto``), against the DeepSpeed
+    checkout ``root``."""
     release, facts = release_facts(root)
     full = full_texts(facts)
     previous: Dict[str, str] = {}
     patches = []
-    for request in SERIES:
+    for request in SERIES[:upto]:
         current = stage_tree(root, int(request.number), full, release)
         diffs = []
         for path in sorted(current):
@@ -313,9 +319,9 @@ def write_series(root: str, folder: str = SERIES_DIR) -> List[Tuple[str, int]]:
     os.makedirs(folder, exist_ok=True)
     written = []
     for request, patch in make_series(root):
-        count = added_lines(patch)
-        if count > MAX_ADDED_LINES:
-            raise ValueError(f"{request.file_name}: {count} added lines, over {MAX_ADDED_LINES}")
+        count, cap = added_lines(patch), OVER_THE_CAP.get(request.number, MAX_ADDED_LINES)
+        if count > cap:
+            raise ValueError(f"{request.file_name}: {count} added lines, over {cap}")
         with open(os.path.join(folder, request.file_name + ".patch"), "w", encoding="utf-8") as handle:
             handle.write(patch)
         written.append((request.file_name, count))

@@ -111,18 +111,103 @@ _FLAT_SCALARS = ("    return {\n        scalar_tag(phase, name, key): values[nam
 
 _FAMILIES = "(ZeroAdapter, Zero3Adapter, BF16Adapter, FusedFP16Adapter, UnfusedFP16Adapter)"
 
+# PR 02: buckets other than the layer: one per parameter (granularity "param"), or per match of group_by
+_KEYS_BY_LAYER = ("        in_layers = [key for key in keys if None not in key_layers[key]]\n"
+                  "        layers = sorted(in_layers, key=lambda key: (next(iter(key_layers[key])), "
+                  "not is_layer(key)))\n"
+                  "        keys = layers + [key for key in keys if None in key_layers[key]]\n")
+_GRANULARITY_CUTS = (
+    Cut("config.py",
+        drop=("GRANULARITIES", "LayerGradNormsConfig.granularity", "LayerGradNormsConfig.group_by",
+              "LayerGradNormsConfig._validate_granularity", "LayerGradNormsConfig._validate_group_by",
+              "LayerGradNormsConfig._group_by_goes_with_its_granularity")),
+    Cut("layer_map.py",
+        replace=(("build_layer_map", ',\n                    granularity: str = "layer",\n'
+                  "                    group_by: Optional[str] = None) -> LayerMap:", ") -> LayerMap:"),
+                 ("build_layer_map", '    if granularity == "layer":\n        _refuse_merged_buckets(key_layers, '
+                  "layer_pattern)\n" + _KEYS_BY_LAYER, "    _refuse_merged_buckets(key_layers, layer_pattern)\n" +
+                  _KEYS_BY_LAYER.replace("\n        ", "\n    ").replace("        ", "    ", 1)),
+                 ("model_layer_map", "config.layer_pattern, config.granularity, config.group_by)",
+                  "config.layer_pattern)"),
+                 ("stack_labels", ', or use granularity "\n                "\'group_by\'")', '")')),
+        docstrings=(("build_layer_map", "``granularity``: ``layer`` (the layer, or the module for parameters outside "
+                     "the layers),\n    ``param`` (the parameter's name) or ``group_by`` (the capture groups of "
+                     "``group_by``, joined by\n    ``.``; unmatched parameters go to the unreported row). ", ""),
+                    ("LayerMap", ", and one more, never reported, where some parameters\n    are in no bucket "
+                     "(``group_by`` matches only some). They are measured all the same, because the\n    clipping "
+                     "the post-clip statistics follow is over every parameter.", " (and one, never reported, that "
+                     "a later granularity\n    fills).")),
+        statements=(("build_layer_map", r"grouping = "), ("build_layer_map", r'if granularity == "param"'),
+                    ("build_layer_map", r'if granularity == "group_by"'),
+                    ("model_layer_map", r'if config\.granularity == "group_by"'))),
+    Cut(DOCS, rows=("granularity", "group_by")),
+    Cut(ZERO_TESTS, drop=("GROUP_BY", "bucket_key", "TestLayerGradNormsGranularity")),
+)
+
+# PR 03: Mixture-of-Experts buckets, PipelineModule specs, tensor parallelism; PR 01 refuses them by name
+_PIPELINE_BRANCH = (
+    '        if config.granularity != "layer":\n'
+    '            raise UnsupportedSetupError(f"{CONFIG_KEY}.granularity={config.granularity!r}: a PipelineModule '
+    'is "\n'
+    '                                        "measured per layer only (its stages do not know each other\'s '
+    'parameters)")\n'
+    "        if config.layer_pattern:\n"
+    '            logger.warning("%s.layer_pattern=%r is ignored for a PipelineModule: its layers come from its '
+    'specs",\n'
+    "                           CONFIG_KEY, config.layer_pattern)\n"
+    "        return build_pipeline_layer_map(module._layer_specs, trainable)\n")
+_NOT_YET = ' yet; remove the "\n                                    f"\'{CONFIG_KEY}\' block or set enabled=false")\n'
+_MUON = '        "the Muon optimizer": "muon" in type(optimizer.optimizer).__name__.lower(),\n'
+_PARALLEL_CUTS = (
+    Cut("layer_map.py",
+        drop=("MOE_GATE", "moe_part", "build_pipeline_layer_map"),
+        replace=(("build_layer_map", '        part = moe_part(name, param)\n        return layer if part is None else '
+                  'f"{layer}.{part}"', "        return layer"),
+                 ("build_layer_map", "  # a layer and its MoE parts", ""),
+                 ("model_layer_map", _PIPELINE_BRANCH,
+                  '        raise UnsupportedSetupError(f"{CONFIG_KEY} does not support a PipelineModule' + _NOT_YET)),
+        docstrings=(
+            ("", "\n\nA ``PipelineModule`` names parameters by spec index (``5.self_attention.dense.weight``) and "
+             "each\nstage holds only some of them, so its buckets come from the layer specs, the same on every "
+             "stage:\nthe specs of the repeated layer class are the transformer layers, numbered in order.\n\nA "
+             "layer with a DeepSpeed Mixture-of-Experts block (``deepspeed.moe.layer.MoE``) has two more buckets:\n"
+             '``"3.experts"`` for its experts\' parameters and ``"3.gate"`` for its router; bucket ``3`` keeps its\n'
+             "dense parts. The three partition the layer, so its total norm is the root-sum-square of theirs.", ""),
+            ("model_layer_map", "from the specs of a\n    ``PipelineModule``, else from the parameter names",
+             "from the parameter names (a\n    ``PipelineModule`` is refused)"),
+        )),
+    Cut("adapters/refusals.py",
+        drop=("check_moe", "check_no_sequence_parallel", "whole_model_on_each_rank"),
+        replace=(("check_supported", _MUON,
+                  _MUON + '        "Mixture-of-Experts": bool(getattr(optimizer, "has_moe_layers", False)),\n'), )),
+    Cut("adapters/attach.py",
+        statements=(("attach", r"check_moe\("), ("_setup", r"check_no_sequence_parallel\("),
+                    ("_setup", r"tensor_rank = "), ("_setup", r"def bucket_of")),
+        replace=(("_setup", "                 bucket_of,\n", "                 layer_map.bucket_of,\n"),
+                 ("_stats_group", "    covered = dist.get_world_size(group=optimizer.dp_process_group) * "
+                  "engine.mpu.get_model_parallel_world_size()\n    if covered != dist.get_world_size():\n        "
+                  'raise UnsupportedSetupError(f"{CONFIG_KEY}: data x model parallel ranks ({covered}) are not all "\n'
+                  '                                    f"{dist.get_world_size()} ranks (sequence or expert '
+                  'parallelism?); not supported")\n    return None\n',
+                  '    raise UnsupportedSetupError(f"{CONFIG_KEY} does not support pipeline or tensor parallelism' +
+                  _NOT_YET.replace("                                    ", "                                "))),
+        docstrings=(("_stats_group", ", or all ranks\n    when pipeline or tensor parallelism splits the model "
+                     "further.", " (pipeline and\n    tensor parallelism are refused)."), )),
+)
+
 SERIES = (
-    PullRequest("01", "config-and-layer-map", ("config.py", "layer_map.py"), ("DeepSpeedConfig", )),
-    PullRequest("02", "statistics-table", ("measurement.py", "result.py", "statistics.py", "partition_slices.py",
-                                           "partition_stats.py", "reduction.py", "clipping.py"), ()),
     PullRequest(
-        "03",
+        "01",
         "zero12-layer-grad-norms",
-        ("steps.py", "publish.py", "monitor.py", "process_rank.py", "adapters/__init__.py", "adapters/attach.py",
-         "adapters/base.py", "adapters/optimizer.py", "adapters/zero.py", "adapters/refusals.py"),
-        ("DeepSpeedEngine", "DeepSpeedZeroOptimizer"),
+        ("config.py", "layer_map.py", "measurement.py", "result.py", "statistics.py", "partition_slices.py",
+         "partition_stats.py", "reduction.py", "clipping.py", "steps.py", "publish.py", "monitor.py",
+         "process_rank.py", "adapters/__init__.py", "adapters/attach.py", "adapters/base.py", "adapters/optimizer.py",
+         "adapters/zero.py", "adapters/refusals.py"),
+        ("DeepSpeedConfig", "DeepSpeedEngine", "DeepSpeedZeroOptimizer"),
         docs=True,
     ),
+    PullRequest("02", "bucket-granularity", (), (), cuts=_GRANULARITY_CUTS),
+    PullRequest("03", "zero12-moe-and-model-parallelism", (), (), cuts=_PARALLEL_CUTS),
     PullRequest(
         "04",
         "bf16-fp16-stage0",
@@ -149,6 +234,29 @@ SERIES = (
             Cut(DOCS,
                 replace=(("", "ZeRO stage 1 and 2, `BF16_Optimizer`, and the fp16/bf16\noptimizers without ZeRO",
                           "ZeRO stage 1 and 2"), )),
+            Cut("measurement.py",
+                statements=(("Measurement.__init__", r"self\.clip_norm: "), ("Measurement.__init__",
+                                                                              r"self\.clip_square: "),
+                            ("Measurement.local_table", r"if self\.clip_square is not None:")),
+                drop=("Measurement.set_clip_norm", ),
+                replace=(("Measurement.scales", "                          self.clip_norm,\n", ""),
+                         ("Measurement.scales", "                          clip_by_status=self.clip_square is not "
+                          "None,\n", "")),
+                docstrings=(("Measurement.local_table", ", whose squared\n        norm carries this rank's share of "
+                             "the norm the caller clips by (``set_clip_norm``), if any, and whose\n        max",
+                             ", and whose\n        max"), )),
+            Cut("result.py",
+                statements=(("step_result", r"if scales\.clip_norm:"), ),
+                drop=("StepScales.clip_norm", "StepScales.clip_by_status")),
+            Cut("clipping.py", drop=("torch_clip_divisor", )),
+            Cut("reduction.py", drop=("REPLICATED", ), replace=(("reduce_stats", "process_group is REPLICATED or ", ""), )),
+            Cut("adapters/base.py",
+                drop=("LayerGradNormsAdapter.read_at_begin", "LayerGradNormsAdapter.read_at_end"),
+                statements=(("LayerGradNormsAdapter.begin_step", r"with self\.measurement\.guarded"),
+                            ("LayerGradNormsAdapter._close", r"with measurement\.guarded")),
+                docstrings=(("", " (and families whose gradients\n   are complete already, such as BF16_Optimizer's, "
+                             "read them now: ``read_at_begin``)", ""),
+                            ("Setup", "; ``REPLICATED`` where each holds it all", ""))),
             Cut(ZERO_TESTS, replace=(("", "[0, 1, 2]", "[1, 2]"), )),
         ),
     ),

@@ -4,6 +4,7 @@
 # DeepSpeed Team
 
 import math
+import re
 
 import deepspeed
 import pytest
@@ -17,6 +18,7 @@ from unit.simple_model import SimpleModel, random_dataloader
 HIDDEN_DIM = 16
 NUM_LAYERS = 4
 BLOCK = {"enabled": True, "layer_pattern": r"linears\.(\d+)\."}
+GROUP_BY = r"linears\.(\d+)\.weight"
 
 
 def get_config(zero_stage, dtype, clip, layer_grad_norms=None):
@@ -107,6 +109,40 @@ class TestLayerGradNormsOneRank(DistributedTest):
 
     def test(self, zero_stage):
         check_steps(zero_stage, torch.float32, 0.05)
+
+
+def bucket_key(name, granularity):
+    if granularity == "param":
+        return name
+    match = re.search(GROUP_BY, name)
+    return match.group(1) if match else None
+
+
+@pytest.mark.parametrize("granularity", ["param", "group_by"])
+class TestLayerGradNormsGranularity(DistributedTest):
+    world_size = 2
+
+    def test(self, granularity):
+        block = {"enabled": True, "granularity": granularity}
+        if granularity == "group_by":
+            block["group_by"] = GROUP_BY
+        model = SimpleModel(hidden_dim=HIDDEN_DIM, nlayers=NUM_LAYERS)
+        engine, _, _, _ = deepspeed.initialize(model=model,
+                                               model_parameters=model.parameters(),
+                                               config=get_config(2, torch.float32, 0.0, block))
+        batch = next(iter(random_dataloader(engine, 2, HIDDEN_DIM, engine.device, torch.float)))
+        engine.backward(engine(batch[0], batch[1]))
+        expected = {}
+        for name, param in engine.module.named_parameters():
+            key = bucket_key(name, granularity)
+            if key is not None:
+                expected.setdefault(key, []).append(safe_get_full_grad(param).double().flatten())
+        engine.step()
+        stats = engine.get_layer_grad_norms()
+        assert set(stats["pre_clip"]) == set(expected)
+        for key, parts in expected.items():
+            assert stats["pre_clip"][key]["norm"] == pytest.approx(torch.cat(parts).norm().item(), rel=1e-5)
+        assert len(expected) == (2 * NUM_LAYERS if granularity == "param" else NUM_LAYERS)
 
 
 class TestLayerGradNormsOff(DistributedTest):

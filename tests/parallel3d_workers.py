@@ -89,6 +89,11 @@ def reference_stats(engine, case: Dict[str, Any], tp_rank: int, batches: List[to
     return engine_names(case, bucket_stats({name: p.grad.double() / scale for name, p in model.named_parameters()}))
 
 
+def unsharded_weights(engine, case: Dict[str, Any], tp_rank: int) -> Dict[str, torch.Tensor]:
+    """The unsharded model's weights, as fp32 copies, on every rank."""
+    return {name: param.detach().clone() for name, param in unsharded_model(engine, case, tp_rank).named_parameters()}
+
+
 def unsharded_masters(engine, case: Dict[str, Any], tp_rank: int) -> Optional[Dict[str, torch.Tensor]]:
     """The unsharded model's fp32 master weights, as the fp16 and bf16 optimizers without ZeRO keep them
     (``zero_workers.master_weights``); None under ZeRO or where the optimizer keeps none (fp32)."""
@@ -117,8 +122,9 @@ def train(case: Dict[str, Any], enabled: bool = True) -> Dict[str, Any]:
                                                                                                    lr=1.0),
                                       config=ds_config({**case, "gas": 1}, enabled),
                                       mpu=None if case["pp"] > 1 else grid)
-    record = {"measured": [], "global_norm": [], "reference": [], "applied_master": [], "master_before": [],
-              "loss_scales": [], "optimizer": type(engine.optimizer).__name__}
+    record = {"measured": [], "global_norm": [], "reference": [], "applied": [], "weights_before": [],
+              "applied_master": [], "master_before": [], "loss_scales": [],
+              "optimizer": type(engine.optimizer).__name__}
     for step in range(1, case["steps"] + 1):
         batches = [
             torch.randint(0, VOCAB, (MICRO_BATCH, SEQ + 1), generator=torch.Generator().manual_seed(10 * step + dp))
@@ -127,6 +133,7 @@ def train(case: Dict[str, Any], enabled: bool = True) -> Dict[str, Any]:
         record["reference"].append(reference_stats(engine, case, tp_rank, batches))
         batch = batches[dp_rank]
         master_before = unsharded_masters(engine, case, tp_rank)
+        before = unsharded_weights(engine, case, tp_rank)
         scale_before = loss_scale(engine.optimizer)
         loss_factor[0] = OVERFLOW_FACTOR if step == case["overflow_step"] else 1.0
         if case["pp"] > 1:
@@ -137,6 +144,11 @@ def train(case: Dict[str, Any], enabled: bool = True) -> Dict[str, Any]:
         record["loss_scales"].append((scale_before, loss_scale(engine.optimizer)))
         record["measured"].append(engine.get_layer_grad_norms())
         record["global_norm"].append(global_norm(engine))
+        after = unsharded_weights(engine, case, tp_rank)
+        # SGD with lr 1: the weights' change is the gradient applied (in fp32; coarser in the weights' bf16 or fp16)
+        change = {name: before[name] - after[name] for name in before}
+        record["applied"].append(engine_names(case, bucket_stats(change)))
+        record["weights_before"].append(engine_names(case, bucket_stats(before)))
         master_after = unsharded_masters(engine, case, tp_rank)
         # SGD with lr 1: the change of the fp32 master weights is the gradient the optimizer applied
         record["applied_master"].append(None if master_before is None else engine_names(case, bucket_stats(

@@ -19,7 +19,7 @@ from stage0_workers import TP_CASE, run_two_ranks
 
 from deepspeed_patch.reduction import COLLECTIVES_PER_STEP
 from megatron_integration.cpu_launch import launch
-from reference import TOLERANCE, assert_close_stats
+from reference import TOLERANCE, assert_close_stats, assert_matches_applied
 from releases import STAGE0_LOSS_CARRIES_SCALE, bf16_without_zero
 
 # fp16 clip values are small: from DeepSpeed 0.18 on, the fp16 optimizers without ZeRO clip by the norm
@@ -177,19 +177,12 @@ def test_low_precision_matches_the_reference_and_reports_the_overflow(name):
 
 APPLIED_TOLERANCE = 1e-3
 """Relative, of the optimizer's fp32 master weights' change (SGD, lr 1) to the gradient it applied; the elements
-are off by the weights' fp32 rounding besides (``weight_rounding``)."""
+are off by the weights' fp32 rounding besides (``reference.assert_matches_applied``)."""
 BF16_GRADIENT_ROUNDING = {"BF16_Optimizer": torch.finfo(torch.bfloat16).eps / 2}
 """Of an element to its bucket's largest: BF16_Optimizer keeps the gradient in its accumulation dtype, bf16 here
 (no ``grad_accum_dtype`` without ZeRO), and clips it there in place (``clip_tensors_by_global_norm``), so the step
 it takes is the clipped gradient rounded to bf16, while post_clip is the exact product (measured: up to 3e-3 of
 abs_max in min and max, 2e-4 in the norm)."""
-
-
-def weight_rounding(weights: dict, applied: dict) -> float:
-    """The fp32 rounding of a master weight's change, relative to the bucket's largest change: an element's change
-    is off by up to an ulp of the weight, at most fp32 epsilon times the bucket's largest weight (the embeddings'
-    weights near 1 take fp16 steps of 1e-5)."""
-    return torch.finfo(torch.float32).eps * weights["abs_max"] / applied["abs_max"]
 
 
 @pytest.mark.parametrize("name", LOW_PRECISION)
@@ -215,15 +208,9 @@ def test_low_precision_clip_coefficient_is_the_optimizers(name):
                                                       rel=10 * TOLERANCE[case["dtype"]])
         assert total(applied) / total(measured["pre_clip"]) == pytest.approx(measured["clip_coef"],
                                                                              rel=APPLIED_TOLERANCE)
-        keys = reported_keys(case, applied)
-        assert set(keys) <= set(measured["post_clip"]) and keys
-        assert_close_stats(measured["post_clip"], {key: applied[key] for key in keys}, APPLIED_TOLERANCE,
-                           stats=("norm", ))
-        elementwise = max(APPLIED_TOLERANCE, BF16_GRADIENT_ROUNDING.get(record["optimizer"], 0.0))
-        for key in keys:
-            rounding = weight_rounding(record["master_before"][measured["step"] - 1][key], applied[key])
-            assert_close_stats({key: measured["post_clip"][key]}, {key: applied[key]}, elementwise + rounding,
-                               stats=("min", "max", "abs_max"))
+        assert_matches_applied(measured["post_clip"], {key: applied[key] for key in reported_keys(case, applied)},
+                               record["master_before"][measured["step"] - 1], APPLIED_TOLERANCE,
+                               elementwise=max(APPLIED_TOLERANCE, BF16_GRADIENT_ROUNDING.get(record["optimizer"], 0)))
     assert len(clip_factors) == case["steps"] - (case["overflow_step"] is not None)
     assert max(clip_factors) > 1 or not case.get("clip"), "the clip value should clip at least one step"
 

@@ -8,7 +8,7 @@ rebuilds the unsharded model from every stage's and every TP rank's weights and 
 over the data-parallel ranks' batches, in plain PyTorch.
 """
 
-from typing import Any, Dict, List
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
 from torch import nn
@@ -17,7 +17,7 @@ from torch.nn import functional as F
 from pipeline_workers import OVERFLOW_FACTOR, blow_up_loss, ds_config, global_norm, run_cases
 from reference import bucket_stats
 from tp_workers import HIDDEN, LAYERS, MICRO_BATCH, SEQ, VOCAB, TensorParallelMLPLayer, TensorParallelModel, full_model
-from zero_workers import DTYPES, FP16_INITIAL_SCALE_POWER, fused_sgd, loss_scale
+from zero_workers import DTYPES, FP16_INITIAL_SCALE_POWER, fused_sgd, loss_scale, master_weights
 
 DEFAULT_CASE: Dict[str, Any] = {"pp": 1, "tp": 2, "dp": 2, "dtype": "fp32", "clip": 0.05, "steps": 2, "stage": 1,
                                 "fused": False, "overflow_step": None, "compare_off": False}
@@ -57,24 +57,53 @@ def plain_name(name: str, pipelined: bool) -> str:
     return f"layers.{index - 1}.{rest}" if index <= LAYERS else f"head.{rest}"
 
 
-def reference_stats(engine, case: Dict[str, Any], tp_rank: int, batches: List[torch.Tensor]):
-    """Per-bucket statistics of the unsharded model's gradient, averaged over the DP ranks' batches."""
+def unsharded_model(engine, case: Dict[str, Any], tp_rank: int,
+                    value_of: Callable[[torch.nn.Parameter], torch.Tensor] = None) -> nn.Module:
+    """The unsharded model built from every stage's and every TP rank's weights (or ``value_of`` each
+    parameter), on every rank."""
     import torch.distributed as dist  # deepspeed.comm has no all_gather_object before 0.15
 
+    value_of = value_of or (lambda param: param.detach().float().clone())
     pipelined = case["pp"] > 1
-    local = {plain_name(name, pipelined): p.detach().float().clone() for name, p in engine.module.named_parameters()}
+    local = {plain_name(name, pipelined): value_of(p) for name, p in engine.module.named_parameters()}
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, (tp_rank, local))
     shards = [{} for _ in range(case["tp"])]
     for rank_tp, part in gathered:
         shards[rank_tp].update(part)
-    model = full_model(shards).to(DTYPES[case["dtype"]])
+    return full_model(shards)
+
+
+def engine_names(case: Dict[str, Any], stats: Dict[Any, Any]) -> Dict[Any, Any]:
+    """Bucket statistics under the engine's bucket names (a pipeline's spec classes outside the layers)."""
+    return {PIPELINE_NAMES.get(key, key) if case["pp"] > 1 else key: value for key, value in stats.items()}
+
+
+def reference_stats(engine, case: Dict[str, Any], tp_rank: int, batches: List[torch.Tensor]):
+    """Per-bucket statistics of the unsharded model's gradient, averaged over the DP ranks' batches."""
+    model = unsharded_model(engine, case, tp_rank).to(DTYPES[case["dtype"]])
     # fp16: the loss scaled as the engine's first scale does, so that no gradient flushes to zero
     scale = 2.0**FP16_INITIAL_SCALE_POWER if case["dtype"] == "fp16" else 1.0
     for batch in batches:
         (model(batch) * (scale / len(batches))).backward()
-    stats = bucket_stats({name: p.grad.double() / scale for name, p in model.named_parameters()})
-    return {PIPELINE_NAMES.get(key, key) if pipelined else key: value for key, value in stats.items()}
+    return engine_names(case, bucket_stats({name: p.grad.double() / scale for name, p in model.named_parameters()}))
+
+
+def unsharded_weights(engine, case: Dict[str, Any], tp_rank: int) -> Dict[str, torch.Tensor]:
+    """The unsharded model's weights, as fp32 copies, on every rank."""
+    return {name: param.detach().clone() for name, param in unsharded_model(engine, case, tp_rank).named_parameters()}
+
+
+def unsharded_masters(engine, case: Dict[str, Any], tp_rank: int) -> Optional[Dict[str, torch.Tensor]]:
+    """The unsharded model's fp32 master weights, as the fp16 and bf16 optimizers without ZeRO keep them
+    (``zero_workers.master_weights``); None under ZeRO or where the optimizer keeps none (fp32)."""
+    named = list(engine.module.named_parameters())
+    masters = master_weights(engine.optimizer, named) if case["stage"] == 0 else None
+    if masters is None:
+        return None
+    by_param = {id(param): masters[name] for name, param in named}
+    model = unsharded_model(engine, case, tp_rank, lambda param: by_param[id(param)])
+    return {name: param.detach().clone() for name, param in model.named_parameters()}
 
 
 def train(case: Dict[str, Any], enabled: bool = True) -> Dict[str, Any]:
@@ -93,7 +122,8 @@ def train(case: Dict[str, Any], enabled: bool = True) -> Dict[str, Any]:
                                                                                                    lr=1.0),
                                       config=ds_config({**case, "gas": 1}, enabled),
                                       mpu=None if case["pp"] > 1 else grid)
-    record = {"measured": [], "global_norm": [], "reference": [], "loss_scales": [],
+    record = {"measured": [], "global_norm": [], "reference": [], "applied": [], "weights_before": [],
+              "applied_master": [], "master_before": [], "loss_scales": [],
               "optimizer": type(engine.optimizer).__name__}
     for step in range(1, case["steps"] + 1):
         batches = [
@@ -102,6 +132,8 @@ def train(case: Dict[str, Any], enabled: bool = True) -> Dict[str, Any]:
         ]
         record["reference"].append(reference_stats(engine, case, tp_rank, batches))
         batch = batches[dp_rank]
+        master_before = unsharded_masters(engine, case, tp_rank)
+        before = unsharded_weights(engine, case, tp_rank)
         scale_before = loss_scale(engine.optimizer)
         loss_factor[0] = OVERFLOW_FACTOR if step == case["overflow_step"] else 1.0
         if case["pp"] > 1:
@@ -112,6 +144,17 @@ def train(case: Dict[str, Any], enabled: bool = True) -> Dict[str, Any]:
         record["loss_scales"].append((scale_before, loss_scale(engine.optimizer)))
         record["measured"].append(engine.get_layer_grad_norms())
         record["global_norm"].append(global_norm(engine))
+        after = unsharded_weights(engine, case, tp_rank)
+        # SGD with lr 1: the weights' change is the gradient applied (in fp32; coarser in the weights' bf16 or fp16)
+        change = {name: before[name] - after[name] for name in before}
+        record["applied"].append(engine_names(case, bucket_stats(change)))
+        record["weights_before"].append(engine_names(case, bucket_stats(before)))
+        master_after = unsharded_masters(engine, case, tp_rank)
+        # SGD with lr 1: the change of the fp32 master weights is the gradient the optimizer applied
+        record["applied_master"].append(None if master_before is None else engine_names(case, bucket_stats(
+            {name: master_before[name] - master_after[name] for name in master_before})))
+        record["master_before"].append(None if master_before is None else
+                                       engine_names(case, bucket_stats(master_before)))
     record["final"] = [param.detach().clone() for param in engine.module.parameters()]
     engine.destroy()
     return record

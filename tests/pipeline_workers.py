@@ -17,7 +17,15 @@ from megatron_integration.tiny_gpt import TinyGPT, TinyGPTConfig, synthetic_batc
 from reference import averaged_gradients, bucket_stats
 from releases import pipeline_gradient_factor
 from setup_workers import counting_collectives
-from zero_workers import DTYPES, FP16_INITIAL_SCALE_POWER, MICRO_BATCH, force_fp16_on_cpu, fused_sgd, loss_scale
+from zero_workers import (
+    DTYPES,
+    FP16_INITIAL_SCALE_POWER,
+    MICRO_BATCH,
+    force_fp16_on_cpu,
+    fused_sgd,
+    loss_scale,
+    master_weights,
+)
 
 DEFAULT_CASE: Dict[str, Any] = {"first_layer_index": 3, "dtype": "fp32", "gas": 2, "clip": 0.0, "steps": 3,
                                 "layers": 4, "tie": False, "stage": 1, "fused": False, "overflow_step": None,
@@ -56,6 +64,17 @@ def full_weights(engine, case, value_of: Callable[[torch.nn.Parameter], torch.Te
     # first stage's copy is the one whose other parameters (pos_embed) the model really uses.
     stage_of = {name: stage for stage, part in reversed(list(enumerate(gathered))) for name in part}
     return {name: weight for part in reversed(gathered) for name, weight in part.items()}, stage_of
+
+
+def full_master_weights(engine, case) -> Optional[Dict[str, torch.Tensor]]:
+    """Every stage's copy of the optimizer's fp32 master weights (``zero_workers.master_weights``), under TinyGPT
+    names, on every rank; None for an optimizer that keeps none (the same on every rank: fp32)."""
+    named = list(engine.module.named_parameters())
+    masters = master_weights(engine.optimizer, named)
+    if masters is None:
+        return None
+    by_param = {id(param): masters[name] for name, param in named}
+    return full_weights(engine, case, lambda param: by_param[id(param)])[0]
 
 
 def trained_gradients(weights: Dict[str, torch.Tensor], stage_of: Dict[str, int], config: TinyGPTConfig,
@@ -116,11 +135,13 @@ def train_pipe(case: Dict[str, Any], enabled: bool = True) -> Dict[str, Any]:
         optimizer = KIND_OPTIMIZER
     engine, *_ = deepspeed.initialize(model=pipe, model_parameters=[p for p in pipe.parameters()],
                                       optimizer=optimizer, config=ds_config(case, enabled))
-    record = {"measured": [], "global_norm": [], "reference": [], "update": [], "loss_scales": [], "collectives": [],
-              "kind_reference": [], "optimizer": type(engine.optimizer).__name__}
+    record = {"measured": [], "global_norm": [], "reference": [], "update": [], "applied_master": [],
+              "master_before": [], "loss_scales": [], "collectives": [], "kind_reference": [],
+              "optimizer": type(engine.optimizer).__name__}
     for step in range(1, case["steps"] + 1):
         batches = [synthetic_batch(config, MICRO_BATCH, seed=100 * step + micro) for micro in range(case["gas"])]
         before, stage_of = full_weights(engine, case)
+        master_before = full_master_weights(engine, case)
         scale_before = loss_scale(engine.optimizer)
         loss_factor[0] = OVERFLOW_FACTOR if step == case["overflow_step"] else 1.0
         with counting_collectives() as collectives:
@@ -131,6 +152,10 @@ def train_pipe(case: Dict[str, Any], enabled: bool = True) -> Dict[str, Any]:
         record["global_norm"].append(global_norm(engine))
         after = full_weights(engine, case)[0]
         record["update"].append(update_norm(before, after))
+        master_after = full_master_weights(engine, case)
+        record["applied_master"].append(None if master_before is None else bucket_stats(
+            {name: master_before[name] - master_after[name] for name in master_before}))
+        record["master_before"].append(None if master_before is None else bucket_stats(master_before))
         if case["kinds"]:
             record["kind_reference"].append(kind_reference(engine, case, before, after))
         grads = trained_gradients(before, stage_of, config, case, batches)

@@ -141,6 +141,21 @@ def assert_close_stats(measured, reference, tolerance, stats=STATS, summed: bool
             assert error <= allowed, f"bucket {key!r} {stat}: {measured[key][stat]} vs reference {ref[stat]}"
 
 
+def assert_matches_applied(post_clip: Dict, applied: Dict, weights: Dict, tolerance: float,
+                           elementwise: Optional[float] = None) -> None:
+    """``post_clip`` against ``applied``, the per-bucket statistics of the step SGD with lr 1 took (the weights
+    before it minus after it; ``weights``: the statistics of the weights before it), over the buckets of
+    ``applied``: the norm to ``tolerance``; min, max and abs_max to ``elementwise`` (default ``tolerance``) of the
+    bucket's largest change, plus the weights' fp32 rounding: an element's change is off by up to an ulp of its
+    weight, at most fp32 epsilon times the bucket's largest weight (weights near 1 taking steps of 1e-5)."""
+    assert applied and set(applied) <= set(post_clip), (sorted(map(str, applied)), sorted(map(str, post_clip)))
+    assert_close_stats(post_clip, applied, tolerance, stats=("norm", ))
+    for key, change in applied.items():
+        rounding = torch.finfo(torch.float32).eps * weights[key]["abs_max"] / max(change["abs_max"], 1e-30)
+        assert_close_stats({key: post_clip[key]}, {key: change}, (elementwise or tolerance) + rounding,
+                           stats=("min", "max", "abs_max"))
+
+
 def assert_clipped_like_torch(measured: dict, reference: Dict, max_norm: float, tolerance: float,
                               stats=STATS) -> None:
     """``pre_clip`` equal to ``reference`` bucket for bucket, clipping active, and ``clip_coef`` and ``post_clip``

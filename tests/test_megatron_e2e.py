@@ -30,6 +30,11 @@ REAL_LOG_LINE = (  # the microsoft fork at 4efb479 with microsoft.patch, ZeRO-1 
     "seqlen:    32 | number of skipped iterations:   0 |")
 
 
+FAKE_RUN = pytest.mark.extended
+"""The harness's run on the fake fork (two 2-rank launches) in the extended tier: the suite trains the Megatron hook
+itself (test_megatron_integration.py) and checks the harness's checks here on logs written in place."""
+
+
 @pytest.fixture(scope="module")
 def fake_run(tmp_path_factory):
     """The harness on the fake fork with this interpreter's DeepSpeed. The ranks share the JIT build of
@@ -47,6 +52,7 @@ def fake_run(tmp_path_factory):
     return summary, out
 
 
+@FAKE_RUN
 def test_fake_fork_passes_every_check(fake_run):
     """Among them, that the engine has ``get_layer_grad_norms``: the fake fork, like the patched forks, never
     calls ``deepspeed_patch.install()``; ``--log-layer-grad-norms`` through ``layer_grad_norms_ds_config`` must
@@ -62,6 +68,7 @@ def test_fake_fork_passes_every_check(fake_run):
     assert (out / "summary.md").read_text().count("passed") >= 1
 
 
+@FAKE_RUN
 def test_without_zero_the_buckets_add_up_to_the_reference_norm(fake_run):
     """The fake fork logs no grad norm in fp32 without ZeRO; the reference printed at each step stands in."""
     summary, out = fake_run
@@ -74,6 +81,7 @@ def test_without_zero_the_buckets_add_up_to_the_reference_norm(fake_run):
     assert result["worst_relative_error"] < 1e-5
 
 
+@FAKE_RUN
 def test_the_shims_ran_in_the_ranks(fake_run):
     """The fake fork cannot import or train without them: each one it needs is named in the run's log."""
     summary, _ = fake_run

@@ -27,6 +27,13 @@ def runs(tmp_path_factory):
     return workdir, launch(run_on_demand, 2, workdir, timeout=420)
 
 
+@pytest.fixture(scope="module")
+def extended_runs(tmp_path_factory):
+    """The extended tier's launch: four more engines (each rank's own loss, the fp16 scale's growth)."""
+    workdir = str(tmp_path_factory.mktemp("on_demand_extended"))
+    return workdir, launch(run_on_demand, 2, workdir, True, timeout=420)
+
+
 def measured_steps(records):
     return sorted({record["step"] for record in records if record is not None})
 
@@ -149,8 +156,9 @@ def test_nan_and_inf_reduce_over_gloo_as_on_one_rank_whichever_rank_holds_them(r
     assert repr(at_rank_0) == repr(at_rank_1)
 
 
-def test_routine_loss_scale_growth_overflows_do_not_fire(runs):
-    _, (first, second) = runs
+@pytest.mark.extended  # the overflow policy's unit tests below run in the suite
+def test_routine_loss_scale_growth_overflows_do_not_fire(extended_runs):
+    _, (first, second) = extended_runs
     growth = first["scale_growth"]
     assert repr(growth) == repr(second["scale_growth"])
     overflows = [step for step, overflow in enumerate(growth["overflow"], 1) if overflow]
@@ -224,11 +232,12 @@ def test_a_trigger_on_the_loss_alone_never_reads_the_global_norm():
     assert fired[-1]["fired_at"] == 7 and fired[-1]["reason"].startswith("loss 9")
 
 
-def test_ranks_reporting_their_own_losses_make_one_decision(runs):
+@pytest.mark.extended  # the agreed loss itself over 2 ranks is the suite's (the next test)
+def test_ranks_reporting_their_own_losses_make_one_decision(extended_runs):
     """A loop that reports each rank's own loss (rank 1's spiking), or a loss on one rank only: the run goes on,
     every rank fires at the same step on the largest loss reported, with the same recorded steps; the loss costs
     one all-reduce on every step the trigger watches it, and the fire its ring's and the capture's reductions."""
-    _, (first, second) = runs
+    _, (first, second) = extended_runs
     assert repr(first["own_losses"]) == repr(second["own_losses"])
     checked = 0
     for name in ("every_rank", "rank_1_only"):

@@ -161,6 +161,7 @@ def patched_copy(tmp_path_factory) -> str:
     return root
 
 
+@pytest.mark.extended  # the suite runs these cases on the installed package (test_zero_stats.py); CI's extended pass
 def test_core_correctness_on_the_patched_copy_without_install(patched_copy):
     """tests/test_zero_stats.py on one case per optimizer family (FAMILY_CASES), run against the patched copy
     with deepspeed_patch unimportable: every test of those cases passes, and every other case is skipped as

@@ -66,7 +66,7 @@ def test_committed_series_carries_the_current_package(tmp_path, upto):
         if name.startswith("tree:"):
             expected[name[5:]] = text
         elif name != series.DOCS_KEY:
-            expected[f"{series.UPSTREAM_PACKAGE}/{name}"] = text
+            expected[series.deepspeed_path(name)] = text
     committed = _new_files(upto, str(tmp_path))
     assert committed.keys() == expected.keys()
     stale = [path for path in expected if committed[path] != expected[path]]

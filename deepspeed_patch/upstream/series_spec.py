@@ -100,6 +100,26 @@ PACKAGE_ONLY += (
     Cut("adapters/fused_fp16.py", replace=(("", "\n(``capabilities.Capabilities.fp16_skip_method``)", ""), )),
 )
 
+# The host kernels: DeepSpeed builds them with its op builder (series_tree/08/op_builder/layer_grad_norms.py, the
+# source under csrc/: TREE_PATHS); the package with cpp_extension.load, as the releases it supports lack the builder
+PACKAGE_ONLY += (Cut(
+    "partition_stats_cpu.py",
+    drop=("_announce_build", "SOURCE", "CFLAGS", "LDFLAGS"),
+    statements=(("host_kernel", r"_announce_build\("), ),
+    replace=(("_load", "from torch.utils import cpp_extension\n\n    cpp_extension.load(name=extension_name(),\n"
+              "                       sources=[SOURCE],\n                       extra_cflags=CFLAGS,\n"
+              "                       extra_ldflags=LDFLAGS,\n                       is_python_module=False,\n"
+              "                       verbose=False)", "from deepspeed.ops.op_builder.layer_grad_norms import "
+              "LayerGradNormsBuilder\n\n    LayerGradNormsBuilder().load(verbose=False)"),
+             ("extension_name", 'return "layer_grad_norms_partition_stats_torch" + re.sub(r"[^0-9A-Za-z]", "_", '
+              'torch.__version__)', 'return "layer_grad_norms"')),
+    docstrings=(("", "(``torch.utils.cpp_extension``)", "(DeepSpeed's ``LayerGradNormsBuilder``)"),
+                ("", "(``csrc/partition_stats.cpp``)", "(``csrc/layer_grad_norms/``)"), ("extension_name", "; it carries torch's version, whose ABI the library is built "
+                                "against.", ": the op builder's (``cpp_extension`` versions it by source and "
+                                "flags)."))), )
+# where a module of the package goes in DeepSpeed, if not under deepspeed/runtime/layer_grad_norms/
+TREE_PATHS = {"csrc/partition_stats.cpp": "csrc/layer_grad_norms/partition_stats.cpp"}
+
 # end_step's call of _end, which the remedies wrap to restore global clipping
 _END_STEP = ('        with self.latch.failing_locally("ending the step", self.plan.step):  '
              "# the last resort: never into training\n            self._end(measurement)")

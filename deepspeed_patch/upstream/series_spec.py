@@ -114,9 +114,10 @@ PACKAGE_ONLY += (Cut(
              ("extension_name", 'return "layer_grad_norms_partition_stats_torch" + re.sub(r"[^0-9A-Za-z]", "_", '
               'torch.__version__)', 'return "layer_grad_norms"')),
     docstrings=(("", "(``torch.utils.cpp_extension``)", "(DeepSpeed's ``LayerGradNormsBuilder``)"),
-                ("", "(``csrc/partition_stats.cpp``)", "(``csrc/layer_grad_norms/``)"), ("extension_name", "; it carries torch's version, whose ABI the library is built "
-                                "against.", ": the op builder's (``cpp_extension`` versions it by source and "
-                                "flags)."))), )
+                ("", "(``csrc/partition_stats.cpp``)", "(``csrc/layer_grad_norms/``)"),
+                ("extension_name", "; it carries torch's version, whose ABI the library is built against.",
+                 ": the op builder's (``cpp_extension`` versions it by source and flags).")),
+), )
 # where a module of the package goes in DeepSpeed, if not under deepspeed/runtime/layer_grad_norms/
 TREE_PATHS = {"csrc/partition_stats.cpp": "csrc/layer_grad_norms/partition_stats.cpp"}
 
@@ -430,3 +431,12 @@ SERIES = (
         ),
     ),
 )
+
+
+def series_tree_file(name: str) -> str:
+    """Where the series' own file ``name`` (``tree:`` + its path in DeepSpeed) is kept: in the folder of the pull
+    request that adds it."""
+    for request in SERIES:
+        if name in request.tree_files():
+            return os.path.join(SERIES_TREE, request.number, name[len("tree:"):])
+    raise ValueError(f"no pull request of the series adds {name}")

@@ -7,8 +7,7 @@ import deepspeed
 import pytest
 import torch
 from unit.common import DistributedTest
-from unit.runtime.zero.test_layer_grad_norms import (BLOCK, HIDDEN_DIM, NUM_LAYERS, get_config, reference_grads,
-                                                     skip_unsupported)
+from unit.runtime.zero import test_layer_grad_norms as base
 from unit.simple_model import SimpleModel, random_dataloader
 
 SPIKE = 64.0  # a power of two: the spiked step's gradient is the ordinary one scaled exactly
@@ -30,15 +29,15 @@ def check_recorder(zero_stage, dtype):
     """Nothing is measured on its own (``enabled: false``); a gradient spike fires the trigger, the flight
     recorder's replay of the last ``HISTORY`` steps equals those steps' full gradients, and the step after the
     fire is captured whole."""
-    skip_unsupported(dtype)
-    model = SimpleModel(hidden_dim=HIDDEN_DIM, nlayers=NUM_LAYERS)
-    block = {**BLOCK, "enabled": False, "trigger": TRIGGER}
+    base.skip_unsupported(dtype)
+    model = SimpleModel(hidden_dim=base.HIDDEN_DIM, nlayers=base.NUM_LAYERS)
+    block = {**base.BLOCK, "enabled": False, "trigger": TRIGGER}
     engine, _, _, _ = deepspeed.initialize(model=model,
                                            model_parameters=model.parameters(),
-                                           config=get_config(zero_stage, dtype, 0.0, block))
+                                           config=base.get_config(zero_stage, dtype, 0.0, block))
     loader = random_dataloader(model=engine,
                                total_samples=2 * STEPS,
-                               hidden_dim=HIDDEN_DIM,
+                               hidden_dim=base.HIDDEN_DIM,
                                device=engine.device,
                                dtype=dtype)
     tolerance = 1e-5 if dtype == torch.float32 else 1e-3
@@ -46,7 +45,8 @@ def check_recorder(zero_stage, dtype):
     for step, batch in enumerate(loader, start=1):
         loss = engine(batch[0], batch[1])
         engine.backward(loss * SPIKE if step == SPIKE_STEP else loss)
-        references[step] = reference_grads(engine, engine.optimizer.loss_scale if dtype == torch.float16 else 1.0)
+        loss_scale = engine.optimizer.loss_scale if dtype == torch.float16 else 1.0
+        references[step] = base.reference_grads(engine, loss_scale)
         engine.step()
         history = engine.get_layer_grad_norms_history()
         if step < SPIKE_STEP:
@@ -61,7 +61,7 @@ def check_recorder(zero_stage, dtype):
             captured = engine.get_layer_grad_norms()
             assert captured["step"] == step and captured["trigger"]["fired_at"] == SPIKE_STEP
             checked += assert_matches(captured["pre_clip"], references[step], tolerance)
-    assert checked == (HISTORY + 1) * NUM_LAYERS
+    assert checked == (HISTORY + 1) * base.NUM_LAYERS
 
 
 @pytest.mark.parametrize("zero_stage", [0, 1, 2, 3])

@@ -8,7 +8,7 @@ import pytest
 import torch
 from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 from unit.common import DistributedTest
-from unit.runtime.zero.test_layer_grad_norms import BLOCK, HIDDEN_DIM, NUM_LAYERS, get_config, skip_unsupported
+from unit.runtime.zero import test_layer_grad_norms as base
 from unit.simple_model import SimpleModel, random_dataloader
 
 KINDS = ("param", "update", "exp_avg", "exp_avg_sq")
@@ -36,15 +36,15 @@ def reference_state(engine, kinds):
 def check_optimizer_statistics(zero_stage, dtype):
     """Each layer's fp32 weights, the update the Adam step applied to them (after minus before) and Adam's
     moments, against the full tensors DeepSpeed's ``safe_get_full_*`` assemble."""
-    skip_unsupported(dtype)
-    model = SimpleModel(hidden_dim=HIDDEN_DIM, nlayers=NUM_LAYERS)
+    base.skip_unsupported(dtype)
+    model = SimpleModel(hidden_dim=base.HIDDEN_DIM, nlayers=base.NUM_LAYERS)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-2, weight_decay=0.01)
-    config = get_config(zero_stage, dtype, 1.0, {**BLOCK, "optimizer_statistics": list(KINDS)})
+    config = base.get_config(zero_stage, dtype, 1.0, {**base.BLOCK, "optimizer_statistics": list(KINDS)})
     del config["optimizer"]
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
     loader = random_dataloader(model=engine,
                                total_samples=2 * STEPS,
-                               hidden_dim=HIDDEN_DIM,
+                               hidden_dim=base.HIDDEN_DIM,
                                device=engine.device,
                                dtype=dtype)
     before = reference_state(engine, ("param", ))["param"]
@@ -63,7 +63,7 @@ def check_optimizer_statistics(zero_stage, dtype):
                 assert stats[kind][key]["max"] == pytest.approx(value.max().item(), rel=tolerance, abs=1e-8)
                 checked += 1
         before = after["param"]
-    assert checked == STEPS * len(KINDS) * NUM_LAYERS
+    assert checked == STEPS * len(KINDS) * base.NUM_LAYERS
 
 
 STAGES_AND_DTYPES = [(0, torch.float32), (1, torch.float32), (2, torch.float32), (3, torch.float32),

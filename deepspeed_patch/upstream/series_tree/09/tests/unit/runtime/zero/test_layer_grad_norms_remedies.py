@@ -10,8 +10,7 @@ import pytest
 import torch
 from deepspeed.utils import safe_get_full_fp32_param
 from unit.common import DistributedTest
-from unit.runtime.zero.test_layer_grad_norms import (BLOCK, HIDDEN_DIM, NUM_LAYERS, get_config, reference_grads,
-                                                     skip_unsupported)
+from unit.runtime.zero import test_layer_grad_norms as base
 from unit.simple_model import SimpleModel, random_dataloader
 
 SPIKE, SPIKE_STEP, STEPS = 64.0, 7, 8
@@ -52,22 +51,22 @@ def check_remedy(zero_stage, dtype, remedy):
     """A gradient spike at ``SPIKE_STEP``: ``skip_step`` leaves the weights of a step it skips untouched and
     steps the others; ``adaptive_clipping`` scales each layer's applied update by the factor AdaGC's rule gives
     on the full gradients' norms."""
-    skip_unsupported(dtype)
-    model = SimpleModel(hidden_dim=HIDDEN_DIM, nlayers=NUM_LAYERS)
-    block = {**BLOCK, remedy: ADAPTIVE if remedy == "adaptive_clipping" else SKIP}
+    base.skip_unsupported(dtype)
+    model = SimpleModel(hidden_dim=base.HIDDEN_DIM, nlayers=base.NUM_LAYERS)
+    block = {**base.BLOCK, remedy: ADAPTIVE if remedy == "adaptive_clipping" else SKIP}
     engine, _, _, _ = deepspeed.initialize(model=model,
                                            model_parameters=model.parameters(),
-                                           config=get_config(zero_stage, dtype, 0.0, block))
+                                           config=base.get_config(zero_stage, dtype, 0.0, block))
     loader = random_dataloader(model=engine,
                                total_samples=2 * STEPS,
-                               hidden_dim=HIDDEN_DIM,
+                               hidden_dim=base.HIDDEN_DIM,
                                device=engine.device,
                                dtype=dtype)
     adagc, skipped, checked = AdaGC(), [], 0
     for step, batch in enumerate(loader, start=1):
         loss = engine(batch[0], batch[1])
         engine.backward(loss * SPIKE if step == SPIKE_STEP else loss)
-        norms = {key: grad.norm().item() for key, grad in reference_grads(engine, 1.0).items()}
+        norms = {key: grad.norm().item() for key, grad in base.reference_grads(engine, 1.0).items()}
         before = weights(engine)
         engine.step()
         applied = {key: ((weights(engine)[key] - value) / LR).norm().item() for key, value in before.items()}
@@ -90,7 +89,7 @@ def check_remedy(zero_stage, dtype, remedy):
     if remedy == "skip_step":
         assert skipped == [SPIKE_STEP]
     else:
-        assert checked == STEPS * NUM_LAYERS
+        assert checked == STEPS * base.NUM_LAYERS
 
 
 @pytest.mark.parametrize("zero_stage", [1, 2, 3])

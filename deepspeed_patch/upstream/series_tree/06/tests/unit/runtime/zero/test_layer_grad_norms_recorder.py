@@ -25,13 +25,9 @@ def assert_matches(stats, reference, tolerance):
     return len(reference)
 
 
-def check_recorder(zero_stage, dtype):
-    """Nothing is measured on its own (``enabled: false``); a gradient spike fires the trigger, the flight
-    recorder's replay of the last ``HISTORY`` steps equals those steps' full gradients, and the step after the
-    fire is captured whole."""
-    base.skip_unsupported(dtype)
+def engine_and_loader(zero_stage, dtype, block):
+    """An engine of ``base``'s model and config with ``block``, without clipping, and ``STEPS`` batches."""
     model = SimpleModel(hidden_dim=base.HIDDEN_DIM, nlayers=base.NUM_LAYERS)
-    block = {**base.BLOCK, "enabled": False, "trigger": TRIGGER}
     engine, _, _, _ = deepspeed.initialize(model=model,
                                            model_parameters=model.parameters(),
                                            config=base.get_config(zero_stage, dtype, 0.0, block))
@@ -40,6 +36,15 @@ def check_recorder(zero_stage, dtype):
                                hidden_dim=base.HIDDEN_DIM,
                                device=engine.device,
                                dtype=dtype)
+    return engine, loader
+
+
+def check_recorder(zero_stage, dtype):
+    """Nothing is measured on its own (``enabled: false``); a gradient spike fires the trigger, the flight
+    recorder's replay of the last ``HISTORY`` steps equals those steps' full gradients, and the step after the
+    fire is captured whole."""
+    base.skip_unsupported(dtype)
+    engine, loader = engine_and_loader(zero_stage, dtype, {**base.BLOCK, "enabled": False, "trigger": TRIGGER})
     tolerance = 1e-5 if dtype == torch.float32 else 1e-3
     references, checked = {}, 0
     for step, batch in enumerate(loader, start=1):

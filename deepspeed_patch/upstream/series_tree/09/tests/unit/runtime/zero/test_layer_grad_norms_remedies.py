@@ -5,15 +5,13 @@
 
 import math
 
-import deepspeed
 import pytest
 import torch
 from deepspeed.utils import safe_get_full_fp32_param
 from unit.common import DistributedTest
 from unit.runtime.zero import test_layer_grad_norms as base
-from unit.simple_model import SimpleModel, random_dataloader
+from unit.runtime.zero.test_layer_grad_norms_recorder import SPIKE, SPIKE_STEP, STEPS, engine_and_loader
 
-SPIKE, SPIKE_STEP, STEPS = 64.0, 7, 8
 LR = 0.1  # get_config's SGD: a step changes each layer's weights by LR x its (clipped) gradient
 ADAPTIVE = {"enabled": True, "beta": 0.5, "factor": 1.05, "warmup_steps": 2}
 SKIP = {"enabled": True, "sigma": 6.0, "window": 4}
@@ -52,16 +50,8 @@ def check_remedy(zero_stage, dtype, remedy):
     steps the others; ``adaptive_clipping`` scales each layer's applied update by the factor AdaGC's rule gives
     on the full gradients' norms."""
     base.skip_unsupported(dtype)
-    model = SimpleModel(hidden_dim=base.HIDDEN_DIM, nlayers=base.NUM_LAYERS)
-    block = {**base.BLOCK, remedy: ADAPTIVE if remedy == "adaptive_clipping" else SKIP}
-    engine, _, _, _ = deepspeed.initialize(model=model,
-                                           model_parameters=model.parameters(),
-                                           config=base.get_config(zero_stage, dtype, 0.0, block))
-    loader = random_dataloader(model=engine,
-                               total_samples=2 * STEPS,
-                               hidden_dim=base.HIDDEN_DIM,
-                               device=engine.device,
-                               dtype=dtype)
+    engine, loader = engine_and_loader(zero_stage, dtype,
+                                       {**base.BLOCK, remedy: ADAPTIVE if remedy == "adaptive_clipping" else SKIP})
     adagc, skipped, checked = AdaGC(), [], 0
     for step, batch in enumerate(loader, start=1):
         loss = engine(batch[0], batch[1])

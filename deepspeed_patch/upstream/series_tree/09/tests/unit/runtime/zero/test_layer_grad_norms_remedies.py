@@ -10,7 +10,7 @@ import torch
 from deepspeed.utils import safe_get_full_fp32_param
 from unit.common import DistributedTest
 from unit.runtime.zero import test_layer_grad_norms as base
-from unit.runtime.zero.test_layer_grad_norms_recorder import SPIKE, SPIKE_STEP, STEPS, engine_and_loader
+from unit.runtime.zero.test_layer_grad_norms_recorder import SPIKE, SPIKE_STEP, STEPS, engine_and_batch
 
 LR = 0.1  # get_config's SGD: a step changes each layer's weights by LR x its (clipped) gradient
 ADAPTIVE = {"enabled": True, "beta": 0.5, "factor": 1.05, "warmup_steps": 2}
@@ -50,10 +50,10 @@ def check_remedy(zero_stage, dtype, remedy):
     steps the others; ``adaptive_clipping`` scales each layer's applied update by the factor AdaGC's rule gives
     on the full gradients' norms."""
     base.skip_unsupported(dtype)
-    engine, loader = engine_and_loader(zero_stage, dtype,
+    engine, batch = engine_and_batch(zero_stage, dtype,
                                        {**base.BLOCK, remedy: ADAPTIVE if remedy == "adaptive_clipping" else SKIP})
     adagc, skipped, checked = AdaGC(), [], 0
-    for step, batch in enumerate(loader, start=1):
+    for step in range(1, STEPS + 1):
         loss = engine(batch[0], batch[1])
         engine.backward(loss * SPIKE if step == SPIKE_STEP else loss)
         norms = {key: grad.norm().item() for key, grad in base.reference_grads(engine, 1.0).items()}

@@ -112,6 +112,7 @@ class LayerGradNormsAdapter:
 
     def begin_step(self) -> None:
         """Top of the engine's optimizer step: open a measurement if this step is measured or recorded."""
+        self.end_skip()
         self.reporting = (self.plan.next_step() or self.remedies is not None) and not self.latch.broken
         if not (self.reporting or (self.recorder is not None and not self.latch.broken)):
             return
@@ -235,6 +236,9 @@ class LayerGradNormsAdapter:
     def skip_optimizer_step(self) -> None:
         """Make the optimizer skip the step under way as it skips an overflowed one (refused where it cannot)."""
         raise NotImplementedError
+
+    def end_skip(self) -> None:
+        """Top of the step after one ``skip_optimizer_step`` skipped: the optimizer steps again."""
 
     def suspend_global_clipping(self) -> None:
         """No global clipping for the step under way (adaptive clipping replaces it); ``end_step`` restores it."""
@@ -364,6 +368,8 @@ class ZeroPartitionsAdapter(OptimizerAdapter):
     before the gradients are dropped. ``plans`` holds each group's chunk plan."""
 
     plans: List[ChunkPlan]
+    skipping = False
+    """``skip_optimizer_step`` set the optimizer's ``overflow`` for the step under way."""
 
     def observe_group(self, measurement: Measurement, index: int, flat_grad: torch.Tensor, total_norm,
                       zeroes_invalid_norm: bool) -> None:
@@ -403,7 +409,13 @@ class ZeroPartitionsAdapter(OptimizerAdapter):
         """``_update_scale``'s caller tests ``self.overflow`` right after it: set, the step goes DeepSpeed's own
         overflow path (gradients dropped, no parameter or moment change, the engine counts a skipped step and
         does not step the learning-rate schedule); the loss scaler itself saw no overflow."""
-        self.optimizer.overflow = True
+        self.optimizer.overflow = self.skipping = True
+
+    def end_skip(self) -> None:
+        """Some releases (master) set ``overflow`` at each step only where they check for one (fp16): left set,
+        it would skip every later step."""
+        if self.skipping:
+            self.optimizer.overflow = self.skipping = False
 
     def observe_skipped(self, measurement: Measurement, index: int, plan: ChunkPlan) -> None:
         """Fold in group ``index``'s gradient on a skipped step, wherever the family holds it then."""

@@ -391,6 +391,7 @@ SERIES = (
                             ("LayerGradNormsAdapter.__init__", r"self\.capture_steps = "),
                             ("LayerGradNormsAdapter.__init__", r"self\.saved_clip_grad: "),
                             ("LayerGradNormsAdapter.begin_step", r"self\.act_at_begin\("),
+                            ("LayerGradNormsAdapter.begin_step", r"self\.end_skip\("),
                             ("LayerGradNormsAdapter._end", r"action = measurement\.action"),
                             ("LayerGradNormsAdapter._end", r"skipped = action is not None"),
                             ("LayerGradNormsAdapter._end", r"if fired is None and skipped:"),
@@ -403,7 +404,8 @@ SERIES = (
                       "LayerGradNormsAdapter.suspend_global_clipping", "LayerGradNormsAdapter.resume_global_clipping",
                       "LayerGradNormsAdapter.save_remedies", "LayerGradNormsAdapter.load_remedies",
                       "LayerGradNormsAdapter.act_at_begin", "ZeroPartitionsAdapter.clip_divisor",
-                      "ZeroPartitionsAdapter.skip_optimizer_step")),
+                      "ZeroPartitionsAdapter.skip_optimizer_step", "LayerGradNormsAdapter.end_skip",
+                      "ZeroPartitionsAdapter.end_skip", "ZeroPartitionsAdapter.skipping")),
             Cut("monitor.py",
                 replace=(("", "WRITTEN_PHASES = ALL_PHASES + (ADAPTIVE_CLIP, )", "WRITTEN_PHASES = ALL_PHASES"),
                          ("flat_scalars", _FLAT_SCALARS.replace("\n", "\n    ").replace("{", "{\n        **{", 1) +

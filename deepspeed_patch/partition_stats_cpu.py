@@ -5,9 +5,9 @@
 """The host kernels of the fused statistics (``csrc/partition_stats.cpp``), compiled on first use: a gradient
 partition's, and an fp32 master partition's with its Adam moments and update (``optimizer_stats``).
 
-``torch.utils.cpp_extension`` builds it with the system's C++ compiler into the user's torch extensions
-cache (``TORCH_EXTENSIONS_DIR``, by default ``~/.cache/torch_extensions``), about ten seconds, once per
-source, flags and torch version: later processes load the cached library. Ranks of one machine that
+``_load`` builds it with the system's C++ compiler (``torch.utils.cpp_extension``) into the user's torch
+extensions cache (``TORCH_EXTENSIONS_DIR``, by default ``~/.cache/torch_extensions``), about ten seconds, once
+per source, flags and torch version: later processes load the cached library. Ranks of one machine that
 ask at the same time wait for the first one's build (``cpp_extension`` locks the build directory).
 The library holds AVX-512, AVX2 and baseline x86-64 versions of the loop and picks one when it is
 loaded, so a cache shared by machines of different kinds stays safe (no ``-march=native``).
@@ -58,12 +58,7 @@ def host_kernel() -> Optional[Callable[[torch.Tensor, torch.Tensor, torch.Tensor
         return None
     _announce_build(os.path.dirname(lock))
     try:
-        cpp_extension.load(name=extension_name(),
-                           sources=[SOURCE],
-                           extra_cflags=CFLAGS,
-                           extra_ldflags=LDFLAGS,
-                           is_python_module=False,
-                           verbose=False)
+        _load()
         return torch.ops.layer_grad_norms.accumulate_chunks
     except Exception as error:  # no compiler, no ninja, a failed build or load: the stock path still works
         logger.warning(
@@ -72,6 +67,18 @@ def host_kernel() -> Optional[Callable[[torch.Tensor, torch.Tensor, torch.Tensor
             type(error).__name__,
             str(error).strip().splitlines()[-1] if str(error).strip() else "")
         return None
+
+
+def _load() -> None:
+    """Build the library, or find it in the cache, and load it: loading registers its ops."""
+    from torch.utils import cpp_extension
+
+    cpp_extension.load(name=extension_name(),
+                       sources=[SOURCE],
+                       extra_cflags=CFLAGS,
+                       extra_ldflags=LDFLAGS,
+                       is_python_module=False,
+                       verbose=False)
 
 
 def host_adam_kernel() -> Optional[Callable[..., None]]:

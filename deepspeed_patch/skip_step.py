@@ -50,8 +50,9 @@ class SkipStep:
         """Why the step whose global gradient norm is ``global_norm`` is skipped, or ``None``; the loss reported
         since the last step (if any) is judged with it."""
         loss, self.loss = agreed_loss(self.loss), None
+        loss = None if loss is None or float(loss) == -math.inf else float(loss)  # -inf: no rank reported one
         reasons = [
-            reason for reason in (self._outlier("loss", None if loss is None else float(loss), self.losses),
+            reason for reason in (self._outlier("loss", loss, self.losses),
                                   self._outlier("grad norm", global_norm, self.norms)) if reason
         ]
         return "; ".join(reasons) or None

@@ -48,6 +48,8 @@ def inject_fault(engine, fault: Optional[str]) -> List[Tuple[Any, str, Any]]:
     rank 1's measurement raises on a step that is only recorded; ``skip_push``, rank 1 misses recording a
     step (its ring slots shift). A full disk under the dump needs no injection (``dump`` on a small tmpfs).
     Returns what to restore: ``(owner, name, original)``."""
+    if fault is None:  # nothing to break: deepspeed_patch untouched (the series' runs have none)
+        return []
     from deepspeed import comm as dist
 
     from deepspeed_patch import measurement, monitor

@@ -5,17 +5,21 @@ copy of the installed DeepSpeed, passing the core correctness tests without ``de
 import glob
 import json
 import os
+import pickle
+import re
 import shutil
 import subprocess
 import sys
 from typing import Dict, Optional, Tuple
 
 import pytest
+import torch
 
 from deepspeed_patch.upstream import precommit, series
 from deepspeed_patch.upstream.build import installed_deepspeed_root
 from deepspeed_patch.upstream.series_spec import SERIES
 from deepspeed_patch.upstream.source_edit import Cut, StaleCut, apply_cut, drop_unused, resolve_capabilities
+from series_workers import COMPARED, RUNS, TRIGGER_RUNS
 from zero_workers import CASES_ENV, FAMILY_CASES, UPSTREAM_ENV
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -69,7 +73,7 @@ def test_committed_series_carries_the_current_package(tmp_path, upto):
         if name.startswith("tree:"):
             expected[name[5:]] = text
         elif name != series.DOCS_KEY:
-            expected[f"{series.UPSTREAM_PACKAGE}/{name}"] = text
+            expected[series.deepspeed_path(name)] = text
     committed = _new_files(upto, str(tmp_path))
     assert committed.keys() == expected.keys()
     stale = [path for path in expected if committed[path] != expected[path]]
@@ -120,6 +124,13 @@ def test_capabilities_are_folded_and_cuts_fail_loudly():
     assert drop_unused(cut).strip() == ""
 
 
+def _installed_layout(patch: str) -> str:
+    """``patch`` with DeepSpeed's ``op_builder/`` and ``csrc/`` where an installed DeepSpeed keeps them."""
+    moved = r"diff --git a/deepspeed/ops/\1 b/deepspeed/ops/\1"
+    patch = re.sub(r"(?m)^diff --git a/((?:op_builder|csrc)/\S+) b/\1$", moved, patch)
+    return re.sub(r"(?m)^(--- a/|\+\+\+ b/)((?:op_builder|csrc)/)", r"\1deepspeed/ops/\2", patch)
+
+
 def _patched_copy(root, upto: Optional[int] = None) -> str:
     """A copy of the installed DeepSpeed with the series (its first ``upto`` patches), generated against it,
     applied."""
@@ -128,7 +139,7 @@ def _patched_copy(root, upto: Optional[int] = None) -> str:
     for request, patch in series.make_series(str(root), upto):
         path = os.path.join(root, f"{request.file_name}.patch")
         with open(path, "w", encoding="utf-8") as handle:
-            handle.write(patch)
+            handle.write(_installed_layout(patch))
         subprocess.run(["git", "apply", "--include=deepspeed/*", path], cwd=root, check=True)
     return str(root)
 
@@ -163,3 +174,37 @@ def test_first_patch_alone_gives_exact_zero12_statistics(tmp_path):
     accumulation, a loss-scale growth step, clipping), bf16 and fp32 (clipping, two parameter groups), training
     unchanged with the block off where the case compares."""
     _zero_stats_pass_on(_patched_copy(tmp_path, upto=1), FIRST_PATCH_CASES)
+
+
+def _series_runs(tmp_path, name: str, env: Dict[str, str]) -> dict:
+    """``series_workers``' runs in a process of their own, with ``env``; what they recorded."""
+    output = tmp_path / f"{name}.pkl"
+    command = [sys.executable, os.path.join(REPO, "tests", "series_workers.py"), str(output)]
+    result = subprocess.run(command, capture_output=True, text=True, cwd=REPO, env={**os.environ, **env},
+                            timeout=1800)
+    assert result.returncode == 0, result.stderr[-4000:]
+    with open(output, "rb") as handle:
+        return pickle.load(handle)
+
+
+@pytest.mark.extended
+def test_whole_series_gives_the_same_result_dicts_as_the_package(tmp_path):
+    """The same small runs (ZeRO-1 with accumulation, ZeRO-2 fp16 with an overflow and clipping, ZeRO-3,
+    BF16_Optimizer, optimizer statistics, the trigger and flight recorder with a fired spike) with the package on
+    the installed DeepSpeed and with the whole series applied to a copy of it: every step's result dict, the
+    recorder's history and fires, DeepSpeed's global norm and the final weights, bit for bit."""
+    root = _patched_copy(tmp_path / "deepspeed-series")
+    package = _series_runs(tmp_path, "package", {"PYTHONPATH": REPO})
+    upstream = _series_runs(tmp_path, "series", {"PYTHONPATH": os.pathsep.join([root, REPO]), UPSTREAM_ENV: root})
+    assert package.keys() == upstream.keys() == set(RUNS) | set(TRIGGER_RUNS)
+    checked = 0
+    for name, record in package.items():
+        assert "error" not in record and "error" not in upstream[name], (record.get("error"), upstream[name])
+        for key in COMPARED:
+            if key == "final":
+                assert record[key].keys() == upstream[name][key].keys()
+                assert all(torch.equal(value, upstream[name][key][param]) for param, value in record[key].items())
+            elif key in record:
+                assert repr(upstream[name][key]) == repr(record[key]), (name, key)  # repr: floats bit for bit
+            checked += key in record
+    assert checked == len(RUNS) * 3 + len(TRIGGER_RUNS) * 4  # the recorder runs keep no global norm

@@ -110,6 +110,7 @@ class LayerGradNormsAdapter:
 
     def begin_step(self) -> None:
         """Top of the engine's optimizer step: open a measurement if this step is measured or recorded."""
+        self.end_skip()
         self.reporting = (self.schedule.next_step() or self.remedies is not None) and not self.latch.broken
         if not (self.reporting or (self.recorder is not None and not self.latch.broken)):
             return
@@ -234,6 +235,9 @@ class LayerGradNormsAdapter:
     def skip_optimizer_step(self) -> None:
         """Make the optimizer skip the step under way as it skips an overflowed one (refused where it cannot)."""
         raise NotImplementedError
+
+    def end_skip(self) -> None:
+        """Top of the step after one ``skip_optimizer_step`` skipped: the optimizer steps again."""
 
     def suspend_global_clipping(self) -> None:
         """No global clipping for the step under way (adaptive clipping replaces it); ``end_step`` restores it."""

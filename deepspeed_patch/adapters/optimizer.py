@@ -45,6 +45,8 @@ class ZeroPartitionsAdapter(OptimizerAdapter):
     scaler skips, in ``_update_scale``, before the gradients are dropped. ``chunkings``: each partition's chunking."""
 
     chunkings: List[Chunking]
+    skipping = False
+    """``skip_optimizer_step`` set the optimizer's ``overflow`` for the step under way."""
 
     def observe_flat(self, measurement: Measurement, index: int, flat_grad: torch.Tensor, total_norm,
                      zeroes_invalid_norm: bool) -> None:
@@ -84,7 +86,13 @@ class ZeroPartitionsAdapter(OptimizerAdapter):
         """``_update_scale``'s caller tests ``self.overflow`` right after it: set, the step goes DeepSpeed's own
         overflow path (gradients dropped, no parameter or moment change, the engine counts a skipped step and
         does not step the learning-rate schedule); the loss scaler itself saw no overflow."""
-        self.optimizer.overflow = True
+        self.optimizer.overflow = self.skipping = True
+
+    def end_skip(self) -> None:
+        """Some releases (master) set ``overflow`` at each step only where they check for one (fp16): left set,
+        it would skip every later step."""
+        if self.skipping:
+            self.optimizer.overflow = self.skipping = False
 
     def observe_skipped(self, measurement: Measurement, index: int, chunking: Chunking) -> None:
         """Fold in partition ``index``'s gradient on a skipped step, wherever the family holds it then."""

@@ -18,6 +18,7 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <omp.h>
+#include <pybind11/pybind11.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -351,3 +352,7 @@ TORCH_LIBRARY(layer_grad_norms, m) {
       "float[] rule, int kinds) -> ()",
       accumulate_adam_chunks);
 }
+
+// DeepSpeed's op builder (op_builder/layer_grad_norms.py) imports the library as a Python module: the ops above
+// are registered when it loads, the module holds nothing.
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {}

@@ -8,8 +8,8 @@ against a checkout of DeepSpeed's master (``--deepspeed CHECKOUT -o MASTER_PATCH
 
 The modules are copied as they are into ``deepspeed/runtime/layer_grad_norms/``; each call site
 becomes one line in the method it belongs to, written against the installed DeepSpeed's files (or
-those under ``DIR``). ``tree/`` holds the files the patch adds beside them (its ``__init__.py``,
-DeepSpeed-style unit tests, the docs section).
+those under ``DIR``). ``tree/`` holds the files the patch adds beside them (its ``__init__.py``, the docs
+section); its DeepSpeed-style unit test is the series' (``series_tree/``), whole.
 """
 
 import argparse
@@ -22,6 +22,7 @@ from typing import Dict, List, Optional, Tuple
 
 from ..capabilities import of_source_tree
 from ..hooks import ATTRIBUTE, END, METHOD, RESULT, RETURNED, START, AdapterCall, Assign, CallSite, Method, sites_for
+from .series_spec import ZERO_TESTS, series_tree_file
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 PACKAGE_DIR = os.path.dirname(HERE)
@@ -231,6 +232,7 @@ def upstream_files(deepspeed_root: str) -> Dict[str, Tuple[Optional[str], str]]:
         for name in names:
             path = os.path.join(folder, name)
             files[os.path.relpath(path, TREE).replace(os.sep, "/")] = (None, _read(path))
+    files[ZERO_TESTS[len("tree:"):]] = (None, _read(series_tree_file(ZERO_TESTS)))  # the series' test, whole
     by_path: Dict[str, List[CallSite]] = {}
     release = of_source_tree(os.path.join(deepspeed_root, "deepspeed"), deepspeed_version(deepspeed_root))
     for site in sites_for(release):

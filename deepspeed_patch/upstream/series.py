@@ -39,7 +39,7 @@ from .build import (
     patch_source,
     upstream_modules,
 )
-from .series_spec import PACKAGE_ONLY, SERIES, SERIES_TREE, PullRequest
+from .series_spec import PACKAGE_ONLY, SERIES, SERIES_TREE, TREE_PATHS, PullRequest
 from .source_edit import Cut, apply_cut, drop_unused, module_level_names, resolve_capabilities
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -247,6 +247,11 @@ def stage_texts(full: Dict[str, str], upto: int) -> Dict[str, str]:
     return stage
 
 
+def deepspeed_path(name: str) -> str:
+    """Where the package's module ``name`` goes in DeepSpeed."""
+    return TREE_PATHS.get(name, f"{UPSTREAM_PACKAGE}/{name}")
+
+
 def stage_sites(upto: int, facts_release) -> List[CallSite]:
     """The call sites of pull requests 1..``upto``, in the order of ``CALL_SITES``."""
     from ..hooks import sites_for
@@ -274,7 +279,7 @@ def stage_tree(root: str, upto: int, full: Dict[str, str], release) -> Dict[str,
         elif name.startswith("tree:"):
             files[name[5:]] = text
         else:
-            files[f"{UPSTREAM_PACKAGE}/{name}"] = text
+            files[deepspeed_path(name)] = text
     by_path: Dict[str, List[CallSite]] = {}
     for site in stage_sites(upto, release):
         by_path.setdefault(f"deepspeed/{site.path}", []).append(site)

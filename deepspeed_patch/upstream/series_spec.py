@@ -100,6 +100,27 @@ PACKAGE_ONLY += (
     Cut("adapters/fused_fp16.py", replace=(("", "\n(``capabilities.Capabilities.fp16_skip_method``)", ""), )),
 )
 
+# The host kernels: DeepSpeed builds them with its op builder (series_tree/08/op_builder/layer_grad_norms.py, the
+# source under csrc/: TREE_PATHS); the package with cpp_extension.load, as the releases it supports lack the builder
+PACKAGE_ONLY += (Cut(
+    "partition_stats_cpu.py",
+    drop=("_announce_build", "SOURCE", "CFLAGS", "LDFLAGS"),
+    statements=(("host_kernel", r"_announce_build\("), ),
+    replace=(("_load", "from torch.utils import cpp_extension\n\n    cpp_extension.load(name=extension_name(),\n"
+              "                       sources=[SOURCE],\n                       extra_cflags=CFLAGS,\n"
+              "                       extra_ldflags=LDFLAGS,\n                       is_python_module=False,\n"
+              "                       verbose=False)", "from deepspeed.ops.op_builder.layer_grad_norms import "
+              "LayerGradNormsBuilder\n\n    LayerGradNormsBuilder().load(verbose=False)"),
+             ("extension_name", 'return "layer_grad_norms_partition_stats_torch" + re.sub(r"[^0-9A-Za-z]", "_", '
+              'torch.__version__)', 'return "layer_grad_norms"')),
+    docstrings=(("", "(``torch.utils.cpp_extension``)", "(DeepSpeed's ``LayerGradNormsBuilder``)"),
+                ("", "(``csrc/partition_stats.cpp``)", "(``csrc/layer_grad_norms/``)"),
+                ("extension_name", "; it carries torch's version, whose ABI the library is built against.",
+                 ": the op builder's (``cpp_extension`` versions it by source and flags).")),
+), )
+# where a module of the package goes in DeepSpeed, if not under deepspeed/runtime/layer_grad_norms/
+TREE_PATHS = {"csrc/partition_stats.cpp": "csrc/layer_grad_norms/partition_stats.cpp"}
+
 # end_step's call of _end, which the remedies wrap to restore global clipping
 _END_STEP = ('        with self.latch.failing_locally("ending the step", self.schedule.step):  '
              "# last resort: never into training\n            self._end(measurement)")
@@ -480,6 +501,7 @@ SERIES = (
                             ("LayerGradNormsAdapter.__init__", r"self\.capture_steps = "),
                             ("LayerGradNormsAdapter.__init__", r"self\.saved_clip_grad: "),
                             ("LayerGradNormsAdapter.begin_step", r"self\.act_at_begin\("),
+                            ("LayerGradNormsAdapter.begin_step", r"self\.end_skip\("),
                             ("LayerGradNormsAdapter._end", r"action = measurement\.action"),
                             ("LayerGradNormsAdapter._end", r"skipped = action is not None"),
                             ("LayerGradNormsAdapter._end", r"if fired is None and skipped:"),
@@ -489,7 +511,7 @@ SERIES = (
                       "LayerGradNormsAdapter.clip_divisor", "LayerGradNormsAdapter.skip_optimizer_step",
                       "LayerGradNormsAdapter.suspend_global_clipping", "LayerGradNormsAdapter.resume_global_clipping",
                       "LayerGradNormsAdapter.save_remedies", "LayerGradNormsAdapter.load_remedies",
-                      "LayerGradNormsAdapter.act_at_begin")),
+                      "LayerGradNormsAdapter.act_at_begin", "LayerGradNormsAdapter.end_skip")),
             Cut("adapters/optimizer.py",
                 replace=(("ZeroPartitionsAdapter.update_scale", "if has_overflow or acting:", "if has_overflow:"), ),
                 docstrings=(("ZeroPartitionsAdapter.update_scale", " With a remedy on, a step the loss scaler does "
@@ -497,7 +519,8 @@ SERIES = (
                              "optimizer steps (``act``).", ""), ),
                 statements=(("ZeroPartitionsAdapter.update_scale", r"acting = "),
                             ("ZeroPartitionsAdapter.update_scale", r"if acting:")),
-                drop=("ZeroPartitionsAdapter.clip_divisor", "ZeroPartitionsAdapter.skip_optimizer_step")),
+                drop=("ZeroPartitionsAdapter.clip_divisor", "ZeroPartitionsAdapter.skip_optimizer_step",
+                      "ZeroPartitionsAdapter.end_skip", "ZeroPartitionsAdapter.skipping")),
             Cut("monitor.py",
                 replace=(("", "WRITTEN_PHASES = ALL_PHASES + (ADAPTIVE_CLIP, )", "WRITTEN_PHASES = ALL_PHASES"),
                          ("flat_scalars", _FLAT_SCALARS.replace("\n", "\n    ").replace("{", "{\n        **{", 1) +
@@ -525,3 +548,12 @@ SERIES = (
         ),
     ),
 )
+
+
+def series_tree_file(name: str) -> str:
+    """Where the series' own file ``name`` (``tree:`` + its path in DeepSpeed) is kept: in the folder of the pull
+    request that adds it."""
+    for request in SERIES:
+        if name in request.tree_files():
+            return os.path.join(SERIES_TREE, request.number, name[len("tree:"):])
+    raise ValueError(f"no pull request of the series adds {name}")

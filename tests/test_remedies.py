@@ -57,6 +57,9 @@ CASES = {  # by launch: its world size, and "x" for the extended tier
     },
     "2x": {  # the ranks agree (the agreed loss itself: test_on_demand.py, at 2 ranks in the suite)
         "z2_fp32_both_spike": skipping(clip=0.5, block={"skip_step": SKIP, "adaptive_clipping": ADAPTIVE}),
+        # no rank reports a loss (Megatron, the HF Trainer): judged on the gradient norm alone, not on the -inf
+        # the loss all-reduce carries for "none" (which once skipped every step on 2 ranks)
+        "z2_fp32_skip_spike_no_loss": skipping(report_loss=False, block={"skip_step": SKIP}),
         "z2_fp32_adaptive_gas2_groups": adaptive(gas=2, groups=True),
         "z1_fp16_adaptive_overflow": adaptive(stage=1, dtype="fp16", overflow_step=3, steps=6),
         "z1_bf16_optimizer_adaptive": adaptive(**BF16_OPTIMIZER),

@@ -120,7 +120,7 @@ class LayerGradNormsCallback(TrainerCallback):
 
     def _check_interval(self, args, state) -> None:
         """Under DeepSpeed only the steps the block's ``interval`` measures have values to log."""
-        interval = getattr(getattr(getattr(self._optimizer, CONFIG_KEY), "plan", None), "interval", 1)
+        interval = getattr(getattr(getattr(self._optimizer, CONFIG_KEY), "schedule", None), "interval", 1)
         steps = int(state.logging_steps)  # TrainingArguments takes a float (a ratio below 1)
         if args.logging_strategy == IntervalStrategy.STEPS and steps % interval:
             self._warn("interval", f"logging_steps={steps} is not a multiple of the '{CONFIG_KEY}' block's "

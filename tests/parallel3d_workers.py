@@ -17,7 +17,7 @@ from torch.nn import functional as F
 from pipeline_workers import OVERFLOW_FACTOR, blow_up_loss, ds_config, global_norm, run_cases
 from reference import bucket_stats
 from tp_workers import HIDDEN, LAYERS, MICRO_BATCH, SEQ, VOCAB, TensorParallelMLPLayer, TensorParallelModel, full_model
-from zero_workers import DTYPES, FP16_INITIAL_SCALE_POWER, fused_sgd, loss_scale, master_weights
+from zero_workers import DTYPES, FP16_INITIAL_SCALE_POWER, fused_sgd, loss_scale, master_of_param
 
 DEFAULT_CASE: Dict[str, Any] = {"pp": 1, "tp": 2, "dp": 2, "dtype": "fp32", "clip": 0.05, "steps": 2, "stage": 1,
                                 "fused": False, "overflow_step": None, "compare_off": False}
@@ -97,12 +97,12 @@ def unsharded_weights(engine, case: Dict[str, Any], tp_rank: int) -> Dict[str, t
 def unsharded_masters(engine, case: Dict[str, Any], tp_rank: int) -> Optional[Dict[str, torch.Tensor]]:
     """The unsharded model's fp32 master weights, as the fp16 and bf16 optimizers without ZeRO keep them
     (``zero_workers.master_weights``); None under ZeRO or where the optimizer keeps none (fp32)."""
-    named = list(engine.module.named_parameters())
-    masters = master_weights(engine.optimizer, named) if case["stage"] == 0 else None
-    if masters is None:
+    if case["stage"] != 0:
         return None
-    by_param = {id(param): masters[name] for name, param in named}
-    model = unsharded_model(engine, case, tp_rank, lambda param: by_param[id(param)])
+    master_of = master_of_param(engine.optimizer, list(engine.module.named_parameters()))
+    if master_of is None:
+        return None
+    model = unsharded_model(engine, case, tp_rank, master_of)
     return {name: param.detach().clone() for name, param in model.named_parameters()}
 
 

@@ -24,7 +24,7 @@ from zero_workers import (
     force_fp16_on_cpu,
     fused_sgd,
     loss_scale,
-    master_weights,
+    master_of_param,
 )
 
 DEFAULT_CASE: Dict[str, Any] = {"first_layer_index": 3, "dtype": "fp32", "gas": 2, "clip": 0.0, "steps": 3,
@@ -69,12 +69,8 @@ def full_weights(engine, case, value_of: Callable[[torch.nn.Parameter], torch.Te
 def full_master_weights(engine, case) -> Optional[Dict[str, torch.Tensor]]:
     """Every stage's copy of the optimizer's fp32 master weights (``zero_workers.master_weights``), under TinyGPT
     names, on every rank; None for an optimizer that keeps none (the same on every rank: fp32)."""
-    named = list(engine.module.named_parameters())
-    masters = master_weights(engine.optimizer, named)
-    if masters is None:
-        return None
-    by_param = {id(param): masters[name] for name, param in named}
-    return full_weights(engine, case, lambda param: by_param[id(param)])[0]
+    master_of = master_of_param(engine.optimizer, list(engine.module.named_parameters()))
+    return None if master_of is None else full_weights(engine, case, master_of)[0]
 
 
 def trained_gradients(weights: Dict[str, torch.Tensor], stage_of: Dict[str, int], config: TinyGPTConfig,

@@ -163,6 +163,16 @@ def master_weights(optimizer, trainable) -> Optional[Dict[str, torch.Tensor]]:
     return None if copies is None else {name: copy.detach().float().cpu().clone() for name, copy in copies.items()}
 
 
+def master_of_param(optimizer, trainable) -> Optional[Callable[[torch.nn.Parameter], torch.Tensor]]:
+    """``master_weights`` looked up by parameter, for rebuilding a model from its pieces (pipeline stages, TP
+    shards); None for an optimizer that keeps none."""
+    masters = master_weights(optimizer, trainable)
+    if masters is None:
+        return None
+    by_param = {id(param): masters[name] for name, param in trainable}
+    return lambda param: by_param[id(param)]
+
+
 def fp16_optimizer_masters(optimizer, trainable) -> Optional[Dict[str, torch.Tensor]]:
     """FP16_Optimizer's flat fp32 groups (split in its parameters' order) or FP16_UnfusedOptimizer's fp32
     parameters, by the model's parameter names; None for another optimizer."""

@@ -26,7 +26,7 @@ from typing import Optional, Union
 import torch
 
 from .config import SkipStepConfig
-from .trigger import agreed_loss
+from .trigger import agreed_loss, reported_loss
 
 MIN_JUDGED = 20
 """OLMo-core's least number of values before any is judged (or half the window, if larger)."""
@@ -49,8 +49,7 @@ class SkipStep:
     def judge(self, global_norm: float) -> Optional[str]:
         """Why the step whose global gradient norm is ``global_norm`` is skipped, or ``None``; the loss reported
         since the last step (if any) is judged with it."""
-        loss, self.loss = agreed_loss(self.loss), None
-        loss = None if loss is None or float(loss) == -math.inf else float(loss)  # -inf: no rank reported one
+        loss, self.loss = reported_loss(agreed_loss(self.loss)), None
         reasons = [
             reason for reason in (self._outlier("loss", loss, self.losses),
                                   self._outlier("grad norm", global_norm, self.norms)) if reason

@@ -71,8 +71,7 @@ class TriggerState:
         if self.trigger.loss_factor is not None:
             loss = self.reduced_loss = agreed_loss(loss)
         norm, loss = _on_host(watched_norm, loss)
-        if loss == -math.inf:  # no rank reported one
-            loss = None
+        loss = reported_loss(loss)
         fired = self.trigger.update(step, norm, bool(overflow), loss)
         if fired is not None and rank_of_process() == 0:  # the same fire on every rank: one line
             logger.warning("layer_grad_norms: trigger fired at step %d (%s); capturing every layer until step %d",
@@ -119,6 +118,12 @@ def agreed_loss(loss: Union[None, float, torch.Tensor]) -> Union[None, float, to
         value = value.nan_to_num(nan=NAN_CODE, posinf=INF_CODE, neginf=NAN_CODE)
     dist.all_reduce(value, op=dist.ReduceOp.MAX)
     return decode_maxima(value)
+
+
+def reported_loss(agreed: Union[None, float, torch.Tensor]) -> Optional[float]:
+    """``agreed_loss``'s value on the host: ``None`` where no rank reported a loss (its ``-inf``)."""
+    value = None if agreed is None else float(agreed)
+    return None if value == -math.inf else value
 
 
 def _on_host(*values) -> List[Optional[float]]:

@@ -1,5 +1,5 @@
-"""The upstream patch: current with the sources, applied and reverted cleanly by ``layer-grad-norms patch``,
-and, applied to a copy of the installed DeepSpeed, passing the core correctness tests without
+"""The upstream patch, built on demand: applied and reverted cleanly by ``layer-grad-norms patch`` (which builds
+what it applies), and, applied to a copy of the installed DeepSpeed, passing the core correctness tests without
 ``deepspeed_patch``."""
 
 import hashlib
@@ -12,15 +12,16 @@ from typing import Dict
 import pytest
 from yapf.yapflib.yapf_api import FormatCode
 
+from deepspeed_patch.upstream.apply import RECORD
 from deepspeed_patch.upstream.build import (
     DOCS_ANCHOR,
     DOCS_PAGE,
+    FIRST_SERIES_PATCH,
     LICENSE,
-    MASTER_PATCH_FILE,
-    PATCH_FILE,
     installed_deepspeed_root,
     make_patch,
     upstream_files,
+    upstream_modules,
 )
 from zero_workers import CASES_ENV, FAMILY_CASES, UPSTREAM_ENV
 
@@ -50,31 +51,27 @@ def patch_command(action: str, root: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, cwd=REPO)
 
 
-def test_committed_patch_is_current():
-    with open(PATCH_FILE, encoding="utf-8") as handle:
-        committed = handle.read()
-    assert committed == make_patch(), "stale patch: run python -m deepspeed_patch.upstream.build"
-
-
 def file_diffs(patch: str) -> Dict[str, str]:
     """``{path: its diff}`` of a patch."""
     return {diff.split(" ", 1)[0][2:]: "diff --git " + diff for diff in patch.split("diff --git ")[1:]}
 
 
-def test_master_patch_carries_the_current_package():
-    """The master patch is generated in a session (CI has no master checkout), so its call-site hunks are
-    checked there (``git apply --check``); here, every file it adds and the docs section must still be what
-    the generator writes today."""
-    with open(MASTER_PATCH_FILE, encoding="utf-8") as handle:
-        master = file_diffs(handle.read())
-    current = file_diffs(make_patch())
-    assert master.keys() == current.keys()
-    added = {path: diff for path, diff in current.items() if "new file mode" in diff}
-    assert len(added) >= 10
-    for path, diff in added.items():
-        assert master[path] == diff, f"{path}: stale master patch, regenerate it against a master checkout"
-    docs_body = [diff.split("\n@@", 1)[1].split("\n", 1)[1] for diff in (master[DOCS_PAGE], current[DOCS_PAGE])]
-    assert docs_body[0] == docs_body[1]
+def test_build_writes_the_patch_against_the_installed_deepspeed(tmp_path):
+    """``python -m deepspeed_patch.upstream.build -o FILE``: every module that goes upstream as a new file, the call
+    sites in DeepSpeed's files, the docs section at the line the series' first patch records."""
+    output = tmp_path / "layer_grad_norms.patch"
+    written = subprocess.run([sys.executable, "-m", "deepspeed_patch.upstream.build", "-o", str(output)],
+                             capture_output=True, text=True, cwd=REPO)
+    assert written.returncode == 0, written.stderr[-3000:]
+    patch = output.read_text(encoding="utf-8")
+    assert patch == make_patch()
+    diffs = file_diffs(patch)
+    modules = [path for path in diffs if path.startswith("deepspeed/runtime/layer_grad_norms/")]
+    assert len(modules) == len(upstream_modules()) + 1  # and the tree's __init__.py
+    assert "deepspeed/runtime/engine.py" in diffs and "new file mode" not in diffs["deepspeed/runtime/engine.py"]
+    with open(FIRST_SERIES_PATCH, encoding="utf-8") as handle:
+        series_docs_hunk = file_diffs(handle.read())[DOCS_PAGE].split("\n")[3]
+    assert diffs[DOCS_PAGE].split("\n")[3].split(",")[0] == series_docs_hunk.split(",")[0]
 
 
 def test_new_files_follow_deepspeed_conventions():
@@ -123,15 +120,42 @@ def test_refuses_another_release(tmp_path):
 
 def test_a_failing_hunk_changes_nothing(tmp_path):
     root = copy_installed(tmp_path)
-    stage_1_and_2 = os.path.join(root, "deepspeed", "runtime", "zero", "stage_1_and_2.py")
-    with open(stage_1_and_2, encoding="utf-8") as handle:
-        text = handle.read()
-    with open(stage_1_and_2, "w", encoding="utf-8") as handle:  # a local edit where the patch has a hunk
-        handle.write(text.replace("loss_scaler.update_scale(has_overflow)", "loss_scaler.update_scale(True)"))
+    stray = os.path.join(root, "deepspeed", "runtime", "layer_grad_norms", "config.py")
+    os.makedirs(os.path.dirname(stray))
+    with open(stray, "w", encoding="utf-8") as handle:  # a file where the patch adds one
+        handle.write("# not ours\n")
     before = digests(root)
+    assert patch_command("check", root).returncode == 1
     result = patch_command("apply", root)
     assert result.returncode == 2 and "nothing changed" in result.stdout, result.stdout
     assert digests(root) == before  # engine.py and the rest untouched too
+    assert patch_command("revert", root).returncode == 2
+    assert digests(root) == before
+
+
+def test_revert_takes_out_the_patch_applied(tmp_path):
+    """``apply`` keeps the patch it built in the tree (``RECORD``); ``revert`` takes out that one, and refuses,
+    changing nothing, once a file it patched was edited."""
+    root = copy_installed(tmp_path)
+    before = digests(root)
+    assert patch_command("apply", root).returncode == 0
+    with open(os.path.join(root, RECORD), encoding="utf-8") as handle:
+        assert handle.read() == make_patch()  # the copy is the installed DeepSpeed's
+    engine = os.path.join(root, "deepspeed", "runtime", "engine.py")
+    with open(engine, encoding="utf-8") as handle:
+        text = handle.read()
+    with open(engine, "w", encoding="utf-8") as handle:  # a local edit inside a hunk of the patch
+        handle.write(text.replace("layer_grad_norms.attach(self)", "layer_grad_norms.attach(self)  # edited"))
+    edited = digests(root)
+    assert edited != before
+    assert patch_command("check", root).returncode == 1
+    result = patch_command("revert", root)
+    assert result.returncode == 2 and "nothing changed" in result.stdout, result.stdout
+    assert digests(root) == edited
+    with open(engine, "w", encoding="utf-8") as handle:
+        handle.write(text)
+    assert patch_command("revert", root).returncode == 0
+    assert digests(root) == before
 
 
 def test_applies_to_a_checkout_with_docs_and_unit_tests(tmp_path):

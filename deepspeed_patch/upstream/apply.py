@@ -1,17 +1,21 @@
 """Apply the upstream patch to an installed DeepSpeed or a DeepSpeed checkout, check it, revert it.
 
+The patch is built here, against the tree it goes into (``build.make_patch``), not read from a stored file.
 ``git apply`` does the work: it applies all hunks or none, and ``-R`` restores the files byte for
-byte. An installed package (no ``docs/`` beside ``deepspeed/``) gets the ``deepspeed/`` part only.
+byte. The patch applied is kept in the patched tree (``RECORD``), so that ``check`` and ``revert`` use the
+very patch ``apply`` used, whatever the package has become since. An installed package (no ``docs/`` beside
+``deepspeed/``) gets the ``deepspeed/`` part only.
 """
 
 import os
 import subprocess
 from typing import Optional
 
-from .build import PATCH_FILE, PATCH_RELEASES, deepspeed_version, installed_deepspeed_root
+from .build import PATCH_RELEASES, UPSTREAM_PACKAGE, deepspeed_version, installed_deepspeed_root, make_patch
 
 APPLIED, CLEAN, CONFLICT = "applied", "not applied", "conflicts"
 COMMANDS = ("apply", "check", "revert")
+RECORD = f"{UPSTREAM_PACKAGE}/applied.patch"  # the patch as applied, inside the package it added
 
 
 class PatchError(RuntimeError):
@@ -31,21 +35,42 @@ def deepspeed_root(path: Optional[str] = None) -> str:
     raise PatchError(f"--deepspeed {path}: no deepspeed package there (expected {path}/deepspeed/__init__.py)")
 
 
-def _git_apply(root: str, *options: str) -> subprocess.CompletedProcess:
+def _git_apply(root: str, patch: str, *options: str) -> subprocess.CompletedProcess:
+    """``git apply`` of the patch text ``patch`` in ``root`` (read from stdin)."""
     include = [] if os.path.isdir(os.path.join(root, "docs")) else ["--include=deepspeed/*"]
     # GIT_CEILING_DIRECTORIES: never treat a repository above root as the one to patch
     env = {**os.environ, "GIT_CEILING_DIRECTORIES": os.path.dirname(root)}
-    return subprocess.run(["git", "apply", *include, *options, PATCH_FILE], cwd=root, env=env, capture_output=True,
-                          text=True)
+    return subprocess.run(["git", "apply", *include, *options, "-"], input=patch, cwd=root, env=env,
+                          capture_output=True, text=True)
+
+
+def _recorded(root: str) -> Optional[str]:
+    """The patch ``apply`` left in ``root``, when it is there and still reverts cleanly."""
+    path = os.path.join(root, RECORD)
+    if not os.path.isfile(path):
+        return None
+    with open(path, encoding="utf-8") as handle:
+        patch = handle.read()
+    return patch if _git_apply(root, patch, "--reverse", "--check").returncode == 0 else None
+
+
+def _built(root: str) -> str:
+    """The patch built against ``root``."""
+    try:
+        return make_patch(root)
+    except (LookupError, ValueError, SyntaxError) as err:
+        raise PatchError(f"cannot build the patch against {root}: {err}") from err
 
 
 def state(root: str) -> str:
     """``APPLIED``, ``CLEAN`` (applies) or ``CONFLICT`` (neither: another release, or local edits)."""
-    if _git_apply(root, "--reverse", "--check").returncode == 0:
+    if _recorded(root) is not None:
         return APPLIED
-    if _git_apply(root, "--check").returncode == 0:
-        return CLEAN
-    return CONFLICT
+    try:
+        patch = _built(root)
+    except PatchError:
+        return CONFLICT
+    return CLEAN if _git_apply(root, patch, "--check").returncode == 0 else CONFLICT
 
 
 def _check_release(root: str) -> None:
@@ -55,32 +80,48 @@ def _check_release(root: str) -> None:
                          f"(pip install deepspeed=={PATCH_RELEASES[-1]})")
 
 
-def _run(root: str, *options: str) -> None:
-    result = _git_apply(root, *options)
+def _run(root: str, patch: str, *options: str) -> None:
+    result = _git_apply(root, patch, *options)
     if result.returncode != 0:
         raise PatchError(f"git apply {' '.join(options)} failed in {root}, nothing changed:\n{result.stderr}")
 
 
+def _write_record(root: str, patch: Optional[str]) -> None:
+    """Keep ``patch`` in ``root`` as the one applied; ``None``: take the record out."""
+    path = os.path.join(root, RECORD)
+    if patch is None:
+        os.remove(path)
+        return
+    with open(path, "w", encoding="utf-8") as handle:
+        handle.write(patch)
+
+
 def apply(root: str) -> str:
-    """Apply the patch; a no-op when it is already applied. Returns what was done."""
+    """Build the patch against ``root`` and apply it; a no-op when it is already applied. Returns what was
+    done."""
     _check_release(root)
-    current = state(root)
-    if current == APPLIED:
+    if _recorded(root) is not None:
         return f"already applied in {root}"
-    if current == CONFLICT:
-        _run(root, "--check")  # raises with git's description of the conflict
-    _run(root)
+    patch = _built(root)
+    _run(root, patch)  # all hunks or none; raises with git's description of a conflict
+    _write_record(root, patch)
     return f"applied to {root}"
 
 
 def revert(root: str) -> str:
-    """Take the patch out again, restoring the files byte for byte; a no-op when it is not applied."""
-    current = state(root)
-    if current == CLEAN:
-        return f"not applied in {root}"
-    if current == CONFLICT:
-        _run(root, "--reverse", "--check")
-    _run(root, "--reverse")
+    """Take the recorded patch out again, restoring the files byte for byte; a no-op when it is not applied."""
+    patch = _recorded(root)
+    if patch is None:
+        if state(root) == CLEAN:
+            return f"not applied in {root}"
+        raise PatchError(f"{root}: no patch applied by `layer-grad-norms patch apply` reverts cleanly "
+                         f"({RECORD} absent, or the files it patched were edited since); nothing changed")
+    _write_record(root, None)
+    try:
+        _run(root, patch, "--reverse")
+    except PatchError:
+        _write_record(root, patch)
+        raise
     return f"reverted in {root}"
 
 

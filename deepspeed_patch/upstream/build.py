@@ -1,16 +1,17 @@
-"""Write the upstream patch: this package's modules, and the call sites of ``hooks.CALL_SITES``,
+"""Build the upstream patch: this package's modules, and the call sites of ``hooks.CALL_SITES``,
 as a change to DeepSpeed's own source tree.
 
-    python -m deepspeed_patch.upstream.build [--deepspeed DIR] [-o FILE]
+    python -m deepspeed_patch.upstream.build [--deepspeed DIR] -o FILE
 
-``layer_grad_norms.patch`` is written against the 0.19.8 release, ``layer_grad_norms-master.patch``
-against a checkout of DeepSpeed's master (``--deepspeed CHECKOUT -o MASTER_PATCH_FILE``).
+The patch is built on demand, not stored: against the installed DeepSpeed (the 0.19.8 release) or a
+checkout (``--deepspeed CHECKOUT``, of master for a pull request).
+``layer-grad-norms patch`` builds what it applies (``apply.py``). The committed form of the upstream work
+is the series (``series.py``, ``series/``).
 
 The modules are copied as they are into ``deepspeed/runtime/layer_grad_norms/``; each call site
 becomes one line in the method it belongs to, written against the installed DeepSpeed's files (or
 those under ``DIR``). ``tree/`` holds the files the patch adds beside them (its ``__init__.py``, the docs
-section); its DeepSpeed-style unit test is the series' (``series_tree/``), whole.
-"""
+section); its DeepSpeed-style unit test is the series' (``series_tree/``), whole."""
 
 import argparse
 import ast
@@ -26,9 +27,9 @@ from .series_spec import ZERO_TESTS, series_tree_file
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 PACKAGE_DIR = os.path.dirname(HERE)
-PATCH_FILE = os.path.join(HERE, "layer_grad_norms.patch")
-PATCH_RELEASES = ("0.19.8", )  # the releases PATCH_FILE is made for
-MASTER_PATCH_FILE = os.path.join(HERE, "layer_grad_norms-master.patch")  # for a pull request to master
+PATCH_RELEASES = ("0.19.8", )  # the releases `layer-grad-norms patch` applies to
+# The series' first pull request: its docs hunk records the line of DeepSpeed's config page the section goes at.
+FIRST_SERIES_PATCH = os.path.join(HERE, "series", "01-zero12-layer-grad-norms.patch")
 TREE = os.path.join(HERE, "tree")
 
 UPSTREAM_PACKAGE = "deepspeed/runtime/layer_grad_norms"
@@ -255,7 +256,7 @@ def _diff(path: str, original: Optional[str], new: str) -> str:
 
 def _docs_line(deepspeed_root: str) -> int:
     """The line the docs anchor starts at: found on the checkout's page or, for an installed package
-    (which has no docs), the one the committed patch records from its last generation against a checkout.
+    (which has no docs), the one the series' first patch records from its generation against a master checkout.
     ``git apply`` places the hunk by its content anyway; the number keeps the hunk honest for a reader."""
     page = os.path.join(deepspeed_root, DOCS_PAGE)
     if os.path.isfile(page):
@@ -264,10 +265,10 @@ def _docs_line(deepspeed_root: str) -> int:
         if start < 0:
             raise ValueError(f"{page}: the lines the docs section goes among are not there: {DOCS_ANCHOR}")
         return text.count("\n", 0, start) + 1
-    recorded = re.search(rf"^\+\+\+ b/{re.escape(DOCS_PAGE)}\n@@ -(\d+),", _read(PATCH_FILE), re.MULTILINE)
+    recorded = re.search(rf"^\+\+\+ b/{re.escape(DOCS_PAGE)}\n@@ -(\d+),", _read(FIRST_SERIES_PATCH), re.MULTILINE)
     if recorded is None:
-        raise ValueError(f"{deepspeed_root} has no {DOCS_PAGE}, and {PATCH_FILE} has no docs hunk to take the line "
-                         "from: generate against a DeepSpeed checkout")
+        raise ValueError(f"{deepspeed_root} has no {DOCS_PAGE}, and {FIRST_SERIES_PATCH} has no docs hunk to take "
+                         "the line from: build against a DeepSpeed checkout")
     return int(recorded.group(1))
 
 
@@ -293,9 +294,10 @@ def make_patch(deepspeed_root: Optional[str] = None) -> str:
 def main(argv: Optional[List[str]] = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--deepspeed", help="the directory holding the deepspeed package (default: installed)")
-    parser.add_argument("-o", "--output", default=PATCH_FILE)
+    # a file, not stdout: DeepSpeed logs to stdout from its import on (deepspeed_patch imports it)
+    parser.add_argument("-o", "--output", required=True, help="the file to write")
     args = parser.parse_args(argv)
-    patch = make_patch(args.deepspeed)  # before opening: it may read the committed patch being replaced
+    patch = make_patch(args.deepspeed)
     with open(args.output, "w", encoding="utf-8") as handle:
         handle.write(patch)
     print(f"wrote {args.output}")

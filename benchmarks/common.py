@@ -103,7 +103,8 @@ def ratio_of(result: Dict[str, float]) -> Dict[str, float]:
 
 
 def write_results(name: str, lines: List[str], data: Optional[dict] = None, folder: str = RESULTS) -> None:
-    """``<folder>/<name>.md`` and, for the plot, ``<folder>/<name>.json`` (``folder``: ``results/``)."""
+    """``<folder>/<name>.md`` and, for the plot, ``<folder>/<name>.json`` (``folder``: ``results/``). The tables
+    are kept in git, the JSON (raw output) is not (.gitignore): a run writes it again."""
     os.makedirs(folder, exist_ok=True)
     with open(os.path.join(folder, f"{name}.md"), "w", encoding="utf-8") as out:
         out.write("\n".join(lines) + "\n")

@@ -17,7 +17,7 @@
 # 5. Runs the per-step cost ledger: host syncs, allocations and time inside the call sites per family and
 #    mode, and the Megatron hook's (benchmarks/ledger.py --device cuda, 5 timed steps a mode).
 # Tables go to benchmarks/results/gpu/: tests.txt, fused_statistics.{md,json}, step_time.{md,json},
-# ledger.{md,json}.
+# ledger.{md,json} (git keeps the .md tables; the .json raw outputs are ignored).
 #
 # --dry-run checks this script's logic on a machine without a GPU: it installs nothing and runs the same
 # steps on the host with small sizes, writing into a temporary folder instead.

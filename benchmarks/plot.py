@@ -1,4 +1,5 @@
-"""``results/benchmarks.png`` from the JSON files the benchmark parts write (any part may be missing)."""
+"""``results/benchmarks.png`` from the JSON files the benchmark parts write (any part may be missing: git keeps
+none of them, so the parts run first)."""
 
 import os
 from typing import Optional

@@ -159,7 +159,7 @@ def main() -> None:
         f"median of steps S-{BEFORE} to S-1 of the same run (what a judge of the recorded window sees); "
         "'/ control' divides by the same step of a run without the injection (same seed and data) instead. "
         "'update/weight' is the update's norm over the weights' norm. The raw numbers, every layer, are in "
-        "spike_calibration.json.", ""]
+        "spike_calibration.json, written beside this table (not kept in git).", ""]
     lines += [f"## Layer {HIT_LAYER} at S over its level before, range over the {len(options.configs)} "
               "configurations (in brackets: of the largest from S to the last step reported)", ""]
     lines += summary(moved, options.configs)

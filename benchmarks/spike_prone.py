@@ -490,7 +490,8 @@ def report(summary: dict, plan: Plan, sizes: List[dict], setup: dict) -> List[st
         per_seed = ", ".join(f"seed {seed}: {value['final_val']:.3f} / {value['steps_lost']}"
                              for seed, value in row["per_seed"].items())
         lines.append(f"- {ARM_LABELS[arm]}: {per_seed}")
-    lines += ["", "Figure: [docs/spike_prone.png](../../docs/spike_prone.png). Raw runs: spike_prone.json."]
+    lines += ["", "Figure: [docs/spike_prone.png](../../docs/spike_prone.png). Raw runs: spike_prone.json, written "
+              "beside this table (not kept in git)."]
     return lines
 
 

@@ -98,17 +98,46 @@ def counting_collectives() -> Iterator[List[int]]:
             setattr(comm, name, original)
 
 
-def collectives_per_step(block: Dict[str, Any], steps: int) -> List[int]:
-    """Collective calls made inside each ``engine.step()`` of a run with ``block`` as the config block."""
+@contextlib.contextmanager
+def counting_all_reduce_bytes() -> Iterator[List[int]]:
+    """Count the bytes this rank hands to ``torch.distributed.all_reduce`` inside the block (where DeepSpeed's
+    torch backend sends every all-reduce), in the one-element list it yields."""
+    import torch.distributed
+
+    original = torch.distributed.all_reduce
+    sent = [0]
+
+    def counting(*args, **kwargs):
+        tensor = kwargs["tensor"] if "tensor" in kwargs else args[0]
+        sent[0] += tensor.numel() * tensor.element_size()
+        return original(*args, **kwargs)
+
+    torch.distributed.all_reduce = counting
+    try:
+        yield sent
+    finally:
+        torch.distributed.all_reduce = original
+
+
+def collectives_per_step(block: Dict[str, Any], steps: int) -> Dict[str, Any]:
+    """Inside each ``engine.step()`` of a run with ``block`` as the config block: the collective calls
+    (``calls``) and the bytes all-reduced (``all_reduce_bytes``); and the buckets of the last result."""
     engine = initialize(base_config(layer_grad_norms=block) if block else base_config())
-    counts = []
+    counts: Dict[str, Any] = {"calls": [], "all_reduce_bytes": []}
     for step in range(steps):
         engine.backward(engine(synthetic_batch(TinyGPTConfig(), 2, seed=step)))
-        with counting_collectives() as calls:
+        with counting_collectives() as calls, counting_all_reduce_bytes() as sent:
             engine.step()
-        counts.append(calls[0])
+        counts["calls"].append(calls[0])
+        counts["all_reduce_bytes"].append(sent[0])
+    counts["buckets"] = len(engine.get_layer_grad_norms()["pre_clip"]) if block else 0
     engine.destroy()
     return counts
+
+
+def collective_counts() -> Dict[str, Any]:
+    """``collectives_per_step`` without the block and with it on every second step, 4 steps each."""
+    return {"off": collectives_per_step({}, 4), "interval2": collectives_per_step({"enabled": True, "interval": 2}, 4)}
 
 
 def failing_from_the_second_call(function):
@@ -219,16 +248,21 @@ def without_optimizer() -> Dict[str, Any]:
     return {"warnings": handler.messages, "stages": results}
 
 
-def run_setup_checks(multi_rank: bool) -> Dict[str, Any]:
+def prepare_rank() -> None:
     deepspeed_patch.install()
     force_fp16_on_cpu()
     logging.getLogger("DeepSpeed").setLevel(logging.ERROR)
-    results: Dict[str, Any] = {
-        "collectives": {
-            "off": collectives_per_step({}, 4),
-            "interval2": collectives_per_step({"enabled": True, "interval": 2}, 4),
-        }
-    }
+
+
+def run_collective_counts() -> Dict[str, Any]:
+    """``collective_counts`` alone, on a rank prepared as ``run_setup_checks`` prepares it."""
+    prepare_rank()
+    return collective_counts()
+
+
+def run_setup_checks(multi_rank: bool) -> Dict[str, Any]:
+    prepare_rank()
+    results: Dict[str, Any] = {"collectives": collective_counts()}
     if multi_rank:
         results["failure"] = failure_on_one_rank(4)
         return results

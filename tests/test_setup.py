@@ -6,7 +6,7 @@ import pytest
 
 from deepspeed_patch.reduction import COLLECTIVES_PER_STEP
 from megatron_integration.cpu_launch import launch
-from setup_workers import BAD_BLOCKS, run_setup_checks
+from setup_workers import BAD_BLOCKS, run_collective_counts, run_setup_checks
 
 
 @lru_cache(maxsize=None)
@@ -17,6 +17,14 @@ def single_rank():
 @lru_cache(maxsize=None)
 def two_ranks():
     return launch(run_setup_checks, 2, True)
+
+
+def collective_counts(ranks: int) -> list:
+    """Every rank's ``setup_workers.collective_counts``: from the set-up checks' launches at 1 and 2 ranks, from a
+    launch of its own at 3."""
+    if ranks == 3:
+        return launch(run_collective_counts, 3)
+    return [result["collectives"] for result in ([single_rank()] if ranks == 1 else two_ranks())]
 
 
 EXPECTED_ERRORS = {
@@ -89,14 +97,18 @@ def test_pattern_matching_nothing_warns_with_examples_and_uses_named_buckets():
     assert "layers.0.query_key_value" in no_match["keys"]
 
 
-@pytest.mark.parametrize("ranks", ["single", "two"])
-def test_extra_collectives_on_measured_steps_none_in_between(ranks):
-    results = [single_rank()] if ranks == "single" else two_ranks()
-    assert len(results) == (1 if ranks == "single" else 2)
+@pytest.mark.parametrize("ranks", [1, 2, pytest.param(3, marks=pytest.mark.extended)])
+def test_extra_collectives_and_bytes_on_measured_steps_none_in_between(ranks):
+    """A measured step adds two all-reduces of the ``(buckets + 1, 9)`` float64 table (the status row last) to what
+    DeepSpeed's step all-reduces, counted at ``torch.distributed.all_reduce``: the same bytes on 2 and 3 ranks; one
+    rank combines nothing. Steps 1 and 3 are not measured, 2 and 4 are."""
+    results = collective_counts(ranks)
+    assert len(results) == ranks
     for result in results:
-        off, on = result["collectives"]["off"], result["collectives"]["interval2"]
-        # steps 1 and 3 are not measured, 2 and 4 are
-        assert on[0] == off[0] and on[2] == off[2]
-        # one rank needs no collective to combine its own table
-        extra = 0 if ranks == "single" else COLLECTIVES_PER_STEP
-        assert on[1] == off[1] + extra and on[3] == off[3] + extra
+        off, on = result["off"], result["interval2"]
+        extra_calls = 0 if ranks == 1 else COLLECTIVES_PER_STEP
+        extra_bytes = 0 if ranks == 1 else (on["buckets"] + 1) * 9 * 8  # float64
+        assert on["buckets"] == 6  # TinyGPT's 4 layers, its embedding and its final norm
+        for key, extra in (("calls", extra_calls), ("all_reduce_bytes", extra_bytes)):
+            assert [on[key][step] - off[key][step] for step in range(4)] == [0, extra, 0, extra], key
+        assert off["all_reduce_bytes"][0] > 0 or ranks == 1  # the wrapper sees DeepSpeed's own all-reduces

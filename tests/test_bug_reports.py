@@ -1,6 +1,6 @@
 """The reproductions of the bugs reported in ``deepspeed_patch/upstream/bug_reports/`` still
 show them on the pinned release: when one of these fails, DeepSpeed has changed the behaviour, and the
-report, the README's notes and ``statistics.zero_unscale_divisor`` need another look."""
+report, the README's notes and ``clipping.zero_unscale_divisor`` need another look."""
 
 import json
 import os

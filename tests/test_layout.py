@@ -39,3 +39,16 @@ def test_the_doc_names_exactly_the_files_a_traced_measured_step_runs():
     assert traced()["plain"]["measured_step"] == traced()["optimizer_statistics_and_recorder"]["measured_step"] == 3
     assert traced()["plain"]["files"] == plain
     assert traced()["optimizer_statistics_and_recorder"]["files"] == sorted(plain + added)
+
+
+def test_the_map_names_every_docs_page():
+    """The map's ``docs/`` entry names every page under docs/ (a folder of pages by its name), this map aside."""
+    text = open(LAYOUT).read()
+    entry = text.split("\ndocs/", 1)[1].split("```", 1)[0]
+    docs = os.path.dirname(LAYOUT)
+    pages = [name for name in sorted(os.listdir(docs)) if name.endswith(".md") and name != "layout.md"]
+    folders = [f"{name}/" for name in sorted(os.listdir(docs))
+               if os.path.isdir(os.path.join(docs, name)) and any(
+                   page.endswith(".md") for _, _, names in os.walk(os.path.join(docs, name)) for page in names)]
+    missing = [name for name in pages + folders if name not in entry]
+    assert len(pages) == 9 and folders == ["megatron_e2e/"] and missing == [], missing

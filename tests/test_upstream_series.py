@@ -45,6 +45,14 @@ def test_one_small_patch_with_its_pr_text_per_pull_request():
     assert set(series.OVER_THE_CAP) <= {"01"}  # only the first PR, the whole ZeRO-1/2 feature, may be past the cap
 
 
+def test_the_docs_quote_each_patchs_added_lines():
+    """docs/upstream.md's table of the series: each patch's added lines, as the committed patch has them."""
+    page = _read(os.path.join(REPO, "docs", "upstream.md"))
+    quoted = dict(re.findall(r"^\| `(\d\d-[\w-]+)` \| (\d+) \|", page, re.M))
+    committed = {request.file_name: str(series.added_lines(_read(path))) for request, path in zip(SERIES, PATCHES)}
+    assert len(committed) == 9 and quoted == committed
+
+
 def _new_files(upto: int, root: str) -> Dict[str, str]:
     """The files patches 1..``upto`` add, as ``git apply`` leaves them (DeepSpeed's own files left out)."""
     files = [precommit.patch_files(_read(path)) for path in PATCHES]

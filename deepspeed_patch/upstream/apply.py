@@ -58,7 +58,7 @@ def _built(root: str) -> str:
     """The patch built against ``root``."""
     try:
         return make_patch(root)
-    except (LookupError, ValueError, SyntaxError) as err:
+    except (LookupError, ValueError, SyntaxError, OSError) as err:
         raise PatchError(f"cannot build the patch against {root}: {err}") from err
 
 

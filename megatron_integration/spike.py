@@ -30,28 +30,40 @@ before the fire (an overflow's origin); else the layer that rose most over its b
 
 import math
 import statistics
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from deepspeed_patch.tags import UPDATE_TO_WEIGHT
+from deepspeed_patch.tags import UPDATE_TO_WEIGHT, is_layer, layer_position
 
 from .fires import Fire, read_fires
 from .tensorboard_reader import Points, layer_title
 
-THRESHOLDS = {"pre_clip": 2.0, "exp_avg": 1.5, "exp_avg_sq": 3.0, "update": 1.5, UPDATE_TO_WEIGHT: 1.5}
-"""A signal departs above this many times its level. Set from Adam's dynamics (``benchmarks/adam_dynamics.py``, the
-table in docs/spikes.md): in quiet training the gradient's norm moves up to 1.6x against its level, the update and
-its ratio to the weights up to 1.1x, ``exp_avg`` up to 1.25x and ``exp_avg_sq`` (the gradient squared) up to 1.7x;
-a 10x gradient spike moves the update 1.2-1.9x, ``exp_avg`` 3.4x and ``exp_avg_sq`` 3.5-12x unclipped (clipped,
-1.4-1.6x: the moments see the clipped gradient), a 3x learning rate moves the update and the ratio 2.9x."""
+THRESHOLDS = {"pre_clip": 2.0, "exp_avg": 2.0, "exp_avg_sq": 4.0, "update": 1.5, UPDATE_TO_WEIGHT: 1.5}
+"""A signal departs above this many times its level. The gradient and its two running averages are on one scale:
+2x the gradient's norm, which quiet training moves up to 1.6x against its level (``benchmarks/adam_dynamics.py``,
+the table in docs/spikes.md); ``exp_avg`` averages the gradient (2x), ``exp_avg_sq`` its square (2x squared: 4x).
+A running average is then named ahead of the gradient it averages only where it rose by the gradient's own factor
+first. The update and its ratio to the weights are Adam's normalised step, not an average of the gradient: up to
+1.1x in quiet training, 2.9x for a 3x learning rate; they depart above 1.5x."""
 RISE_FACTOR = THRESHOLDS["pre_clip"]
 """A layer's gradient has risen at a step once its norm there is above this many times its own baseline."""
 MIN_BASELINE = 3
 """The fewest finite observations that make a baseline: the median of one or two steps is a single noisy step."""
 LEVEL_STEPS = 16
 """A signal's level before the window (or before an observation) is the median of its observations in the 16 steps
-before it, and at least of the last ``MIN_BASELINE``: recent, so that a slow drift (Adam's second moment growing
-from zero over the first hundreds of steps) is followed, and a step change is not averaged away."""
+before it, and at least of the last ``MIN_BASELINE``: recent, so that a slow drift is followed, and a step change is
+not averaged away."""
+LOOK_BACK_WINDOWS = 4
+"""The horizon: no cause is dated more than 4 recorded windows (4 x the recorder's K steps) before its fire. The
+trigger fires again at most ``cooldown`` steps (by default ``max(capture_steps + 1, K)``) after its last fire while a
+spike lasts, and its running median absorbs a raised level within its ``window``: a cause that began further back
+and still lasts has had its own fire, which this one continues (``continues``) or, beyond the horizon, is judged
+at its level, not as a departure. Four windows hold the demo's lr spike's second fire (21 steps after its cause,
+K = 8) and stay within the recorder's 8 blocks before the window."""
+MOMENTS = ("exp_avg", "exp_avg_sq")
+"""Adam's running averages, which grow from zero: ``1 - beta ** t`` of their level at step t, bias-uncorrected.
+For every beta, ``(1 - beta ** b) / (1 - beta ** a) <= b / a``: their values are judged divided by their step
+(``_without_growth``), so that a moment growing from zero is not a departure, whatever its beta."""
 SIGNALS = ("pre_clip", "exp_avg", "exp_avg_sq", "update", UPDATE_TO_WEIGHT)
 """The signals ``attribute`` compares, in the order that breaks a tie at one step."""
 SIGNAL_NAMES = {"pre_clip": "gradient", "exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq", "update": "update",
@@ -74,7 +86,7 @@ class Observation:
     last: int
     value: float
     source: str
-    """``"recorder"`` (a block) or ``"interval"`` (a measured step)."""
+    """``"recorder"`` (a block), ``"interval"`` (a measured step) or ``"window"`` (a recorded step)."""
 
 
 @dataclass(frozen=True)
@@ -83,7 +95,8 @@ class Baseline:
 
     level: float
     source: str
-    """``"recorder"``, ``"interval"``, or ``"window"``: the window's median, the last resort."""
+    """``"recorder"``, ``"interval"``, ``"recent"`` (the steps just before a window step, recorded ones among them),
+    or ``"window"``: the window's median, the last resort."""
     steps: Tuple[int, int]
     count: int
 
@@ -93,6 +106,8 @@ class Baseline:
         first, last = self.steps
         if self.source == "window":
             return "against the window's median"
+        if self.source == "recent":
+            return f"against steps {first}-{last} just before it"
         if self.source == "interval":
             return f"against interval steps {first}-{last}"
         return f"against its recorder blocks before the window (steps {first}-{last})"
@@ -134,8 +149,9 @@ def _median_of(observations: Sequence[Observation]) -> Optional[Baseline]:
     if len(finite) < MIN_BASELINE:
         return None
     sources = {seen.source for seen in finite}
-    return Baseline(statistics.median(seen.value for seen in finite), "recorder" if "recorder" in sources
-                    else "interval", (finite[0].first, finite[-1].last), len(finite))
+    source = "recent" if "window" in sources else "recorder" if "recorder" in sources else "interval"
+    return Baseline(statistics.median(seen.value for seen in finite), source, (finite[0].first, finite[-1].last),
+                    len(finite))
 
 
 def window_baseline(points: Points, fired_at: int) -> Optional[Baseline]:
@@ -162,51 +178,63 @@ def baseline_of(points: Points, observed: Sequence[Observation], fired_at: int) 
     return level_before(observed) or window_baseline(points, fired_at)
 
 
-def judge(points: Points, observed: Sequence[Observation], fired_at: int, threshold: float) -> Dict:
+def judge(points: Points, observed: Sequence[Observation], fired_at: int, threshold: float,
+          horizon: Optional[int] = None) -> Dict:
     """One signal of one layer: its ``baseline`` and its ``departure`` (``None`` where it did not depart, or has no
     baseline): ``step``, ``steps`` (the observation's, a block's range before the window), ``way`` (``"rose"`` or
     ``"went non-finite"``), ``factor`` over the level, ``before_window`` and ``baseline`` (its ``describe``).
 
-    Before the window, a departure is abrupt and lasting: an observation above ``threshold`` times both its level
-    (``level_before`` the observations before it) and the one before it, or non-finite, with the window's median
-    still above ``threshold`` times that level (a slow drift is not abrupt; a past episode that ended is not
-    lasting). In the window, the first step above ``threshold`` times the level before it, or non-finite. Against
-    the window's median, only a step after one within those bounds counts: a window at the start of training,
-    where the second moment grows from zero, has it reach its median, not leave it."""
-    early = _left_before(points, observed, fired_at, threshold)
+    Before the window, from step ``horizon`` on (``LOOK_BACK_WINDOWS``), a departure is abrupt and lasting: an
+    observation above ``threshold`` times both its level (``level_before`` the observations just before it) and the
+    one before it, or non-finite, that persists to the window: every later observation and the window's first step
+    away from that level too, and, where it rose, the window's median still above ``threshold`` times it (a slow
+    drift is not abrupt; a past episode that ended, an fp16 overflow the loss scaler skipped, does not last). In the
+    window, the first step above ``threshold`` times the level just before it (``level_before`` the observations and the
+recorded steps before it: a drift inside the window is followed), or non-finite. Against the window's median,
+    only a step after one within those bounds counts: a window at the start of training, where the second moment
+    grows from zero, has it reach its median, not leave it."""
+    early = _left_before(points, observed, fired_at, threshold, horizon)
     if early is not None:
         return early
     baseline = baseline_of(points, observed, fired_at)
     if baseline is None:
         return {"baseline": None, "departure": None}
     reached = baseline.source != "window"
-    for step, value in points:
-        way = _away(value, baseline.level, threshold)
+    recorded = [Observation(step, step, value, "window") for step, value in points]
+    for index, (step, value) in enumerate(points):
+        level = baseline if baseline.source == "window" else level_before(list(observed) + recorded[:index])
+        way = _away(value, level.level, threshold)
         if way is None:
             reached = True
         elif reached:
             return {"baseline": baseline, "departure": {
-                "step": step, "steps": [step, step], "way": way, "factor": _factor(value, baseline.level),
-                "before_window": False, "baseline": baseline.describe()}}
+                "step": step, "steps": [step, step], "way": way, "factor": _factor(value, level.level),
+                "before_window": False, "baseline": level.describe()}}
     return {"baseline": baseline, "departure": None}
 
 
-def _left_before(points: Points, observed: Sequence[Observation], fired_at: int, threshold: float) -> Optional[Dict]:
-    """The first abrupt and lasting departure before the window (``judge``), with the level it left."""
+def _left_before(points: Points, observed: Sequence[Observation], fired_at: int, threshold: float,
+                 horizon: Optional[int]) -> Optional[Dict]:
+    """The first abrupt departure before the window, from step ``horizon`` on, that lasts to the window (``judge``),
+    with the level it left."""
     window = [value for step, value in points if step <= fired_at]
     finite_window = [value for value in window if math.isfinite(value)]
     window_level = statistics.median(finite_window) if finite_window else math.nan
     for index, seen in enumerate(observed):
+        if horizon is not None and seen.first < horizon:
+            continue
         level = level_before(observed[:index])
         previous = next((earlier.value for earlier in reversed(observed[:index]) if math.isfinite(earlier.value)),
                         None)
         if level is None or previous is None:
             continue
         way = _away(seen.value, level.level, threshold)
+        if way is None or (way == "rose" and seen.value <= threshold * previous):
+            continue
+        later = [after.value for after in observed[index + 1:]] + window[:1]
+        lasting = all(_away(value, level.level, threshold) for value in later)
         if way == "rose":
-            lasting = seen.value > threshold * previous and rise_over(window_level, level.level) > threshold
-        else:
-            lasting = way is not None and len(finite_window) < len(window)
+            lasting = lasting and rise_over(window_level, level.level) > threshold
         if lasting:
             return {"baseline": level, "departure": {
                 "step": seen.first, "steps": [seen.first, seen.last], "way": way,
@@ -301,22 +329,25 @@ def _finding(spike: Dict, broken: Dict) -> str:
 
 
 def attribute(fire: Fire, earlier: Optional[Dict] = None) -> Optional[Dict]:
-    """Which signal of which layers left its level first (``judge``), per layer and over the model, the first
-    departure of each other signal after it (``followed``), and the ``verdict`` (``verdict``); ``None`` where the
-    fire holds no update nor moment (a log without ``optimizer_statistics``)."""
-    signals = [signal for signal in SIGNALS if fire.series.get(signal)]
+    """Which signal of which buckets left its level first (``judge``), per bucket (every layer, and those outside
+    the layers by their names) and over the model, the first departure of each other signal after it
+    (``followed``), and the ``verdict`` (``verdict``); ``None`` where the fire holds no update nor moment (a log
+    without ``optimizer_statistics``)."""
+    signals = [signal for signal in SIGNALS if fire.series.get(signal) or fire.outside.get(signal)]
     if signals in ([], ["pre_clip"]):
         return None
+    horizon = horizon_of(fire)
     layers = {}
-    for layer in fire.norms:
+    for bucket in fire.buckets:
         departures = {}
         for signal in signals:
-            if fire.series[signal].get(layer):
-                departures[signal] = judge(fire.series[signal][layer], before(fire, signal, layer), fire.fired_at,
-                                           THRESHOLDS[signal])["departure"]
+            points = fire.points(signal, bucket)
+            if points:
+                points, observed = _without_growth(signal, points, before(fire, signal, bucket))
+                departures[signal] = judge(points, observed, fire.fired_at, THRESHOLDS[signal], horizon)["departure"]
         first = min((signal for signal, found in departures.items() if found),
                     key=lambda signal: _order(signal, departures[signal]), default=None)
-        layers[layer] = {"first": first, "departures": departures}
+        layers[bucket] = {"first": first, "departures": departures}
     moves = [(layer, signal, found) for layer, judged in layers.items()
              for signal, found in judged["departures"].items() if found]
     moves.sort(key=lambda move: _order(move[1], move[2]))  # stable: between equal departures, the shallower layer
@@ -325,10 +356,25 @@ def attribute(fire: Fire, earlier: Optional[Dict] = None) -> Optional[Dict]:
         firsts.setdefault(signal, {"signal": signal, "layer": layer, **found})
     ordered = list(firsts.values())
     attribution = {"signals": signals, "layers": layers, "first": ordered[0] if ordered else None,
-                   "followed": ordered[1:]}
+                   "followed": ordered[1:], "horizon": horizon}
     attribution["verdict"] = verdict(attribution, earlier)
     attribution["answer"] = _moved_first(attribution)
     return attribution
+
+
+def horizon_of(fire: Fire) -> Optional[int]:
+    """The earliest step a cause of ``fire`` may be dated: ``LOOK_BACK_WINDOWS`` recorded windows before it."""
+    first, last = fire.window
+    return None if first is None else fire.fired_at - LOOK_BACK_WINDOWS * (last - first + 1)
+
+
+def _without_growth(signal: str, points: Points, observed: Sequence[Observation]) -> Tuple[Points, List[Observation]]:
+    """A moment's (``MOMENTS``) values divided by their step (a block's by its middle step), which takes out its
+    growth from zero whatever its beta; another signal's as they are."""
+    if signal not in MOMENTS:
+        return points, list(observed)
+    return ([(step, value / max(step, 1)) for step, value in points],
+            [replace(seen, value=seen.value / max((seen.first + seen.last) / 2, 1)) for seen in observed])
 
 
 def _order(signal: str, found: Dict) -> tuple:
@@ -337,9 +383,10 @@ def _order(signal: str, found: Dict) -> tuple:
 
 def verdict(attribution: Dict, earlier: Optional[Dict] = None) -> Optional[Dict]:
     """The first departure as a claim (``None`` where no signal departed): ``signal`` (the result's key:
-    ``"update"``), ``signal_name`` (``"update"``), ``scope`` (``"layer"``: one layer stands apart; ``"every"`` or
-    ``"most"``: more than ``MOST_LAYERS`` of the judged layers departed at that step; ``"layers"``: a few, none
-    apart), ``where`` (``"every layer"``, ``"most layers"``, ``"layer 3"``, ``"layers 2, 5"``), ``layers`` (those
+    ``"update"``), ``signal_name`` (``"update"``), ``scope`` (``"layer"``: one bucket stands apart, a layer or one
+    outside the layers; ``"every"`` or ``"most"``: more than ``MOST_LAYERS`` of the judged layers departed at that
+    step, counted over the layers; ``"layers"``: a few, none apart), ``where`` (``"every layer"``, ``"most layers"``,
+    ``"layer 3"``, ``"layers 2, 5"``, ``"the head bucket"``), ``layers`` (those
     that departed at that step, the largest departure first), ``count`` and ``of`` (of the layers judged in that
     signal), ``step``, ``steps``, ``way``, ``before_window``, ``baseline`` (which one it was judged against),
     ``continues`` (the step of the earlier fire it continues, or ``None``), ``words`` (``update of every layer (12
@@ -354,14 +401,19 @@ def verdict(attribution: Dict, earlier: Optional[Dict] = None) -> Optional[Dict]
     together = sorted((layer for layer, move in found.items() if move["step"] == step),
                       key=lambda layer: -found[layer]["factor"])
     factors = [found[layer]["factor"] for layer in together]
+    in_layers = [layer for layer in together if is_layer(layer)]
+    judged_layers = [layer for layer in judged if is_layer(layer)]
     if len(together) == 1 or factors[0] >= STANDS_APART * factors[1]:
-        scope, where = "layer", layer_title(together[0])
+        scope, where = "layer", bucket_title(together[0])
         together = together[:1]
-    elif len(together) > MOST_LAYERS * len(judged):
-        scope = "every" if len(together) == len(judged) else "most"
+    elif len(in_layers) > MOST_LAYERS * len(judged_layers):
+        scope = "every" if len(in_layers) == len(judged_layers) else "most"
         where = f"{scope} layer{'s' if scope == 'most' else ''}"
+        together, judged = in_layers, judged_layers
+    elif len(in_layers) == len(together):
+        scope, where = "layers", "layers " + ", ".join(str(layer_position(layer)[1]) for layer in together)
     else:
-        scope, where = "layers", "layers " + ", ".join(str(layer) for layer in together)
+        scope, where = "layers", _titles(together)
     continues = None
     if earlier is not None and step <= earlier["fired_at"]:
         continues = earlier["fired_at"]
@@ -416,8 +468,13 @@ def _moved_first(attribution: Dict) -> Optional[str]:
     return answer
 
 
+def bucket_title(bucket) -> str:
+    """``layer 3``, ``encoder layer 3``; a bucket outside the layers by its name: ``the head bucket``."""
+    return layer_title(bucket) if is_layer(bucket) else f"the {bucket} bucket"
+
+
 def _titles(layers: List) -> str:
-    return ", ".join(layer_title(layer) for layer in layers)
+    return ", ".join(bucket_title(layer) for layer in layers)
 
 
 def spike_summaries(source: str) -> List[Dict]:

@@ -11,7 +11,7 @@ from typing import Dict, List, Optional, Sequence
 
 from deepspeed_patch.tags import LayerId, layer_position
 
-from .spike import format_spikes, spike_summaries
+from .spike import format_spikes, spike_summaries, wrapped
 from .tensorboard_reader import LayerSeries, NoLayerDataError, layer_title, read_layer_series
 
 
@@ -114,4 +114,4 @@ def format_report(summary: Dict) -> str:
     lines.append(summary["answer"])
     if summary.get("spikes"):
         lines.append(format_spikes(summary["spikes"]))
-    return "\n".join(lines)
+    return "\n".join(wrapped(lines))

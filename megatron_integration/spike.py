@@ -30,6 +30,7 @@ before the fire (an overflow's origin); else the layer that rose most over its b
 
 import math
 import statistics
+import textwrap
 from dataclasses import dataclass, replace
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -189,8 +190,8 @@ def judge(points: Points, observed: Sequence[Observation], fired_at: int, thresh
     one before it, or non-finite, that persists to the window: every later observation and the window's first step
     away from that level too, and, where it rose, the window's median still above ``threshold`` times it (a slow
     drift is not abrupt; a past episode that ended, an fp16 overflow the loss scaler skipped, does not last). In the
-    window, the first step above ``threshold`` times the level just before it (``level_before`` the observations and the
-recorded steps before it: a drift inside the window is followed), or non-finite. Against the window's median,
+    window, the first step above ``threshold`` times the level just before it (``level_before`` the observations and
+    the recorded steps before it: a drift inside the window is followed), or non-finite. Against the window's median,
     only a step after one within those bounds counts: a window at the start of training, where the second moment
     grows from zero, has it reach its median, not leave it."""
     early = _left_before(points, observed, fired_at, threshold, horizon)
@@ -289,12 +290,34 @@ def localise(fire: Fire, earlier: Optional[Dict] = None) -> Dict:
     spike = {"fired_at": fire.fired_at, "reason": fire.reason, "steps": [steps[0], steps[-1]] if steps else [],
              "layers": layers, "nonfinite_first": [layer for layer, step in broken.items() if step == nonfinite_step],
              "nonfinite_step": nonfinite_step, "rose_most": most, "rose_first": first, "first_step": first_step,
-             "attribution": attribute(fire, earlier) if layers else None}
+             "attribution": attribute(fire, earlier) if fire.buckets else None}
+    claim = (spike["attribution"] or {}).get("verdict")
+    spike["lead_steps"] = _lead_steps(fire, claim)
     head = f"spike at step {fire.fired_at}" + (f" ({fire.reason})" if fire.reason else "")
-    moved = (spike["attribution"] or {}).get("answer")
-    moved = f"{moved}; " if moved else ""
-    spike["answer"] = f"{head}: {moved}{_finding(spike, broken)}"
+    said = _incident(spike, claim) or "; ".join(
+        part for part in ((spike["attribution"] or {}).get("answer"), _finding(spike, broken, claim)) if part)
+    spike["answer"] = f"{head}: {said}"
     return spike
+
+
+def _is_loss_fire(fire_reason: Optional[str]) -> bool:
+    return bool(fire_reason) and fire_reason.startswith("loss")
+
+
+def _lead_steps(fire: Fire, claim: Optional[Dict]) -> Optional[int]:
+    """How many steps the first departure came before a loss fire (``trigger.loss_factor``): the precursor a user
+    could have acted on; ``None`` for another fire, or one where no signal departed."""
+    return fire.fired_at - claim["step"] if claim and _is_loss_fire(fire.reason) else None
+
+
+def _incident(spike: Dict, claim: Optional[Dict]) -> Optional[str]:
+    """A loss fire that continues an earlier fire, said once: ``the loss spiked at step 130, 2 steps after the
+    gradient of every layer rose (step 128, the fire at step 128)``; ``None`` for any other fire."""
+    if claim is None or claim["continues"] is None or spike["lead_steps"] is None:
+        return None
+    return (f"the loss spiked at step {spike['fired_at']}, {spike['lead_steps']} steps after the "
+            f"{claim['signal_name']} of {claim['where']} {claim['way']} (step {claim['step']}, the fire at step "
+            f"{claim['continues']})")
 
 
 def localise_all(fires: Sequence[Fire]) -> List[Dict]:
@@ -306,26 +329,41 @@ def localise_all(fires: Sequence[Fire]) -> List[Dict]:
     return spikes
 
 
-def _finding(spike: Dict, broken: Dict) -> str:
+def _finding(spike: Dict, broken: Dict, claim: Optional[Dict]) -> str:
+    """Where the gradient rose, in words that do not repeat nor contradict the ``claim`` (``verdict``) before it."""
     layers, most, first, first_step = spike["layers"], spike["rose_most"], spike["rose_first"], spike["first_step"]
     if not layers:
         return "no layer bucket was recorded (only buckets outside the layers, or none)"
     if broken:
-        return (f"{_titles(spike['nonfinite_first'])} went non-finite first, at step {spike['nonfinite_step']} "
-                f"({len(broken)} of {len(layers)} layers non-finite by the fire)")
+        count = f"{len(broken)} of {len(layers)} layers non-finite by the fire"
+        if claim and claim["way"] == "went non-finite" and claim["step"] == spike["nonfinite_step"]:
+            return count
+        return f"{_titles(spike['nonfinite_first'])} went non-finite first, at step {spike['nonfinite_step']} " \
+            f"({count})"
     if most is None:
         longest = max(rise["baseline_points"] for rise in layers.values())
         return (f"the baseline is too short: at most {longest} finite norms of a layer before the fire, "
                 f"{MIN_BASELINE} needed (a longer trigger.history keeps more)")
     rise = layers[most]
     if first_step is None:
-        return f"no layer rose above {RISE_FACTOR:g}x {rise['baseline_noun']}; most: {layer_title(most)}"
+        if claim and claim["before_window"]:
+            return (f"no layer's gradient rose further in the window (above {RISE_FACTOR:g}x); largest: "
+                    f"{layer_title(most)}, {rise['peak_rise']:.1f}x")
+        return f"no layer's gradient rose above {RISE_FACTOR:g}x {rise['baseline_noun']}; most: {layer_title(most)}"
     size = (f"from a zero {rise['baseline_noun'].split()[-1]}" if math.isinf(rise["peak_rise"]) else
             f"{rise['peak_rise']:.1f}x {rise['baseline_noun']}")
     finding = f"{layer_title(most)} rose most, {size} at step {rise['peak_step']}"
     if first != [most] or first_step != rise["peak_step"]:
-        finding += f"; first above {RISE_FACTOR:g}x: {_titles(first)} at step {first_step}"
+        finding += f"; first above {RISE_FACTOR:g}x: {_some_layers(first, len(layers))} at step {first_step}"
     return finding
+
+
+def _some_layers(layers: List, of: int) -> str:
+    """A few layers by name; more than ``MOST_LAYERS`` of ``of`` once, with the count: ``every layer (12 of 12)``,
+    ``most layers (9 of 12)``; else more than 3 by their count: ``5 of 12 layers``."""
+    if len(layers) > MOST_LAYERS * of:
+        return f"{'every layer' if len(layers) == of else 'most layers'} ({len(layers)} of {of})"
+    return _titles(layers) if len(layers) <= 3 else f"{len(layers)} of {of} layers"
 
 
 def attribute(fire: Fire, earlier: Optional[Dict] = None) -> Optional[Dict]:
@@ -378,7 +416,9 @@ def _without_growth(signal: str, points: Points, observed: Sequence[Observation]
 
 
 def _order(signal: str, found: Dict) -> tuple:
-    return found["step"], SIGNALS.index(signal), -found["factor"]
+    """Departures in the order they are known to have come: by the last step of their observation (a recorder
+    block's departure may have come at any of its steps), then ``SIGNALS``' order, then the larger first."""
+    return found["steps"][1], found["step"], SIGNALS.index(signal), -found["factor"]
 
 
 def verdict(attribution: Dict, earlier: Optional[Dict] = None) -> Optional[Dict]:
@@ -463,6 +503,8 @@ def _moved_first(attribution: Dict) -> Optional[str]:
     else:
         answer += f", {SIGNAL_NAMES[followers[0]['signal']]} followed (step {followers[0]['step']})"
         answer += "".join(f", then {SIGNAL_NAMES[move['signal']]} (step {move['step']})" for move in followers[1:])
+    if claim["signal"] in ("update", UPDATE_TO_WEIGHT) and claim["scope"] in ("every", "most"):
+        answer += ": this points at the optimizer step (the learning rate or its schedule)"
     if claim["continues"] is not None:
         answer += f"; continues the fire at step {claim['continues']}"
     return answer
@@ -507,7 +549,21 @@ def format_spikes(spikes: List[Dict], shown: int = 5) -> str:
         if spike["attribution"]:
             lines += _attribution_lines(spike["attribution"], shown)
         lines.append(spike["answer"])
-    return "\n".join(lines)
+    return "\n".join(wrapped(lines))
+
+
+LINE_WIDTH = 120
+"""The report's lines are at most this long: longer ones wrap, their continuation indented."""
+
+
+def wrapped(lines: Sequence[str]) -> List[str]:
+    """``lines`` wrapped at ``LINE_WIDTH``, each continuation indented 4 more than its line, words kept whole."""
+    found = []
+    for line in (part for text in lines for part in text.split("\n")):
+        indent = " " * (len(line) - len(line.lstrip(" ")))
+        found += textwrap.wrap(line, LINE_WIDTH, subsequent_indent=indent + "    ", break_long_words=False,
+                               break_on_hyphens=False) or [line]
+    return found
 
 
 def _attribution_lines(attribution: Dict, shown: int) -> List[str]:
@@ -544,8 +600,9 @@ def _row(rise: Dict) -> str:
         row = f"baseline too short ({rise['baseline_points']} finite norms before the fire, {MIN_BASELINE} needed)"
     else:
         first = rise["first_risen"]
+        above = f"never above {RISE_FACTOR:g}x" if first is None else f"above {RISE_FACTOR:g}x from step {first}"
         row = (f"{rise['peak_rise']:8.2f}x at step {rise['peak_step']}, {rise['rise_at_fire']:8.2f}x at the fire, "
-               f"above {RISE_FACTOR:g}x from {'-' if first is None else f'step {first}'} {rise['baseline_from']}")
+               f"{above} {rise['baseline_from']}")
     if rise["first_nonfinite"] is not None:
         row += f"; non-finite from step {rise['first_nonfinite']}"
     return row

@@ -452,6 +452,7 @@ def verdict(attribution: Dict, earlier: Optional[Dict] = None) -> Optional[Dict]
         together, judged = in_layers, judged_layers
     elif len(in_layers) == len(together):
         scope, where = "layers", "layers " + ", ".join(str(layer_position(layer)[1]) for layer in together)
+        judged = judged_layers
     else:
         scope, where = "layers", _titles(together)
     continues = None

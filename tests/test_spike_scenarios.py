@@ -108,7 +108,7 @@ def judged_spike(source: str, name: str) -> Dict:
     judged_from = SCENARIOS[name].judged_from
     after = [spike for spike in spikes if spike["fired_at"] >= judged_from]
     assert after, f"{name}: no fire at or after step {judged_from} in {source}: {spikes}"
-    assert after[0]["answer"] in format_spikes(spikes)
+    assert " ".join(after[0]["answer"].split()) in " ".join(format_spikes(spikes).split())  # lines wrap at 120
     return after[0]
 
 

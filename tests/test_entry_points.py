@@ -37,6 +37,7 @@ def test_demo_end_to_end(tmp_path, capsys):
     assert f"figure: {tmp_path / 'layer_grad_norms.png'}" in output
     assert (tmp_path / "layer_grad_norms.png").read_bytes()[:4] == b"\x89PNG"
     assert "in this run early layers' gradients (layers 0, 1)" in (tmp_path / "report.txt").read_text()
+    assert max(len(line) for line in (tmp_path / "report.txt").read_text().splitlines()) <= 120
     main(["report", str(tmp_path / "tensorboard"), "--json"])
     summary = json.loads(capsys.readouterr().out)
     assert summary["steps"] == [1, 8]  # not 1 to 200
@@ -64,6 +65,7 @@ def test_demo_with_a_learning_rate_spike_names_the_update_first(tmp_path, capsys
     every layer's update-to-weight ratio, which the spike figure draws."""
     main(["demo", "--steps", "7", "--num-layers", "6", "--hidden", "16", "--out", str(tmp_path), "--lr-spike", "6"])
     output = capsys.readouterr().out
+    assert max(len(line) for line in (tmp_path / "report.txt").read_text().splitlines()) <= 120
     main(["report", str(tmp_path / "layer_grad_norms.jsonl"), "--json"])
     (spike,) = json.loads(capsys.readouterr().out)["spikes"]
     attribution = spike["attribution"]

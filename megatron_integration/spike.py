@@ -1,31 +1,32 @@
 """The spike section of ``report``: where in the model each fire of the trigger began, and in which signal.
 
-A fire's recorded steps (``fires.read_fires``) hold every layer's pre-clip gradient norm, and, with
-``optimizer_statistics``, its update, update-to-weight ratio and Adam moments; the log may hold more of each signal
-from before the recorded window: the recorder's blocks (``deepspeed_patch.recorder``) and the steps measured at the
-configured interval.
+A fire's recorded steps (``fires.read_fires``) hold every bucket's pre-clip gradient norm (the layers, and those
+outside them by their names), and, with ``optimizer_statistics``, its update, update-to-weight ratio and Adam
+moments; the log may hold more of each signal from before the recorded window: the recorder's blocks
+(``deepspeed_patch.recorder``) and the steps measured at the configured interval.
 
-Each signal of each layer is judged against its level before the window (``judge``), not against the window's own
-median, which a cause that began before the window raises with the rest: a learning rate set too high and held
-there leaves the update at its own median throughout the window. The level before the window is the median of the
-observations in the ``LEVEL_STEPS`` steps before it: the recorder's blocks or the interval steps, whichever is
-denser where both reach (``before``). A signal that left its level abruptly before the window and is still there
-in the window departed before the window, at the first step the data show; else it departs at its first window
-step above its ``THRESHOLDS`` factor times that level, or non-finite. Where the log holds fewer than
-``MIN_BASELINE`` observations before the window, the window's own median is the last resort. Every judgement
-names the baseline it used.
+Each signal of each bucket is judged against its level just before a step (``judge``), not against the window's
+own median, which a cause that began before the window raises with the rest: a learning rate set too high and held
+there leaves the update at its own median throughout the window. A level is the median of the observations in the
+``LEVEL_STEPS`` steps before: the recorder's blocks or the interval steps, whichever is denser where both reach
+(``before``), and in the window the recorded steps too. A signal that left its level abruptly before the window, no
+further back than the horizon (``LOOK_BACK_WINDOWS``), and stayed away from it to the window departed before the
+window, at the first step the data show; else it departs at its first window step above its ``THRESHOLDS`` factor
+times its level, or non-finite. The gradient and its running averages share one scale; Adam's moments are judged
+without their growth from zero (``MOMENTS``). Where the log holds fewer than ``MIN_BASELINE`` observations before
+the window, the window's own median is the last resort. Every judgement names the baseline it used.
 
 Which signal moved first (``attribute``, where the log holds the update or a moment): the earliest departure of any
-signal of any layer. A tie at one step goes to the gradient (the step's update follows from its gradient), then the
-moments, then the update and its ratio to the weights (``SIGNALS``). The layers whose same signal departed at that
+signal of any bucket. A tie at one step goes to the gradient (the step's update follows from its gradient), then the
+moments, then the update and its ratio to the weights (``SIGNALS``). The buckets whose same signal departed at that
 step are counted: where one stands apart (``STANDS_APART``), it is named; where more than ``MOST_LAYERS`` of the
 layers did, the answer says so: ``update of every layer (12 of 12) rose first, step 100``, ``gradient of layer 3
 rose first (step 150)``. A fire whose first departure came at or before the previous fire continues it, and says
-which (``localise_all``).
+which (``localise_all``); a loss fire that does is one incident, said once, with its lead (``lead_steps``).
 
 Where in the model the gradient rose (``localise``): the layers whose pre-clip norm went non-finite first, at or
 before the fire (an overflow's origin); else the layer that rose most over its baseline and the first above
-``RISE_FACTOR`` x it.
+``RISE_FACTOR`` x it. The section's lines are wrapped at ``LINE_WIDTH``; ``report --json`` holds every detail.
 """
 
 import math

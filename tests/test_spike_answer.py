@@ -163,3 +163,25 @@ def test_the_demo_s_early_spikes_name_the_injected_layer_s_gradient(tmp_path, ca
         (claim, *_) = verdicts(str(source))
         assert (claim["signal"], claim["where"], claim["step"]) == ("pre_clip", f"layer {layer}", step), claim
     assert max(len(line) for line in output.splitlines()) <= LINE_WIDTH
+
+
+def test_tensorboard_s_fire_runs_give_the_buckets_outside_the_layers(tmp_path):
+    """The hook writes a bucket outside the layers into the fire's runs under its name
+    (``layer-grad-norms-history/fire-000099/head``, tags ``non-layer-grad-norms-history/...``): read by name."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    from deepspeed_patch.tags import HISTORY_ROOT, OUTSIDE_LAYERS_ROOT, history_root, history_run_name, scalar_tag
+    from megatron_integration.fires import read_fires
+
+    fire = make_fire(99, moves={("pre_clip", "head", 97): 10.0}, outside=("head", ))
+    for bucket in [*range(LAYERS), "head"]:
+        root = HISTORY_ROOT if isinstance(bucket, int) else history_root(OUTSIDE_LAYERS_ROOT)
+        with SummaryWriter(str(tmp_path / history_run_name(99, bucket))) as writer:
+            for signal in SIGNALS:
+                for step, value in fire.points(signal, bucket):
+                    writer.add_scalar(scalar_tag(signal, "norm", root=root), value, step)
+    (read,) = read_fires(str(tmp_path))
+    assert read.buckets == [*range(LAYERS), "head"]
+    assert read.points("pre_clip", "head") == [(step, pytest.approx(value)) for step, value in
+                                               fire.points("pre_clip", "head")]
+    assert localise(read)["attribution"]["verdict"]["where"] == "the head bucket"

@@ -17,7 +17,9 @@ leaves the ring is folded into a block of K steps, and the last ``BEFORE_BLOCKS`
 ring: per bucket and signal the sum over the block's steps of the squared norm (the gradient's divided by its
 step's loss scale) and of the non-finite count. Sums of squares add across ranks as across steps, so the blocks
 are reduced with the ring, in the same reduction, and each becomes the root mean square of its steps' norms (the
-square root taken after the reduction). The first recorded step at a fire carries them, oldest first, under
+square root taken after the reduction). A step the loss scaler skipped (an fp16 overflow, the same on every rank)
+stays out of its block's sums: a block's norm is the root mean square over its finite steps only, and a block of
+overflowed steps alone has no norm (NaN). The first recorded step at a fire carries them, oldest first, under
 ``"before"``. A block's status row carries its first and last step as a step's does.
 """
 
@@ -81,6 +83,9 @@ class FlightRecorder:
         self.tables, self.blocks = storage[:capacity], storage[capacity:]
         self.block_steps: List[List[int]] = [[] for _ in range(BEFORE_BLOCKS)]
         """The steps this rank folded into each block (its first and last, and how many, close it)."""
+        self.block_finite = [0] * BEFORE_BLOCKS
+        """How many of each block's steps were not overflowed: its norms' mean is over those (the same on every
+        rank: the overflow is the optimizer's, agreed by all ranks)."""
         self.open_block = 0
         self.scales: List[Optional[StepScales]] = [None] * capacity
         self.norms = torch.zeros(capacity, dtype=torch.float64, device=device)
@@ -99,10 +104,11 @@ class FlightRecorder:
         no host synchronisation, no allocation."""
         leaving = self.scales[self.next_slot]
         if leaving is not None:
-            self._fold(self.tables[self.next_slot], leaving.gradient_scale)
+            self._fold(self.tables[self.next_slot], leaving)
         self.tables[self.next_slot].copy_(table)
         if leaving is not None:
             self.block_steps[self.open_block].append(leaving.step)
+            self.block_finite[self.open_block] += not leaving.overflow
         if scales.scale_of_norm is not None:  # the optimizer's norm tensor is its own: keep a copy
             norm, formula = scales.scale_of_norm
             kept = self.norms[self.next_slot]
@@ -111,18 +117,21 @@ class FlightRecorder:
         self.scales[self.next_slot] = scales
         self.next_slot = (self.next_slot + 1) % self.tables.shape[0]
 
-    def _fold(self, table: torch.Tensor, gradient_scale: float) -> None:
+    def _fold(self, table: torch.Tensor, scales: StepScales) -> None:
         """Add a step leaving the ring to the open block (a new one after K steps): its squared norms, the
         gradient's unscaled, its non-finite and element counts, its failure flag, and its step into the block's
-        range. Device operations in place, as ``push``'s."""
+        range; of an overflowed step, its failure flag and its step only. Device operations in place, as
+        ``push``'s."""
         if len(self.block_steps[self.open_block]) == self.tables.shape[0]:
             self.open_block = (self.open_block + 1) % BEFORE_BLOCKS
             self.block_steps[self.open_block] = []
+            self.block_finite[self.open_block] = 0
             reset_stats(self.blocks[self.open_block])
         block, gradient = self.blocks[self.open_block], slice(0, self.num_rows)
-        block[gradient, SUMSQ].add_(table[gradient, SUMSQ], alpha=1.0 / gradient_scale**2)
-        block[self.num_rows:-1, SUMSQ].add_(table[self.num_rows:-1, SUMSQ])
-        block[:, NONFINITE].add_(table[:, NONFINITE])
+        if not scales.overflow:
+            block[gradient, SUMSQ].add_(table[gradient, SUMSQ], alpha=1.0 / scales.gradient_scale**2)
+            block[self.num_rows:-1, SUMSQ].add_(table[self.num_rows:-1, SUMSQ])
+            block[:, NONFINITE].add_(table[:, NONFINITE])
         block[:, NUMEL].add_(table[:, NUMEL])  # the buckets' element counts, and the status row's failure flag
         torch.maximum(block[-1, NUM_SUMMED:], table[-1, NUM_SUMMED:], out=block[-1, NUM_SUMMED:])
 
@@ -175,11 +184,11 @@ class FlightRecorder:
             if last == -math.inf or not same or status[NUMEL] > 0:
                 continue  # empty, a rank missed a push, or a rank failed a step there
             rows = reduced[index, :-1].view(1 + len(self.kinds), self.num_rows, NUM_COLUMNS)
-            block, count = {"steps": [int(first), int(last)]}, last - first + 1
+            block, count = {"steps": [int(first), int(last)]}, self.block_finite[index]
             for kind, table in zip(("pre_clip", ) + self.kinds, rows):
                 block[kind] = {
                     key: {
-                        "norm": math.sqrt(row[SUMSQ] / count),
+                        "norm": math.sqrt(row[SUMSQ] / count) if count else math.nan,
                         "nonfinite": int(row[NONFINITE])
                     }
                     for key, row in zip(keys, table.tolist()) if row[NUMEL] > 0

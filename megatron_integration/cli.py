@@ -63,6 +63,10 @@ def _spike(value: str) -> tuple:
     return int(step), int(layer)
 
 
+RUN_HELP = ("the training run to read, where LOGDIR holds several (a Megatron TensorBoard root, a folder of demos): "
+            "its folder under LOGDIR, as the refusal names it")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="layer-grad-norms",
                      description="Per-layer gradient statistics inside DeepSpeed's optimizers (ZeRO-1/2/3, "
@@ -97,12 +101,14 @@ def build_parser() -> argparse.ArgumentParser:
     plot.add_argument("logdir", help=logdir_help)
     plot.add_argument("-o", "--output", help="PNG or SVG file (default: layer_grad_norms.png, or spike_history.png "
                       "with --history, in LOGDIR or beside the dump)")
+    plot.add_argument("--run", metavar="NAME", help=RUN_HELP)
     plot.add_argument("--history", action="store_true",
                       help="draw instead the flight recorder's steps of each fire of the trigger, every layer: the "
                       "gradient, the update-to-weight ratio where the log holds it, and each layer's rise")
     report = commands.add_parser("report", help="per-layer medians, early/late ratio, clipping, overflow")
     report.add_argument("logdir", help=logdir_help)
     report.add_argument("--json", action="store_true", help="print the report as JSON")
+    report.add_argument("--run", metavar="NAME", help=RUN_HELP)
     add_e2e_parser(commands)
     patch = commands.add_parser("patch", help="apply, check or revert the upstream patch in a DeepSpeed tree")
     patch.add_argument("action", choices=COMMANDS,
@@ -160,6 +166,8 @@ def run_e2e_command(parser: argparse.ArgumentParser, args: argparse.Namespace) -
 def main(argv: Optional[List[str]] = None) -> None:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if getattr(args, "run", None) is not None:
+        args.logdir = _run_folder(parser, args)
     try:
         if args.command == "patch":
             parser.exit(run_patch_command(args.action, args.deepspeed))
@@ -176,6 +184,14 @@ def main(argv: Optional[List[str]] = None) -> None:
         parser.exit(2, f"layer-grad-norms {args.command}: {err}\n")
     except KeyboardInterrupt:  # Ctrl-C: one line, no traceback; the demo's ranks are stopped (cpu_launch.launch)
         parser.exit(130, f"\nlayer-grad-norms {args.command}: interrupted\n")
+
+
+def _run_folder(parser: argparse.ArgumentParser, args: argparse.Namespace) -> str:
+    """The folder of ``--run NAME`` under LOGDIR."""
+    folder = os.path.normpath(os.path.join(args.logdir, args.run))
+    if not os.path.isdir(args.logdir) or not os.path.isdir(folder):
+        parser.exit(2, f"layer-grad-norms {args.command}: --run {args.run}: no such run folder in {args.logdir}\n")
+    return folder
 
 
 def plot_command(parser: argparse.ArgumentParser, args: argparse.Namespace) -> str:

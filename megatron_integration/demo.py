@@ -190,8 +190,9 @@ def run_demo(options: DemoOptions) -> str:
     os.makedirs(options.out, exist_ok=True)  # the dump's directory, before rank 0 writes its first line
     launch(train_rank, options.world_size, options)
     series, fires = read_layer_series(tensorboard_dir), read_fires(dump) if options.recording else []
-    summary = summarize(series)
-    summary["spikes"] = localise_all(fires)
+    spikes = localise_all(fires)
+    summary = summarize(series, spikes=spikes)
+    summary["spikes"] = spikes
     figure = os.path.join(options.out, "layer_grad_norms.png")
     plot_layer_norms(series, figure, spiked_layers(summary["spikes"]))
     paths = f"dump: {dump}\nfigure: {figure}\n" if options.recording else f"figure: {figure}\n"

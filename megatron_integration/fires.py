@@ -6,7 +6,8 @@ in TensorBoard, the runs ``layer-grad-norms-history/fire-000123/layer00`` (``dee
 is a phase of the logs (``tags.ALL_PHASES``): the gradient's ``pre_clip`` and ``post_clip``, and, with
 ``optimizer_statistics``, the optimizer's kinds (``update``, ``exp_avg``, ...) and the update-to-weight ratio
 (logged in TensorBoard, derived from ``update`` and ``param`` in the dump). Only the norms are read: they are
-what ``spike`` judges and ``plot --history`` draws.
+what ``spike`` judges and ``plot --history`` draws. The buckets outside the transformer layers (the embedding, the
+final norm, the output head, by their names) are read beside the layers (``Fire.outside``), for ``spike`` to judge.
 
 Each fire also gets what the log holds of every signal before its recorded window, the level ``spike`` judges it
 against: the recorder's blocks of steps that left the ring (the dump's first recorded line of the fire carries
@@ -15,13 +16,15 @@ the window (the live lines of the dump, the live runs of TensorBoard).
 """
 
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, Hashable, List, Optional, Tuple
 
 from deepspeed_patch.tags import (
     ALL_PHASES,
     HISTORY_ROOT,
     HISTORY_RUN,
+    OUTSIDE_LAYERS_ROOT,
     LayerId,
+    history_root,
     is_layer,
     layer_of_label,
     layer_position,
@@ -50,6 +53,19 @@ class Fire:
     """Each signal's recorder blocks before the window (``deepspeed_patch.recorder``), oldest first."""
     interval: Dict[str, Dict[LayerId, Points]] = field(default_factory=dict)
     """Each signal's steps measured at the configured interval before the window, in step order."""
+    outside: Dict[str, Dict[str, Points]] = field(default_factory=dict)
+    """Each signal's recorded steps of the buckets outside the layers (``"embed"``, ``"head"``), by name."""
+
+    def points(self, signal: str, bucket: Hashable) -> Points:
+        """A bucket's recorded steps of ``signal``: a layer's (``series``) or another bucket's (``outside``)."""
+        found = self.series if is_layer(bucket) else self.outside
+        return found.get(signal, {}).get(bucket, [])
+
+    @property
+    def buckets(self) -> List[Hashable]:
+        """Every recorded bucket: the layers in depth order, then the others by name."""
+        names = sorted({name for buckets in self.outside.values() for name in buckets})
+        return list(self.norms) + names
 
     @property
     def window(self) -> Tuple[Optional[int], Optional[int]]:
@@ -73,6 +89,8 @@ def read_fires(source: str) -> List[Fire]:
                      for layer in sorted(layers, key=_depth)}
             for signal, layers in sorted(fire.series.items(), key=lambda item: ALL_PHASES.index(item[0]))
         }
+        fire.outside = {signal: {name: latest_per_step(points) for name, points in buckets.items()}
+                        for signal, buckets in fire.outside.items()}
     if fires:
         _add_interval_steps(source, fires.values())
     return [fires[step] for step in sorted(fires)]
@@ -108,36 +126,41 @@ def _jsonl_fires(path: str) -> Dict[int, Fire]:
         trigger = record["trigger"]
         fire = fires.setdefault(trigger["fired_at"], Fire(trigger["fired_at"]))
         fire.reason = trigger.get("reason")
-        for signal, layer, norm in _layer_norms(record):
-            fire.series.setdefault(signal, {}).setdefault(layer, []).append((record["step"], norm))
+        for signal, bucket, norm in _bucket_norms(record):
+            found = fire.series if is_layer(bucket) else fire.outside
+            found.setdefault(signal, {}).setdefault(bucket, []).append((record["step"], norm))
         if record.get("before"):
             fire.blocks = {}  # a fire written again (a run rolled back past it): its last writing
             for block in record["before"]:
                 first, last = block["steps"]
-                for signal, layer, norm in _layer_norms(block):
-                    fire.blocks.setdefault(signal, {}).setdefault(layer, []).append((first, last, norm))
+                for signal, bucket, norm in _bucket_norms(block):
+                    fire.blocks.setdefault(signal, {}).setdefault(bucket, []).append((first, last, norm))
     return fires
 
 
-def _layer_norms(result: dict):
-    """``(signal, layer, norm)`` of every layer bucket of a dumped result (or recorder block), every signal."""
+def _bucket_norms(result: dict):
+    """``(signal, bucket, norm)`` of every bucket of a dumped result (or recorder block), every signal: a layer
+    as ``json_bucket`` keys it, another bucket by its name."""
     logged = logged_result(result)
     for signal in ALL_PHASES:
         buckets = logged.get(signal) or {}
         stacked = not any(key.isdigit() for key in buckets)
         for key, values in buckets.items():
-            layer = json_bucket(key, stacked)
-            if is_layer(layer):
-                yield signal, layer, values["norm"]
+            yield signal, json_bucket(key, stacked), values["norm"]
 
 
 def _tensorboard_fires(logdir: str) -> Dict[int, Fire]:
     fires: Dict[int, Fire] = {}
     signals = {scalar_tag(signal, "norm", root=HISTORY_ROOT): signal for signal in ALL_PHASES}
+    others = {scalar_tag(signal, "norm", root=history_root(OUTSIDE_LAYERS_ROOT)): signal for signal in ALL_PHASES}
     for run, tag, points in scalar_series(logdir):
         match = HISTORY_RUN.search(run)
-        layer = layer_of_label(match.group(2)) if match else None
+        if match is None:
+            continue
+        fire = fires.setdefault(int(match.group(1)), Fire(int(match.group(1))))
+        layer = layer_of_label(match.group(2))
         if layer is not None and tag in signals:
-            fired_at = int(match.group(1))
-            fires.setdefault(fired_at, Fire(fired_at)).series.setdefault(signals[tag], {})[layer] = points
-    return fires
+            fire.series.setdefault(signals[tag], {})[layer] = points
+        elif layer is None and tag in others:
+            fire.outside.setdefault(others[tag], {})[match.group(2)] = points
+    return {fired_at: fire for fired_at, fire in fires.items() if fire.series or fire.outside}

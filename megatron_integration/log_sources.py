@@ -11,7 +11,11 @@
 - the JSONL dump (``layer_grad_norms.dump``), with its rotated files (``dump.jsonl.1``, ...: read oldest
   first), read as records rather than scalars (``dump_records``).
 
-A path that does not exist, or a file none of these, is a ``LogSourceError`` with a one-line message.
+A path that does not exist, or a file none of these, is a ``LogSourceError`` with a one-line message; so is a
+directory holding several training runs (``training_runs``: a Megatron TensorBoard root, a ``runs/`` folder of
+demos), which is never merged: the message names them, and ``--run NAME`` (the run's folder) picks one. Runs that
+each begin at a later step than the one written before them are one training resumed into a folder of its own (the
+Hugging Face Trainer's ``runs/<date>``), read as one.
 """
 
 import csv
@@ -32,6 +36,11 @@ TRAINER_STATE = "trainer_state.json"
 PHASE_PATTERN = "(" + "|".join(re.escape(phase_label(phase)) for phase in ALL_PHASES) + ")"
 """A phase as tags name it (``pre-clip``, ``exp-avg-sq``, ``update-to-weight``), one regex group."""
 _CSV_NAME = re.compile(rf"(?:^|_){TAG_ROOT}_(?:{PHASE_PATTERN}|values_([a-z0-9]+)_{PHASE_PATTERN})_(.+)$")
+_BUCKET_RUNS = re.compile(rf"(?:^|/)(?:non-)?{TAG_ROOT}(?:-history)?(?:/.*)?$")
+"""The writers' runs of one training run, under its folder: per bucket, per fire (``layer-grad-norms/layer00``,
+``non-layer-grad-norms/embed``, ``layer-grad-norms-history/fire-000150/layer03``)."""
+_OUR_TAG = re.compile(rf"^(.*?)(?:non-)?{TAG_ROOT}(?:-history)?/")
+"""A tag of ours, its writer's prefix (``Train/Samples/``, ``train/``, none) its group."""
 _EVENTS_FILE = "tfevents"
 _SNIFF_BYTES = 4096
 _MAX_LINE = 1 << 24
@@ -142,11 +151,42 @@ def _directory_series(path: str) -> Iterator[Series]:
     found = list(tensorboard_scalars(path))
     for name in sorted(glob.glob(os.path.join(path, "**", f"*{TAG_ROOT}_*.csv"), recursive=True)):
         found.extend(_csv_series(name, os.path.relpath(os.path.dirname(name), path)))
+    runs = training_runs(found)
+    if len(runs) > 1:
+        raise LogSourceError(f"{path}: holds {len(runs)} training runs ({', '.join(run or '.' for run in runs)}); "
+                             "choose one with --run NAME (or give its folder)")
     if not any(f"{TAG_ROOT}/" in tag for _, tag, _ in found):
         state = _newest_trainer_state(path)
         if state is not None:
             found.extend(_trainer_state_series(state))
     yield from found
+
+
+def training_run(run: str) -> str:
+    """The training run a series' run belongs to: its folder above the writers' runs of buckets and fires (``""``:
+    the directory read)."""
+    name = _BUCKET_RUNS.sub("", run)
+    return "" if name in (".", "") else name
+
+
+def training_runs(found: List[Series]) -> List[str]:
+    """The training runs holding per-bucket statistics among ``found`` (in the order written), runs that continue
+    the one before (each beginning at a later step) counted as one. Empty where several writers' tags are there
+    (DeepSpeed's monitor's ``Train/Samples/`` beside the Trainer's ``train/``): ``read_layer_series`` refuses
+    those, naming the writers."""
+    first_steps: Dict[str, int] = {}
+    writers = set()
+    for run, tag, points in found:
+        ours = _OUR_TAG.match(tag)
+        if points and ours:
+            writers.add(ours.group(1))
+            name = training_run(run)
+            first_steps[name] = min(first_steps.get(name, points[0][0]), min(step for step, _ in points))
+    if len(writers) > 1:
+        return []
+    starts = list(first_steps.values())
+    resumed = all(later > earlier for earlier, later in zip(starts, starts[1:]))
+    return list(first_steps)[:1] if resumed else list(first_steps)
 
 
 def tensorboard_scalars(logdir: str) -> Iterator[Series]:
@@ -176,12 +216,14 @@ def tensorboard_scalars(logdir: str) -> Iterator[Series]:
 
 
 def _csv_series(path: str, run: str) -> Iterator[Series]:
-    """One file of DeepSpeed's CSV monitor: rows ``step,value`` under a header (repeated by a restart)."""
+    """One file of DeepSpeed's CSV monitor: rows ``step,value`` under a header (repeated by a restart); its tag
+    with the writer's prefix the file name carries (``Train/Samples/``)."""
     match = _CSV_NAME.search(os.path.splitext(os.path.basename(path))[0])
     if match is None:
         return
     norm_phase, statistic, values_phase, bucket = match.groups()
-    tag = f"{scalar_tag(norm_phase or values_phase, statistic or 'norm')}/{bucket}"
+    writer = match.string[:match.start()].replace("_", "/")  # Train_Samples_... : DeepSpeed's Train/Samples/
+    tag = f"{writer}/" * bool(writer) + f"{scalar_tag(norm_phase or values_phase, statistic or 'norm')}/{bucket}"
     points = []
     with open(path, newline="", encoding="utf-8") as rows:
         for row in csv.reader(rows):

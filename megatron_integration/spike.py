@@ -1,57 +1,71 @@
 """The spike section of ``report``: where in the model each fire of the trigger began, and in which signal.
 
-A fire's recorded steps (``fires.read_fires``) hold every layer's pre-clip gradient norm, and, with
-``optimizer_statistics``, its update, update-to-weight ratio and Adam moments; the log may hold more of each signal
-from before the recorded window: the recorder's blocks (``deepspeed_patch.recorder``) and the steps measured at the
-configured interval.
+A fire's recorded steps (``fires.read_fires``) hold every bucket's pre-clip gradient norm (the layers, and those
+outside them by their names), and, with ``optimizer_statistics``, its update, update-to-weight ratio and Adam
+moments; the log may hold more of each signal from before the recorded window: the recorder's blocks
+(``deepspeed_patch.recorder``) and the steps measured at the configured interval.
 
-Each signal of each layer is judged against its level before the window (``judge``), not against the window's own
-median, which a cause that began before the window raises with the rest: a learning rate set too high and held
-there leaves the update at its own median throughout the window. The level before the window is the median of the
-observations in the ``LEVEL_STEPS`` steps before it: the recorder's blocks or the interval steps, whichever is
-denser where both reach (``before``). A signal that left its level abruptly before the window and is still there
-in the window departed before the window, at the first step the data show; else it departs at its first window
-step above its ``THRESHOLDS`` factor times that level, or non-finite. Where the log holds fewer than
-``MIN_BASELINE`` observations before the window, the window's own median is the last resort. Every judgement
-names the baseline it used.
+Each signal of each bucket is judged against its level just before a step (``judge``), not against the window's
+own median, which a cause that began before the window raises with the rest: a learning rate set too high and held
+there leaves the update at its own median throughout the window. A level is the median of the observations in the
+``LEVEL_STEPS`` steps before: the recorder's blocks or the interval steps, whichever is denser where both reach
+(``before``), and in the window the recorded steps too. A signal that left its level abruptly before the window, no
+further back than the horizon (``LOOK_BACK_WINDOWS``), and stayed away from it to the window departed before the
+window, at the first step the data show; else it departs at its first window step above its ``THRESHOLDS`` factor
+times its level, or non-finite. The gradient and its running averages share one scale; Adam's moments are judged
+without their growth from zero (``MOMENTS``). Where the log holds fewer than ``MIN_BASELINE`` observations before
+the window, the window's own median is the last resort. Every judgement names the baseline it used.
 
 Which signal moved first (``attribute``, where the log holds the update or a moment): the earliest departure of any
-signal of any layer. A tie at one step goes to the gradient (the step's update follows from its gradient), then the
-moments, then the update and its ratio to the weights (``SIGNALS``). The layers whose same signal departed at that
+signal of any bucket. A tie at one step goes to the gradient (the step's update follows from its gradient), then the
+moments, then the update and its ratio to the weights (``SIGNALS``). The buckets whose same signal departed at that
 step are counted: where one stands apart (``STANDS_APART``), it is named; where more than ``MOST_LAYERS`` of the
 layers did, the answer says so: ``update of every layer (12 of 12) rose first, step 100``, ``gradient of layer 3
 rose first (step 150)``. A fire whose first departure came at or before the previous fire continues it, and says
-which (``localise_all``).
+which (``localise_all``); a loss fire that does is one incident, said once, with its lead (``lead_steps``).
 
 Where in the model the gradient rose (``localise``): the layers whose pre-clip norm went non-finite first, at or
 before the fire (an overflow's origin); else the layer that rose most over its baseline and the first above
-``RISE_FACTOR`` x it.
+``RISE_FACTOR`` x it. The section's lines are wrapped at ``LINE_WIDTH``; ``report --json`` holds every detail.
 """
 
 import math
 import statistics
-from dataclasses import dataclass
+import textwrap
+from dataclasses import dataclass, replace
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from deepspeed_patch.tags import UPDATE_TO_WEIGHT
+from deepspeed_patch.tags import UPDATE_TO_WEIGHT, is_layer, layer_position
 
 from .fires import Fire, read_fires
 from .tensorboard_reader import Points, layer_title
 
-THRESHOLDS = {"pre_clip": 2.0, "exp_avg": 1.5, "exp_avg_sq": 3.0, "update": 1.5, UPDATE_TO_WEIGHT: 1.5}
-"""A signal departs above this many times its level. Set from Adam's dynamics (``benchmarks/adam_dynamics.py``, the
-table in docs/spikes.md): in quiet training the gradient's norm moves up to 1.6x against its level, the update and
-its ratio to the weights up to 1.1x, ``exp_avg`` up to 1.25x and ``exp_avg_sq`` (the gradient squared) up to 1.7x;
-a 10x gradient spike moves the update 1.2-1.9x, ``exp_avg`` 3.4x and ``exp_avg_sq`` 3.5-12x unclipped (clipped,
-1.4-1.6x: the moments see the clipped gradient), a 3x learning rate moves the update and the ratio 2.9x."""
+THRESHOLDS = {"pre_clip": 2.0, "exp_avg": 2.0, "exp_avg_sq": 4.0, "update": 1.5, UPDATE_TO_WEIGHT: 1.5}
+"""A signal departs above this many times its level. The gradient and its two running averages are on one scale:
+2x the gradient's norm, which quiet training moves up to 1.6x against its level (``benchmarks/adam_dynamics.py``,
+the table in docs/spikes.md); ``exp_avg`` averages the gradient (2x), ``exp_avg_sq`` its square (2x squared: 4x).
+A running average is then named ahead of the gradient it averages only where it rose by the gradient's own factor
+first. The update and its ratio to the weights are Adam's normalised step, not an average of the gradient: up to
+1.1x in quiet training, 2.9x for a 3x learning rate; they depart above 1.5x."""
 RISE_FACTOR = THRESHOLDS["pre_clip"]
 """A layer's gradient has risen at a step once its norm there is above this many times its own baseline."""
 MIN_BASELINE = 3
 """The fewest finite observations that make a baseline: the median of one or two steps is a single noisy step."""
 LEVEL_STEPS = 16
 """A signal's level before the window (or before an observation) is the median of its observations in the 16 steps
-before it, and at least of the last ``MIN_BASELINE``: recent, so that a slow drift (Adam's second moment growing
-from zero over the first hundreds of steps) is followed, and a step change is not averaged away."""
+before it, and at least of the last ``MIN_BASELINE``: recent, so that a slow drift is followed, and a step change is
+not averaged away."""
+LOOK_BACK_WINDOWS = 4
+"""The horizon: no cause is dated more than 4 recorded windows (4 x the recorder's K steps) before its fire. The
+trigger fires again at most ``cooldown`` steps (by default ``max(capture_steps + 1, K)``) after its last fire while a
+spike lasts, and its running median absorbs a raised level within its ``window``: a cause that began further back
+and still lasts has had its own fire, which this one continues (``continues``) or, beyond the horizon, is judged
+at its level, not as a departure. Four windows hold the demo's lr spike's second fire (21 steps after its cause,
+K = 8) and stay within the recorder's 8 blocks before the window."""
+MOMENTS = ("exp_avg", "exp_avg_sq")
+"""Adam's running averages, which grow from zero: ``1 - beta ** t`` of their level at step t, bias-uncorrected.
+For every beta, ``(1 - beta ** b) / (1 - beta ** a) <= b / a``: their values are judged divided by their step
+(``_without_growth``), so that a moment growing from zero is not a departure, whatever its beta."""
 SIGNALS = ("pre_clip", "exp_avg", "exp_avg_sq", "update", UPDATE_TO_WEIGHT)
 """The signals ``attribute`` compares, in the order that breaks a tie at one step."""
 SIGNAL_NAMES = {"pre_clip": "gradient", "exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq", "update": "update",
@@ -74,7 +88,7 @@ class Observation:
     last: int
     value: float
     source: str
-    """``"recorder"`` (a block) or ``"interval"`` (a measured step)."""
+    """``"recorder"`` (a block), ``"interval"`` (a measured step) or ``"window"`` (a recorded step)."""
 
 
 @dataclass(frozen=True)
@@ -83,7 +97,8 @@ class Baseline:
 
     level: float
     source: str
-    """``"recorder"``, ``"interval"``, or ``"window"``: the window's median, the last resort."""
+    """``"recorder"``, ``"interval"``, ``"recent"`` (the steps just before a window step, recorded ones among them),
+    or ``"window"``: the window's median, the last resort."""
     steps: Tuple[int, int]
     count: int
 
@@ -93,6 +108,8 @@ class Baseline:
         first, last = self.steps
         if self.source == "window":
             return "against the window's median"
+        if self.source == "recent":
+            return f"against steps {first}-{last} just before it"
         if self.source == "interval":
             return f"against interval steps {first}-{last}"
         return f"against its recorder blocks before the window (steps {first}-{last})"
@@ -134,8 +151,9 @@ def _median_of(observations: Sequence[Observation]) -> Optional[Baseline]:
     if len(finite) < MIN_BASELINE:
         return None
     sources = {seen.source for seen in finite}
-    return Baseline(statistics.median(seen.value for seen in finite), "recorder" if "recorder" in sources
-                    else "interval", (finite[0].first, finite[-1].last), len(finite))
+    source = "recent" if "window" in sources else "recorder" if "recorder" in sources else "interval"
+    return Baseline(statistics.median(seen.value for seen in finite), source, (finite[0].first, finite[-1].last),
+                    len(finite))
 
 
 def window_baseline(points: Points, fired_at: int) -> Optional[Baseline]:
@@ -162,51 +180,63 @@ def baseline_of(points: Points, observed: Sequence[Observation], fired_at: int) 
     return level_before(observed) or window_baseline(points, fired_at)
 
 
-def judge(points: Points, observed: Sequence[Observation], fired_at: int, threshold: float) -> Dict:
+def judge(points: Points, observed: Sequence[Observation], fired_at: int, threshold: float,
+          horizon: Optional[int] = None) -> Dict:
     """One signal of one layer: its ``baseline`` and its ``departure`` (``None`` where it did not depart, or has no
     baseline): ``step``, ``steps`` (the observation's, a block's range before the window), ``way`` (``"rose"`` or
     ``"went non-finite"``), ``factor`` over the level, ``before_window`` and ``baseline`` (its ``describe``).
 
-    Before the window, a departure is abrupt and lasting: an observation above ``threshold`` times both its level
-    (``level_before`` the observations before it) and the one before it, or non-finite, with the window's median
-    still above ``threshold`` times that level (a slow drift is not abrupt; a past episode that ended is not
-    lasting). In the window, the first step above ``threshold`` times the level before it, or non-finite. Against
-    the window's median, only a step after one within those bounds counts: a window at the start of training,
-    where the second moment grows from zero, has it reach its median, not leave it."""
-    early = _left_before(points, observed, fired_at, threshold)
+    Before the window, from step ``horizon`` on (``LOOK_BACK_WINDOWS``), a departure is abrupt and lasting: an
+    observation above ``threshold`` times both its level (``level_before`` the observations just before it) and the
+    one before it, or non-finite, that persists to the window: every later observation and the window's first step
+    away from that level too, and, where it rose, the window's median still above ``threshold`` times it (a slow
+    drift is not abrupt; a past episode that ended, an fp16 overflow the loss scaler skipped, does not last). In the
+    window, the first step above ``threshold`` times the level just before it (``level_before`` the observations and
+    the recorded steps before it: a drift inside the window is followed), or non-finite. Against the window's median,
+    only a step after one within those bounds counts: a window at the start of training, where the second moment
+    grows from zero, has it reach its median, not leave it."""
+    early = _left_before(points, observed, fired_at, threshold, horizon)
     if early is not None:
         return early
     baseline = baseline_of(points, observed, fired_at)
     if baseline is None:
         return {"baseline": None, "departure": None}
     reached = baseline.source != "window"
-    for step, value in points:
-        way = _away(value, baseline.level, threshold)
+    recorded = [Observation(step, step, value, "window") for step, value in points]
+    for index, (step, value) in enumerate(points):
+        level = baseline if baseline.source == "window" else level_before(list(observed) + recorded[:index])
+        way = _away(value, level.level, threshold)
         if way is None:
             reached = True
         elif reached:
             return {"baseline": baseline, "departure": {
-                "step": step, "steps": [step, step], "way": way, "factor": _factor(value, baseline.level),
-                "before_window": False, "baseline": baseline.describe()}}
+                "step": step, "steps": [step, step], "way": way, "factor": _factor(value, level.level),
+                "before_window": False, "baseline": level.describe()}}
     return {"baseline": baseline, "departure": None}
 
 
-def _left_before(points: Points, observed: Sequence[Observation], fired_at: int, threshold: float) -> Optional[Dict]:
-    """The first abrupt and lasting departure before the window (``judge``), with the level it left."""
+def _left_before(points: Points, observed: Sequence[Observation], fired_at: int, threshold: float,
+                 horizon: Optional[int]) -> Optional[Dict]:
+    """The first abrupt departure before the window, from step ``horizon`` on, that lasts to the window (``judge``),
+    with the level it left."""
     window = [value for step, value in points if step <= fired_at]
     finite_window = [value for value in window if math.isfinite(value)]
     window_level = statistics.median(finite_window) if finite_window else math.nan
     for index, seen in enumerate(observed):
+        if horizon is not None and seen.first < horizon:
+            continue
         level = level_before(observed[:index])
         previous = next((earlier.value for earlier in reversed(observed[:index]) if math.isfinite(earlier.value)),
                         None)
         if level is None or previous is None:
             continue
         way = _away(seen.value, level.level, threshold)
+        if way is None or (way == "rose" and seen.value <= threshold * previous):
+            continue
+        later = [after.value for after in observed[index + 1:]] + window[:1]
+        lasting = all(_away(value, level.level, threshold) for value in later)
         if way == "rose":
-            lasting = seen.value > threshold * previous and rise_over(window_level, level.level) > threshold
-        else:
-            lasting = way is not None and len(finite_window) < len(window)
+            lasting = lasting and rise_over(window_level, level.level) > threshold
         if lasting:
             return {"baseline": level, "departure": {
                 "step": seen.first, "steps": [seen.first, seen.last], "way": way,
@@ -261,12 +291,34 @@ def localise(fire: Fire, earlier: Optional[Dict] = None) -> Dict:
     spike = {"fired_at": fire.fired_at, "reason": fire.reason, "steps": [steps[0], steps[-1]] if steps else [],
              "layers": layers, "nonfinite_first": [layer for layer, step in broken.items() if step == nonfinite_step],
              "nonfinite_step": nonfinite_step, "rose_most": most, "rose_first": first, "first_step": first_step,
-             "attribution": attribute(fire, earlier) if layers else None}
+             "attribution": attribute(fire, earlier) if fire.buckets else None}
+    claim = (spike["attribution"] or {}).get("verdict")
+    spike["lead_steps"] = _lead_steps(fire, claim)
     head = f"spike at step {fire.fired_at}" + (f" ({fire.reason})" if fire.reason else "")
-    moved = (spike["attribution"] or {}).get("answer")
-    moved = f"{moved}; " if moved else ""
-    spike["answer"] = f"{head}: {moved}{_finding(spike, broken)}"
+    said = _incident(spike, claim) or "; ".join(
+        part for part in ((spike["attribution"] or {}).get("answer"), _finding(spike, broken, claim)) if part)
+    spike["answer"] = f"{head}: {said}"
     return spike
+
+
+def _is_loss_fire(fire_reason: Optional[str]) -> bool:
+    return bool(fire_reason) and fire_reason.startswith("loss")
+
+
+def _lead_steps(fire: Fire, claim: Optional[Dict]) -> Optional[int]:
+    """How many steps the first departure came before a loss fire (``trigger.loss_factor``): the precursor a user
+    could have acted on; ``None`` for another fire, or one where no signal departed."""
+    return fire.fired_at - claim["step"] if claim and _is_loss_fire(fire.reason) else None
+
+
+def _incident(spike: Dict, claim: Optional[Dict]) -> Optional[str]:
+    """A loss fire that continues an earlier fire, said once: ``the loss spiked at step 130, 2 steps after the
+    gradient of every layer rose (step 128, the fire at step 128)``; ``None`` for any other fire."""
+    if claim is None or claim["continues"] is None or spike["lead_steps"] is None:
+        return None
+    return (f"the loss spiked at step {spike['fired_at']}, {spike['lead_steps']} steps after the "
+            f"{claim['signal_name']} of {claim['where']} {claim['way']} (step {claim['step']}, the fire at step "
+            f"{claim['continues']})")
 
 
 def localise_all(fires: Sequence[Fire]) -> List[Dict]:
@@ -278,45 +330,63 @@ def localise_all(fires: Sequence[Fire]) -> List[Dict]:
     return spikes
 
 
-def _finding(spike: Dict, broken: Dict) -> str:
+def _finding(spike: Dict, broken: Dict, claim: Optional[Dict]) -> str:
+    """Where the gradient rose, in words that do not repeat nor contradict the ``claim`` (``verdict``) before it."""
     layers, most, first, first_step = spike["layers"], spike["rose_most"], spike["rose_first"], spike["first_step"]
     if not layers:
         return "no layer bucket was recorded (only buckets outside the layers, or none)"
     if broken:
-        return (f"{_titles(spike['nonfinite_first'])} went non-finite first, at step {spike['nonfinite_step']} "
-                f"({len(broken)} of {len(layers)} layers non-finite by the fire)")
+        count = f"{len(broken)} of {len(layers)} layers non-finite by the fire"
+        if claim and claim["way"] == "went non-finite" and claim["step"] == spike["nonfinite_step"]:
+            return count
+        return f"{_titles(spike['nonfinite_first'])} went non-finite first, at step {spike['nonfinite_step']} " \
+            f"({count})"
     if most is None:
         longest = max(rise["baseline_points"] for rise in layers.values())
         return (f"the baseline is too short: at most {longest} finite norms of a layer before the fire, "
                 f"{MIN_BASELINE} needed (a longer trigger.history keeps more)")
     rise = layers[most]
     if first_step is None:
-        return f"no layer rose above {RISE_FACTOR:g}x {rise['baseline_noun']}; most: {layer_title(most)}"
+        if claim and claim["before_window"]:
+            return (f"no layer's gradient rose further in the window (above {RISE_FACTOR:g}x); largest: "
+                    f"{layer_title(most)}, {rise['peak_rise']:.1f}x")
+        return f"no layer's gradient rose above {RISE_FACTOR:g}x {rise['baseline_noun']}; most: {layer_title(most)}"
     size = (f"from a zero {rise['baseline_noun'].split()[-1]}" if math.isinf(rise["peak_rise"]) else
             f"{rise['peak_rise']:.1f}x {rise['baseline_noun']}")
     finding = f"{layer_title(most)} rose most, {size} at step {rise['peak_step']}"
     if first != [most] or first_step != rise["peak_step"]:
-        finding += f"; first above {RISE_FACTOR:g}x: {_titles(first)} at step {first_step}"
+        finding += f"; first above {RISE_FACTOR:g}x: {_some_layers(first, len(layers))} at step {first_step}"
     return finding
 
 
+def _some_layers(layers: List, of: int) -> str:
+    """A few layers by name; more than ``MOST_LAYERS`` of ``of`` once, with the count: ``every layer (12 of 12)``,
+    ``most layers (9 of 12)``; else more than 3 by their count: ``5 of 12 layers``."""
+    if len(layers) > MOST_LAYERS * of:
+        return f"{'every layer' if len(layers) == of else 'most layers'} ({len(layers)} of {of})"
+    return _titles(layers) if len(layers) <= 3 else f"{len(layers)} of {of} layers"
+
+
 def attribute(fire: Fire, earlier: Optional[Dict] = None) -> Optional[Dict]:
-    """Which signal of which layers left its level first (``judge``), per layer and over the model, the first
-    departure of each other signal after it (``followed``), and the ``verdict`` (``verdict``); ``None`` where the
-    fire holds no update nor moment (a log without ``optimizer_statistics``)."""
-    signals = [signal for signal in SIGNALS if fire.series.get(signal)]
+    """Which signal of which buckets left its level first (``judge``), per bucket (every layer, and those outside
+    the layers by their names) and over the model, the first departure of each other signal after it
+    (``followed``), and the ``verdict`` (``verdict``); ``None`` where the fire holds no update nor moment (a log
+    without ``optimizer_statistics``)."""
+    signals = [signal for signal in SIGNALS if fire.series.get(signal) or fire.outside.get(signal)]
     if signals in ([], ["pre_clip"]):
         return None
+    horizon = horizon_of(fire)
     layers = {}
-    for layer in fire.norms:
+    for bucket in fire.buckets:
         departures = {}
         for signal in signals:
-            if fire.series[signal].get(layer):
-                departures[signal] = judge(fire.series[signal][layer], before(fire, signal, layer), fire.fired_at,
-                                           THRESHOLDS[signal])["departure"]
+            points = fire.points(signal, bucket)
+            if points:
+                points, observed = _without_growth(signal, points, before(fire, signal, bucket))
+                departures[signal] = judge(points, observed, fire.fired_at, THRESHOLDS[signal], horizon)["departure"]
         first = min((signal for signal, found in departures.items() if found),
                     key=lambda signal: _order(signal, departures[signal]), default=None)
-        layers[layer] = {"first": first, "departures": departures}
+        layers[bucket] = {"first": first, "departures": departures}
     moves = [(layer, signal, found) for layer, judged in layers.items()
              for signal, found in judged["departures"].items() if found]
     moves.sort(key=lambda move: _order(move[1], move[2]))  # stable: between equal departures, the shallower layer
@@ -325,21 +395,39 @@ def attribute(fire: Fire, earlier: Optional[Dict] = None) -> Optional[Dict]:
         firsts.setdefault(signal, {"signal": signal, "layer": layer, **found})
     ordered = list(firsts.values())
     attribution = {"signals": signals, "layers": layers, "first": ordered[0] if ordered else None,
-                   "followed": ordered[1:]}
+                   "followed": ordered[1:], "horizon": horizon}
     attribution["verdict"] = verdict(attribution, earlier)
     attribution["answer"] = _moved_first(attribution)
     return attribution
 
 
+def horizon_of(fire: Fire) -> Optional[int]:
+    """The earliest step a cause of ``fire`` may be dated: ``LOOK_BACK_WINDOWS`` recorded windows before it."""
+    first, last = fire.window
+    return None if first is None else fire.fired_at - LOOK_BACK_WINDOWS * (last - first + 1)
+
+
+def _without_growth(signal: str, points: Points, observed: Sequence[Observation]) -> Tuple[Points, List[Observation]]:
+    """A moment's (``MOMENTS``) values divided by their step (a block's by its middle step), which takes out its
+    growth from zero whatever its beta; another signal's as they are."""
+    if signal not in MOMENTS:
+        return points, list(observed)
+    return ([(step, value / max(step, 1)) for step, value in points],
+            [replace(seen, value=seen.value / max((seen.first + seen.last) / 2, 1)) for seen in observed])
+
+
 def _order(signal: str, found: Dict) -> tuple:
-    return found["step"], SIGNALS.index(signal), -found["factor"]
+    """Departures in the order they are known to have come: by the last step of their observation (a recorder
+    block's departure may have come at any of its steps), then ``SIGNALS``' order, then the larger first."""
+    return found["steps"][1], found["step"], SIGNALS.index(signal), -found["factor"]
 
 
 def verdict(attribution: Dict, earlier: Optional[Dict] = None) -> Optional[Dict]:
     """The first departure as a claim (``None`` where no signal departed): ``signal`` (the result's key:
-    ``"update"``), ``signal_name`` (``"update"``), ``scope`` (``"layer"``: one layer stands apart; ``"every"`` or
-    ``"most"``: more than ``MOST_LAYERS`` of the judged layers departed at that step; ``"layers"``: a few, none
-    apart), ``where`` (``"every layer"``, ``"most layers"``, ``"layer 3"``, ``"layers 2, 5"``), ``layers`` (those
+    ``"update"``), ``signal_name`` (``"update"``), ``scope`` (``"layer"``: one bucket stands apart, a layer or one
+    outside the layers; ``"every"`` or ``"most"``: more than ``MOST_LAYERS`` of the judged layers departed at that
+    step, counted over the layers; ``"layers"``: a few, none apart), ``where`` (``"every layer"``, ``"most layers"``,
+    ``"layer 3"``, ``"layers 2, 5"``, ``"the head bucket"``), ``layers`` (those
     that departed at that step, the largest departure first), ``count`` and ``of`` (of the layers judged in that
     signal), ``step``, ``steps``, ``way``, ``before_window``, ``baseline`` (which one it was judged against),
     ``continues`` (the step of the earlier fire it continues, or ``None``), ``words`` (``update of every layer (12
@@ -354,14 +442,20 @@ def verdict(attribution: Dict, earlier: Optional[Dict] = None) -> Optional[Dict]
     together = sorted((layer for layer, move in found.items() if move["step"] == step),
                       key=lambda layer: -found[layer]["factor"])
     factors = [found[layer]["factor"] for layer in together]
+    in_layers = [layer for layer in together if is_layer(layer)]
+    judged_layers = [layer for layer in judged if is_layer(layer)]
     if len(together) == 1 or factors[0] >= STANDS_APART * factors[1]:
-        scope, where = "layer", layer_title(together[0])
+        scope, where = "layer", bucket_title(together[0])
         together = together[:1]
-    elif len(together) > MOST_LAYERS * len(judged):
-        scope = "every" if len(together) == len(judged) else "most"
+    elif len(in_layers) > MOST_LAYERS * len(judged_layers):
+        scope = "every" if len(in_layers) == len(judged_layers) else "most"
         where = f"{scope} layer{'s' if scope == 'most' else ''}"
+        together, judged = in_layers, judged_layers
+    elif len(in_layers) == len(together):
+        scope, where = "layers", "layers " + ", ".join(str(layer_position(layer)[1]) for layer in together)
+        judged = judged_layers
     else:
-        scope, where = "layers", "layers " + ", ".join(str(layer) for layer in together)
+        scope, where = "layers", _titles(together)
     continues = None
     if earlier is not None and step <= earlier["fired_at"]:
         continues = earlier["fired_at"]
@@ -411,13 +505,20 @@ def _moved_first(attribution: Dict) -> Optional[str]:
     else:
         answer += f", {SIGNAL_NAMES[followers[0]['signal']]} followed (step {followers[0]['step']})"
         answer += "".join(f", then {SIGNAL_NAMES[move['signal']]} (step {move['step']})" for move in followers[1:])
+    if claim["signal"] in ("update", UPDATE_TO_WEIGHT) and claim["scope"] in ("every", "most"):
+        answer += ": this points at the optimizer step (the learning rate or its schedule)"
     if claim["continues"] is not None:
         answer += f"; continues the fire at step {claim['continues']}"
     return answer
 
 
+def bucket_title(bucket) -> str:
+    """``layer 3``, ``encoder layer 3``; a bucket outside the layers by its name: ``the head bucket``."""
+    return layer_title(bucket) if is_layer(bucket) else f"the {bucket} bucket"
+
+
 def _titles(layers: List) -> str:
-    return ", ".join(layer_title(layer) for layer in layers)
+    return ", ".join(bucket_title(layer) for layer in layers)
 
 
 def spike_summaries(source: str) -> List[Dict]:
@@ -450,7 +551,21 @@ def format_spikes(spikes: List[Dict], shown: int = 5) -> str:
         if spike["attribution"]:
             lines += _attribution_lines(spike["attribution"], shown)
         lines.append(spike["answer"])
-    return "\n".join(lines)
+    return "\n".join(wrapped(lines))
+
+
+LINE_WIDTH = 120
+"""The report's lines are at most this long: longer ones wrap, their continuation indented."""
+
+
+def wrapped(lines: Sequence[str]) -> List[str]:
+    """``lines`` wrapped at ``LINE_WIDTH``, each continuation indented 4 more than its line, words kept whole."""
+    found = []
+    for line in (part for text in lines for part in text.split("\n")):
+        indent = " " * (len(line) - len(line.lstrip(" ")))
+        found += textwrap.wrap(line, LINE_WIDTH, subsequent_indent=indent + "    ", break_long_words=False,
+                               break_on_hyphens=False) or [line]
+    return found
 
 
 def _attribution_lines(attribution: Dict, shown: int) -> List[str]:
@@ -487,8 +602,9 @@ def _row(rise: Dict) -> str:
         row = f"baseline too short ({rise['baseline_points']} finite norms before the fire, {MIN_BASELINE} needed)"
     else:
         first = rise["first_risen"]
+        above = f"never above {RISE_FACTOR:g}x" if first is None else f"above {RISE_FACTOR:g}x from step {first}"
         row = (f"{rise['peak_rise']:8.2f}x at step {rise['peak_step']}, {rise['rise_at_fire']:8.2f}x at the fire, "
-               f"above {RISE_FACTOR:g}x from {'-' if first is None else f'step {first}'} {rise['baseline_from']}")
+               f"{above} {rise['baseline_from']}")
     if rise["first_nonfinite"] is not None:
         row += f"; non-finite from step {rise['first_nonfinite']}"
     return row

@@ -73,6 +73,8 @@ _STACK_LAYER_KEY = re.compile(r"^(.+)\.(\d+)$")
 _AXIS_COPY = re.compile(r" vs (?:samples|tokens)$")
 _WRITER_PREFIX = re.compile(rf"^(?:[^/]+/)+?(?={TAG_ROOT}/)")
 """What a writer puts before the tags: DeepSpeed's monitor ``Train/Samples/``, the HF Trainer's ``train/``."""
+_SAMPLES_AXIS = "Samples/"
+"""In a writer's prefix: its x axis counts samples (DeepSpeed's monitor), not steps."""
 
 
 def latest_per_step(points: Iterable[Tuple[int, float]]) -> Points:
@@ -102,6 +104,9 @@ class LayerSeries:
     """``values[(phase, statistic)][layer]`` is a list of ``(step, value)`` in step order, one per step."""
 
     values: Dict[Tuple[str, str], Dict[LayerId, Points]] = field(default_factory=dict)
+    axis: str = "steps"
+    """What the log's x axis counts: ``"steps"``, or ``"samples"`` where the writer is DeepSpeed's monitor
+    (``Train/Samples/...``, its TensorBoard or CSV files: the global sample count)."""
 
     def stacks(self) -> List[Optional[str]]:
         """The layer stacks, in the order they were first met; ``[None]`` for a model of one stack."""
@@ -161,11 +166,10 @@ def read_layer_series(source: str) -> LayerSeries:
     """Every per-layer series of ``source``, any log ``log_sources`` reads. Raises ``LogSourceError`` for a
     path that is no such log, ``NoLayerDataError`` if it holds no per-layer statistics."""
     collector = _Collector()
-    found = []
+    found, writers = [], set()
     if is_dump(source):
         _collect_jsonl(source, collector)
     else:
-        writers = set()
         for run, tag, points in scalar_series(source):
             found.append(tag)
             prefix = _WRITER_PREFIX.match(tag)
@@ -177,6 +181,8 @@ def read_layer_series(source: str) -> LayerSeries:
                                  f"{' and '.join(repr(writer or TAG_ROOT) for writer in sorted(writers))}): give the "
                                  "directory of one")
     result = collector.result()
+    if any(_SAMPLES_AXIS in writer for writer in writers):
+        result.axis = "samples"
     if not result.layers():
         listing = ", ".join(sorted(set(found))[:10]) or "no scalars at all"
         raise NoLayerDataError(f"{source}: no per-layer gradient statistics (runs {TAG_ROOT}/layerNN holding "

@@ -25,6 +25,9 @@ from zero_workers import (
 SPIKE = 64.0  # a power of two: the spiked step's gradient is the ordinary one scaled exactly, in every dtype
 HISTORY = 4
 TRIGGER = {"grad_norm_factor": 3.0, "window": 5, "capture_steps": 1, "history": HISTORY}
+OVERFLOW_IN_BLOCK = (2, 11)
+"""An fp16 overflow that the loss scaler skips at step 2 (one: no fire), and the spike that fires at step 11: the
+overflowed step lies in the first recorder block before the window."""
 FULL_DISK = "full"
 """The folder of the work directory where the tests mount a small tmpfs (as root), a full disk for the dump."""
 
@@ -181,6 +184,9 @@ def run_recorder(workdir: str) -> Dict[str, Any]:
         "bf16_optimizer": recorder_case(stage=1, dtype="bf16", grad_accum_dtype="fp32"),
         "z2_fp16_overflow": recorder_case(stage=2, dtype="fp16", spikes=(), overflow_step=7,
                                           trigger={**TRIGGER, "overflow_steps": 1}),
+        "z2_fp16_overflow_in_block": recorder_case(stage=2, dtype="fp16", spikes=(OVERFLOW_IN_BLOCK[1], ),
+                                                   overflow_step=OVERFLOW_IN_BLOCK[0],
+                                                   steps=OVERFLOW_IN_BLOCK[1] + 1),
         "z2_loss_trigger": recorder_case(stage=2, report_loss=True,
                                          trigger={**TRIGGER, "grad_norm_factor": 1e9, "loss_factor": 3.0}),
     }

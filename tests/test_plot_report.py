@@ -19,7 +19,7 @@ from deepspeed_patch.jsonl_dump import JsonlDump
 from deepspeed_patch.tags import LayerKey, bucket_label, flat_scalars, phase_label, scalar_tag
 from megatron_integration.cli import main
 from megatron_integration.plot import plot_layer_norms
-from megatron_integration.tensorboard_reader import NoLayerDataError, latest_per_step, read_layer_series
+from megatron_integration.tensorboard_reader import LayerSeries, NoLayerDataError, latest_per_step, read_layer_series
 from megatron_integration.training_log import write_tensorboard
 
 LAYERS = 6
@@ -392,3 +392,76 @@ def test_figure_colours_by_depth_one_highlight_and_legend_off_the_data(tmp_path)
         assert axis.get_legend() is None and legend.y1 <= axis.get_window_extent().y0
     assert len(figure.legends) == 1
     pyplot.close(figure)
+
+
+def test_a_folder_of_several_runs_is_refused_naming_them_and_run_picks_one(tmp_path, capsys):
+    """Three demos' logs in one folder (a ``runs/`` folder, a Megatron TensorBoard root): ``report`` and ``plot``
+    refuse in one line naming the runs (issue 44: they were merged, and the answer was nobody's); ``--run NAME``
+    reports that run exactly as alone."""
+    for name, factor in (("a", 1.0), ("b", 2.0), ("c/tensorboard", 3.0)):
+        write_log(str(tmp_path / name), [result(step, {layer: factor * known_norm(layer, step)
+                                                       for layer in range(LAYERS)}, 1.0)
+                                         for step in range(1, STEPS + 1)], "one run per bucket")
+    for command in (["report", str(tmp_path)], ["plot", str(tmp_path), "-o", str(tmp_path / "f.png")]):
+        with pytest.raises(SystemExit) as refused:
+            main(command)
+        assert refused.value.code == 2
+        (line,) = capsys.readouterr().err.splitlines()
+        assert line.endswith(f"{tmp_path}: holds 3 training runs (a, b, c/tensorboard); choose one with --run NAME "
+                             "(or give its folder)")
+    main(["report", str(tmp_path), "--run", "c/tensorboard", "--json"])
+    picked = json.loads(capsys.readouterr().out)
+    main(["report", str(tmp_path / "c" / "tensorboard"), "--json"])
+    assert picked == json.loads(capsys.readouterr().out)
+    assert picked["median_norm"]["0"] == pytest.approx(3 * statistics.median(known_norm(0, step)
+                                                                             for step in range(6, STEPS + 1)))
+    with pytest.raises(SystemExit) as missing:
+        main(["report", str(tmp_path), "--run", "d"])
+    assert missing.value.code == 2 and "--run d: no such run folder" in capsys.readouterr().err
+
+
+def test_a_run_resumed_into_a_folder_of_its_own_is_read_as_one(tmp_path, capsys):
+    """The Trainer's ``runs/<date>`` of a run resumed at step 6: it begins after the first, and continues it."""
+    results = known_results()
+    write_log(str(tmp_path / "first"), results[:5], "one run per bucket")
+    time.sleep(0.01)
+    write_log(str(tmp_path / "resumed"), results[5:], "one run per bucket")
+    main(["report", str(tmp_path), "--json"])
+    assert json.loads(capsys.readouterr().out)["steps"] == [1, STEPS]
+
+
+@pytest.mark.parametrize("layers", [2, 3])
+def test_the_early_late_verdict_needs_disjoint_layers(tmp_path, capsys, layers):
+    """With 2 or 3 logged layers, early (the first two) and late (the last two) layers overlap: the report says it
+    cannot compare (issue 44: "layers (0, 1) are 1.00x those of late layers (0, 1)")."""
+    write_log(str(tmp_path), [result(step, {layer: known_norm(layer, step) for layer in range(layers)}, 1.0)
+                              for step in range(1, STEPS + 1)], "one run per bucket")
+    main(["report", str(tmp_path), "--json"])
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["early_late_ratio"] is None and summary["early_layers"] is None
+    assert summary["answer"].startswith(f"cannot compare: early and late layers need 4 logged layers, two of each, "
+                                        f"disjoint; this run logs {layers} (layers ")
+    main(["report", str(tmp_path)])
+    assert "early/late ratio: -" in capsys.readouterr().out
+
+
+def test_the_early_late_medians_leave_out_the_steps_around_a_fire():
+    """A fire at step 8 recorded at step 8 alone: steps 8 and 9 (as many after it) are left out of the medians."""
+    from megatron_integration.report import summarize
+
+    series = LayerSeries({("pre-clip", "norm"): {layer: [(step, known_norm(layer, step) * (50 if step == 8 else 1))
+                                                          for step in range(1, STEPS + 1)] for layer in range(4)}})
+    summary = summarize(series, spikes=[{"steps": [8, 8], "fired_at": 8}])
+    assert summary["left_out"] == [[8, 9]] and summary["window_steps"] == 3
+    assert summary["median_norm"][0] == pytest.approx(known_norm(0, 7))  # the median of steps 6, 7 and 10
+    assert summary["answer"].endswith("median over steps 6-10, the steps around the fire (8-9) left out")
+
+
+def test_deepspeed_s_monitor_counts_samples(tmp_path, capsys):
+    """DeepSpeed's monitor writes against the sample count (``Train/Samples/``): the report says samples."""
+    write_source(str(tmp_path), [result(step, {layer: known_norm(layer, step) for layer in range(4)}, 1.0)
+                                 for step in range(1, STEPS + 1)], "CSV")
+    main(["report", str(tmp_path)])
+    text = capsys.readouterr().out
+    assert text.startswith("per-layer pre-clip gradient norm, median over samples 6-10 (5 logged samples):")
+    assert "median over samples 6-10" in text.splitlines()[-1] and " steps" not in text

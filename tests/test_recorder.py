@@ -18,7 +18,7 @@ from deepspeed_patch.recorder import BEFORE_BLOCKS
 from deepspeed_patch.reduction import COLLECTIVES_PER_STEP
 from deepspeed_patch.spike_rule import SpikeTrigger
 from megatron_integration.cpu_launch import launch
-from recorder_workers import FAULTY_STEP, FULL_DISK, HISTORY, run_recorder
+from recorder_workers import FAULTY_STEP, FULL_DISK, HISTORY, OVERFLOW_IN_BLOCK, run_recorder
 from reference import TOLERANCE, assert_close_stats
 
 WORLDS = (2, pytest.param(3, marks=pytest.mark.extended))  # world 3 in CI's extended pass (tests/README.md)
@@ -181,6 +181,24 @@ def test_the_level_before_the_window_matches_the_reference(workdir, world_size, 
             assert all(stats["nonfinite"] == 0 for stats in block["pre_clip"].values())
             checked += 1
     assert checked == {"z2_fp32_clip_two_fires": 3}.get(name, 1)
+
+
+@pytest.mark.parametrize("world_size", WORLDS)
+def test_an_overflowed_step_stays_out_of_its_block(workdir, world_size):
+    """An fp16 step the loss scaler skipped (step 2) folds no ``inf`` into the recorder's block: the block's norm
+    is the root mean square of the reference's norms over its finite steps only, and counts no non-finite value."""
+    record, _ = case_result(workdir, world_size, "z2_fp16_overflow_in_block")
+    overflowed, fired_at = OVERFLOW_IN_BLOCK
+    on = record["on"]
+    assert list(on["fires"]) == [fired_at]
+    blocks = on["fires"][fired_at][0]["before"]
+    assert [block["steps"] for block in blocks] == [[1, HISTORY], [HISTORY + 1, fired_at - HISTORY]]
+    steps = [step for step in range(1, HISTORY + 1) if step != overflowed]
+    reference = {key: {"norm": math.sqrt(sum(on["reference"][step - 1][key]["norm"]**2 for step in steps)
+                                         / len(steps))} for key in on["reference"][0]}
+    assert_close_stats(blocks[0]["pre_clip"], reference, TOLERANCE["fp16"], stats=("norm", ))
+    assert all(stats["nonfinite"] == 0 for stats in blocks[0]["pre_clip"].values())
+    assert len(blocks[0]["pre_clip"]) == len(reference)
 
 
 @pytest.mark.parametrize("key,value", [("history", -1), ("history", "four"), ("loss_factor", 1.0)])

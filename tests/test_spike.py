@@ -25,7 +25,7 @@ from megatron_integration.arguments import add_layer_grad_norms_args
 from megatron_integration.cli import main
 from megatron_integration.fires import Fire, read_fires
 from megatron_integration.plot import plot_spike_history
-from megatron_integration.spike import THRESHOLDS, format_spikes, localise, localise_all, verdicts
+from megatron_integration.spike import LINE_WIDTH, MOMENTS, THRESHOLDS, format_spikes, localise, localise_all, verdicts
 from megatron_integration.tensorboard_reader import read_layer_series
 from megatron_integration.training_log import log_layer_grad_norms
 
@@ -80,6 +80,22 @@ def scalar_points(logdir: str, run: str, tag: str) -> List:
     accumulator = EventAccumulator(os.path.join(logdir, run), size_guidance={"scalars": 0}, purge_orphaned_data=True)
     accumulator.Reload()
     return [(event.step, event.value) for event in accumulator.Scalars(tag)]
+
+
+def unwrapped(text: str) -> List[str]:
+    """The report's lines as written before they were wrapped: each line at most ``LINE_WIDTH`` characters, a line
+    indented 4 more than the one before continues it."""
+    lines: List[str] = []
+    indents: List[int] = []
+    for line in text.splitlines():
+        assert len(line) <= LINE_WIDTH, line
+        indent = len(line) - len(line.lstrip(" "))
+        if lines and indent == indents[-1] + 4:
+            lines[-1] += " " + line.lstrip(" ")
+        else:
+            lines.append(line)
+            indents.append(indent)
+    return lines
 
 
 def test_a_fire_s_steps_go_to_runs_of_their_own_and_nothing_written_disappears(tmp_path):
@@ -175,7 +191,7 @@ def test_report_localises_the_spike_to_the_layer_that_rose_first_and_most(source
     assert f"layer 4 rose most, 20.0x its median at step {FIRE}; first above 2x: layer 4 at step 9" in spike["answer"]
     main(["report", source])
     text = capsys.readouterr().out
-    assert text.splitlines()[-1] == spike["answer"]
+    assert unwrapped(text)[-1] == spike["answer"]
     assert f"spike: the trigger fired at step {FIRE}, recorded steps 3-10" in text
 
 
@@ -267,8 +283,8 @@ def test_a_layer_gone_non_finite_is_named_before_the_largest_rise():
                                f"(2 of {LAYERS} layers non-finite by the fire)")
     assert math.isnan(spike["layers"][1]["rise_at_fire"]) and math.isinf(spike["layers"][3]["rise_at_fire"])
     text = format_spikes([spike], shown=3)
-    assert [line.split(":")[0].strip() for line in text.splitlines()[1:4]] == ["layer 1", "layer 3", "layer 4"]
-    assert "non-finite from step 9" in text.splitlines()[1]
+    assert [line.split(":")[0].strip() for line in unwrapped(text)[1:4]] == ["layer 1", "layer 3", "layer 4"]
+    assert "non-finite from step 9" in unwrapped(text)[1]
 
 
 def test_a_rise_from_a_zero_baseline_is_infinite():
@@ -347,7 +363,7 @@ SCENARIOS = {
                                       ("pre_clip", 1, 10): 5.0, ("pre_clip", 0, 8): 1.9},
                                      f"update of layer 1 rose first (step 9) {AGAINST}, update-to-weight ratio "
                                      "followed (step 9), then gradient (step 10)"),
-    "tie": ({("update", 3, 9): 8.0, ("exp_avg_sq", 0, 9): 4.0, ("pre_clip", 5, 9): 2.2, ("pre_clip", 2, 9): 3.0},
+    "tie": ({("update", 3, 9): 8.0, ("exp_avg_sq", 0, 9): 5.0, ("pre_clip", 5, 9): 2.2, ("pre_clip", 2, 9): 3.0},
             f"gradient of layers 2, 5 (2 of 6) rose first, step 9 {AGAINST}, exp_avg_sq followed (step 9), then "
             "update (step 9), then update-to-weight ratio (step 9)"),
     "one_stands_apart": ({("pre_clip", 5, 9): 2.2, ("pre_clip", 2, 9): 4.4, ("update", 2, 10): 3.0},
@@ -356,7 +372,8 @@ SCENARIOS = {
     "every_layer": ({**{("update", layer, 9): 4.0 + 0.1 * layer for layer in range(LAYERS)},
                      ("pre_clip", 3, 10): 3.0},
                     f"update of every layer (6 of 6) rose first, step 9 {AGAINST}, update-to-weight ratio followed "
-                    "(step 9), then gradient (step 10)"),
+                    "(step 9), then gradient (step 10): this points at the optimizer step (the learning rate or its "
+                    "schedule)"),
 }
 """``(moves, answer)``: ``moves[(signal, layer, step)]`` multiplies that signal of that layer at that step (the
 update-to-weight ratio moves with the update). Below a signal's threshold (``THRESHOLDS``) a move is no departure;
@@ -371,11 +388,13 @@ def all_statistics(norm: float) -> Dict[str, float]:
 
 
 def kinds_result(step: int, keys: List, moves: Dict, fired_at: int = None) -> Dict:
-    """``result`` with every optimizer kind of every key, each moved by ``moves`` at this step."""
+    """``result`` with every optimizer kind of every key, each moved by ``moves`` at this step; Adam's moments grow
+    from zero in proportion to the step, as early in a run (``spike.MOMENTS``), their level the same per step."""
     gradient = {(layer, at): factor for (signal, layer, at), factor in moves.items() if signal == "pre_clip"}
     entry = result(step, keys, gradient, fired_at)
     for kind, level in KIND_LEVELS.items():
-        entry[kind] = {key: all_statistics(level * (1 + 0.1 * (key if isinstance(key, int) else LAYERS)) *
+        growth = step if kind in MOMENTS else 1
+        entry[kind] = {key: all_statistics(level * growth * (1 + 0.1 * (key if isinstance(key, int) else LAYERS)) *
                                            moves.get((kind, key, step), 1.0)) for key in keys}
     entry["pre_clip"] = {key: {**all_statistics(values["norm"]), **values}
                          for key, values in entry["pre_clip"].items()}
@@ -461,9 +480,9 @@ def test_report_names_the_signal_and_layer_that_left_its_median_first(kinds_sour
     assert checked == LAYERS
     assert [claim["line"] for claim in verdicts(source)] == [attribution["verdict"]["line"]]
     main(["report", source])
-    text = capsys.readouterr().out.splitlines()
+    text = unwrapped(capsys.readouterr().out)
     assert text[-1] == spike["answer"]
-    heading = ("which signal left its level first (above: gradient 2x, exp_avg 1.5x, exp_avg_sq 3x, update 1.5x, "
+    heading = ("which signal left its level first (above: gradient 2x, exp_avg 2x, exp_avg_sq 4x, update 1.5x, "
                "update-to-weight ratio 1.5x; or non-finite), per layer:")
     first = attribution["first"]
     row = text[text.index(heading) + 1]
@@ -576,9 +595,9 @@ def test_a_gradient_spike_in_one_layer_names_that_layer_against_the_interval_ste
     assert {key: claim[key] for key in ("signal", "scope", "where", "layers", "step", "way", "before_window")} == {
         "signal": "pre_clip", "scope": "layer", "where": "layer 1", "layers": [1], "step": CAUSE_STEP,
         "way": "rose", "before_window": False}
-    assert claim["baseline"] == f"against interval steps {CAUSE_STEP - 23}-{CAUSE_STEP - 8}"  # the 16 before
+    assert claim["baseline"] == f"against steps {CAUSE_STEP - 16}-{CAUSE_STEP - 1} just before it"  # the 16 before
     assert spike["attribution"]["answer"].startswith(f"gradient of layer 1 rose first (step {CAUSE_STEP}) against "
-                                                     "interval steps")
+                                                     "steps")
     assert spike["rose_most"] == 1 and claim["continues"] is None
 
 
@@ -589,7 +608,7 @@ def test_a_learning_rate_spike_is_every_layer_s_update():
     claim = spike["attribution"]["verdict"]
     assert (claim["signal"], claim["scope"], claim["count"], claim["of"], claim["step"]) == (
         "update", "every", 4, 4, CAUSE_STEP)
-    assert claim["line"].startswith(f"update of every layer (4 of 4) rose first, step {CAUSE_STEP} against interval")
+    assert claim["line"].startswith(f"update of every layer (4 of 4) rose first, step {CAUSE_STEP} against steps")
 
 
 @pytest.mark.parametrize("before", ["interval", "recorder"])

@@ -108,18 +108,19 @@ def judged_spike(source: str, name: str) -> Dict:
     judged_from = SCENARIOS[name].judged_from
     after = [spike for spike in spikes if spike["fired_at"] >= judged_from]
     assert after, f"{name}: no fire at or after step {judged_from} in {source}: {spikes}"
-    assert after[0]["answer"] in format_spikes(spikes)
+    assert " ".join(after[0]["answer"].split()) in " ".join(format_spikes(spikes).split())  # lines wrap at 120
     return after[0]
 
 
 def answer_pattern(expected: Answer) -> str:
     """The words of the answer: ``update of every layer (4 of 4) rose first, step 12`` or ``gradient of layer 2
-    went non-finite first (step 12)`` (the step after a comma or in brackets)."""
+    went non-finite first (step 12)`` (the step after a comma or in brackets); of a loss fire that continues an
+    earlier fire, the incident: ``9 steps after the update of every layer rose (step 10, ...``."""
     if expected.scope == EVERY:
-        scope = rf"every layer \({LAYERS} of {LAYERS}\)"
+        scope = rf"every layer(?: \({LAYERS} of {LAYERS}\))?"
     else:
         scope = "layers? " + ", ".join(str(layer) for layer in expected.scope)
-    return rf"\b{expected.signal} of {scope} {expected.way} first,? \(?step {expected.step}\b"
+    return rf"\b{expected.signal} of {scope} {expected.way}(?: first,? \(?| \()step {expected.step}\b"
 
 
 def assert_answer(spike: Dict, expected: Answer) -> None:
@@ -160,9 +161,13 @@ def test_the_report_names_the_cause(workdir, name):
 @pytest.mark.parametrize("name", sorted(SCENARIOS))
 def test_tensorboard_gives_the_dump_s_answer(workdir, name):
     """The same fire read from the Megatron hook's TensorBoard runs: the same signal, layer and step moved first
-    (TensorBoard keeps no trigger reason, so the answers are compared from the signal on)."""
+    (TensorBoard keeps no trigger reason, so the answers are compared from the signal on, and a loss fire's
+    incident by its claim)."""
     record = record_of(workdir, name)
     from_dump, from_tensorboard = (judged_spike(source, name) for source in (record["dump"], record["tensorboard"]))
     assert from_tensorboard["fired_at"] == from_dump["fired_at"]
-    assert from_tensorboard["answer"].split(": ", 1)[1] == from_dump["answer"].split(": ", 1)[1]
+    claims = [spike["attribution"]["verdict"] for spike in (from_tensorboard, from_dump)]
+    assert claims[0] == claims[1]
+    if from_dump["lead_steps"] is None:  # a loss fire's incident needs the reason, which TensorBoard does not keep
+        assert from_tensorboard["answer"].split(": ", 1)[1] == from_dump["answer"].split(": ", 1)[1]
     assert len(from_tensorboard["layers"]) == len(from_dump["layers"]) == LAYERS

@@ -11,7 +11,9 @@ import argparse
 import contextlib
 import json
 import os
+import signal
 import sys
+import tempfile
 from typing import List, Optional
 
 from .cpu_launch import quiet_cpu_fallback_notice
@@ -176,6 +178,17 @@ def main(argv: Optional[List[str]] = None) -> None:
         parser.exit(2, f"layer-grad-norms {args.command}: {err}\n")
     except KeyboardInterrupt:  # Ctrl-C: one line, no traceback; the demo's ranks are stopped (cpu_launch.launch)
         parser.exit(130, f"\nlayer-grad-norms {args.command}: interrupted\n")
+    except BrokenPipeError:  # ``report | head``: the reader has what it wanted; end quietly, as if by SIGPIPE
+        _discard_stdout()
+        parser.exit(128 + signal.SIGPIPE)
+
+
+def _discard_stdout() -> None:
+    """Point stdout at /dev/null, so that the interpreter's flush at exit finds no closed pipe (and prints
+    nothing), as Python's documentation of SIGPIPE advises."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
 
 
 def plot_command(parser: argparse.ArgumentParser, args: argparse.Namespace) -> str:
@@ -213,8 +226,26 @@ def _check_output(parser: argparse.ArgumentParser, output: str) -> None:
         parser.exit(2, f"layer-grad-norms plot: -o {output}: the directory {folder} is not writable\n")
 
 
+def _check_out(parser: argparse.ArgumentParser, out: str) -> None:
+    """The demo's ``--out``: a directory, or a path to make one at, in whose nearest existing folder a file can be
+    written (tried, not read from the mode bits, which root ignores and a read-only mount overrides)."""
+    if os.path.exists(out) and not os.path.isdir(out):
+        parser.error(f"--out {out}: a file, not a directory")
+    existing = os.path.abspath(out)
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        parser.error(f"--out {out}: {existing} is a file, not a directory")
+    try:
+        with tempfile.TemporaryFile(dir=existing):
+            pass
+    except OSError as err:
+        parser.error(f"--out {out}: cannot write in {existing} ({err.strerror})")
+
+
 def run_demo_command(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Every option is checked here, before any rank is launched."""
+    _check_out(parser, args.out)
     if args.hidden % 4:
         parser.error(f"--hidden {args.hidden}: must be a multiple of 4 (the number of attention heads)")
     if args.spike is not None:

@@ -51,6 +51,16 @@ def announce_shm_comm_build() -> None:
               "minute on 2 cores", file=sys.stderr, flush=True)
 
 
+class RankFailed(RuntimeError):
+    """A rank's exception, re-raised in the launcher: its first line is the rank's own message, said once (what a
+    user reads first), and the rank's traceback, which leads to it, below."""
+
+    def __init__(self, rank: int, rank_traceback: str) -> None:
+        *frames, message = rank_traceback.rstrip().splitlines() or ["no traceback"]
+        super().__init__("\n".join([f"rank {rank}: {message}", "", "the rank's traceback, which led to it:", *frames]))
+        self.rank = rank
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -92,7 +102,7 @@ def launch(fn: Callable, world_size: int, *args: Any, timeout: float = 600) -> L
         for _ in range(world_size):
             rank, ok, value = queue.get(timeout=timeout)
             if not ok:
-                raise RuntimeError(f"rank {rank} failed:\n{value}")
+                raise RankFailed(rank, value)
             results[rank] = pickle.loads(value)
     except BaseException:  # a rank failed, a hang, or Ctrl-C: no rank goes on training
         for proc in procs:

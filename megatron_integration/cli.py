@@ -25,7 +25,7 @@ with contextlib.redirect_stdout(sys.stderr):
     from deepspeed_patch.spike_rule import WARM_UP
     from deepspeed_patch.upstream.apply import COMMANDS, run_patch_command
 
-    from .arguments import LAYER_FLAG_FORMS
+    from .arguments import LAYER_FLAG_FORMS, layer_selection, positive_int
     from .demo import LR_SPIKE, SPIKE_HISTORY, DemoOptions, run_demo
     from .fires import read_fires
     from .fork_e2e.run import E2EOptions, run_e2e, summary_markdown
@@ -41,21 +41,6 @@ class _Parser(argparse.ArgumentParser):
 
     def error(self, message: str) -> None:
         self.exit(2, f"{self.prog}: error: {message}\n")
-
-
-def _layer_spec(value: str) -> str:
-    try:
-        parse_layer_spec(value)
-    except ValueError as err:
-        reason = str(err).split("; expected")[0]
-        raise argparse.ArgumentTypeError(f"{value!r}: {reason}; expected {LAYER_FLAG_FORMS}") from None
-    return value
-
-
-def _positive(value: str) -> int:
-    if not value.isdigit() or int(value) < 1:
-        raise argparse.ArgumentTypeError(f"{value!r} is not a positive integer")
-    return int(value)
 
 
 def _spike(value: str) -> tuple:
@@ -74,21 +59,21 @@ def build_parser() -> argparse.ArgumentParser:
     demo = commands.add_parser("demo", help="train a tiny GPT under ZeRO on CPU ranks and show per-layer grad norms",
                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     defaults = DemoOptions()
-    demo.add_argument("--steps", type=_positive, default=defaults.steps, help="optimizer steps")
-    demo.add_argument("--num-layers", type=_positive, default=defaults.num_layers, help="transformer layers")
-    demo.add_argument("--hidden", type=_positive, default=defaults.hidden, help="a multiple of 4 (attention heads)")
+    demo.add_argument("--steps", type=positive_int, default=defaults.steps, help="optimizer steps")
+    demo.add_argument("--num-layers", type=positive_int, default=defaults.num_layers, help="transformer layers")
+    demo.add_argument("--hidden", type=positive_int, default=defaults.hidden, help="a multiple of 4 (attention heads)")
     demo.add_argument("--zero-stage", type=int, choices=(1, 2), default=defaults.zero_stage, help="ZeRO stage")
-    demo.add_argument("--world-size", type=_positive, default=defaults.world_size, help="CPU ranks")
+    demo.add_argument("--world-size", type=positive_int, default=defaults.world_size, help="CPU ranks")
     demo.add_argument("--arch", choices=("preln", "postln"), default=defaults.arch,
                       help="where the layer norm sits: before each sublayer (Pre-LN) or after its residual sum")
-    demo.add_argument("--layers", type=_layer_spec, default=defaults.layers,
+    demo.add_argument("--layers", type=layer_selection, default=defaults.layers,
                       help=f"layers to report: {LAYER_FLAG_FORMS}")
     demo.add_argument("--out", default=defaults.out, help="directory for TensorBoard, the figure and the report")
     demo.add_argument("--spike", type=_spike, metavar="STEP:LAYER",
                       help="inject a gradient spike into transformer layer LAYER at optimizer step STEP, with a "
                       f"flight recorder of {SPIKE_HISTORY} steps and the optimizer's statistics; the report and "
                       "spike_history.png localise it and name the gradient as the signal that moved first")
-    demo.add_argument("--lr-spike", type=_positive, metavar="STEP",
+    demo.add_argument("--lr-spike", type=positive_int, metavar="STEP",
                       help=f"multiply the learning rate by {LR_SPIKE:g} at optimizer step STEP only, with a flight "
                       f"recorder of {SPIKE_HISTORY} steps and the optimizer's statistics: the spike starts in the "
                       "update, and the report names it")
@@ -128,11 +113,11 @@ def add_e2e_parser(commands) -> None:
                      f"summary.md and summary.json (default: {defaults.out})")
     e2e.add_argument("--python", default=defaults.python,
                      help="the ranks' interpreter, with DeepSpeed and the fork's requirements (default: this one)")
-    e2e.add_argument("--train-iters", type=_positive, default=defaults.train_iters,
+    e2e.add_argument("--train-iters", type=positive_int, default=defaults.train_iters,
                      help=f"iterations of each set-up's training run (default: {defaults.train_iters})")
-    e2e.add_argument("--layers", type=_layer_spec, default=defaults.layers,
+    e2e.add_argument("--layers", type=layer_selection, default=defaults.layers,
                      help="--layer-grad-norms-layers; the root-sum-square check needs all (the default)")
-    e2e.add_argument("--timeout", type=_positive, default=int(defaults.timeout),
+    e2e.add_argument("--timeout", type=positive_int, default=int(defaults.timeout),
                      help="seconds each set-up may run before it is stopped and counted as failed (default: "
                      f"{int(defaults.timeout)})")
     e2e.add_argument("--apply-patch", choices=("microsoft", "bigscience"),

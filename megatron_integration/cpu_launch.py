@@ -5,6 +5,7 @@ Used by the demo and the tests: no launcher, no hostfile, a free loopback port p
 
 import contextlib
 import glob
+import io
 import logging
 import os
 import pickle
@@ -61,6 +62,22 @@ class RankFailed(RuntimeError):
         self.rank = rank
 
 
+SHM_COMM_OP_BUILT = "deepspeed_shm_comm_op built successfully"
+"""The end of the line DeepSpeed prints on every rank as ``init_distributed`` loads its CPU communication op, built
+or cached (``announce_shm_comm_build`` already says when it is built)."""
+
+
+@contextlib.contextmanager
+def _without_line(ending: str) -> Iterator[None]:
+    """What the block prints to stdout, less the lines ending with ``ending``."""
+    with contextlib.redirect_stdout(io.StringIO()) as printed:
+        try:
+            yield
+        finally:
+            lines = printed.getvalue().splitlines(keepends=True)
+            sys.stdout.write("".join(line for line in lines if not line.rstrip().endswith(ending)))
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -77,7 +94,8 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, qu
         from .cpu_compat import apply_cpu_compat
 
         apply_cpu_compat()
-        deepspeed.init_distributed(dist_backend="gloo", verbose=False)
+        with _without_line(SHM_COMM_OP_BUILT):
+            deepspeed.init_distributed(dist_backend="gloo", verbose=False)
         # Plain pickle: tensors travel as bytes, not as shared memory that dies with this process.
         queue.put((rank, True, pickle.dumps(fn(*args))))
     except BaseException:

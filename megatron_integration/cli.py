@@ -182,16 +182,13 @@ def plot_command(parser: argparse.ArgumentParser, args: argparse.Namespace) -> s
     output = args.output or os.path.join(folder, "spike_history.png" if args.history else "layer_grad_norms.png")
     _check_output(parser, output)
     if not args.history:
-        figure = plot_run(args.logdir, output)
+        plot_run(args.logdir, output)
     else:
         fires = read_fires(args.logdir)
         if not fires:
             parser.exit(2, f"layer-grad-norms plot --history: {args.logdir}: no fire of the trigger with a flight "
                         "recorder (trigger.history) is recorded there\n")
-        figure = plot_spike_history(fires, localise_all(fires), output)
-    from matplotlib import pyplot
-
-    pyplot.close(figure)
+        plot_spike_history(fires, localise_all(fires), output)
     return output
 
 

@@ -14,6 +14,7 @@ import socket
 import subprocess
 import sys
 import traceback
+import warnings
 from typing import Any, Callable, Iterator, List, Optional
 
 import torch.multiprocessing as mp
@@ -62,6 +63,10 @@ class RankFailed(RuntimeError):
         self.rank = rank
 
 
+DEPRECATED_GATHER = r"`torch\.distributed\.all_gather_into_tensor` is deprecated"
+"""torch 2.13's FutureWarning at DeepSpeed's own call of it (``TorchBackend.all_gather_into_tensor``, ZeRO's
+all-gather of the updated weights), printed once by every rank: DeepSpeed's to change, nothing a user of the demo
+can act on."""
 SHM_COMM_OP_BUILT = "deepspeed_shm_comm_op built successfully"
 """The end of the line DeepSpeed prints on every rank as ``init_distributed`` loads its CPU communication op, built
 or cached (``announce_shm_comm_build`` already says when it is built)."""
@@ -89,6 +94,7 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, qu
                       WORLD_SIZE=str(world_size), LOCAL_SIZE=str(world_size))
     try:
         quiet_cpu_fallback_notice()
+        warnings.filterwarnings("ignore", message=DEPRECATED_GATHER, category=FutureWarning)
         import deepspeed
 
         from .cpu_compat import apply_cpu_compat

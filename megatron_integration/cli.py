@@ -9,12 +9,15 @@ commands use no accelerator, and the demo's ranks are CPU ranks by design.
 
 import argparse
 import contextlib
+import csv
 import json
 import os
 import signal
 import sys
 import tempfile
-from typing import List, Optional
+import threading
+import time
+from typing import Iterator, List, Optional
 
 from .cpu_launch import quiet_cpu_fallback_notice
 
@@ -32,8 +35,9 @@ with contextlib.redirect_stdout(sys.stderr):
     from .fork_e2e.setups import SETUPS
     from .log_sources import READABLE, LogSourceError
     from .plot import plot_run, plot_spike_history
-    from .report import format_report, summarize_source
+    from .report import csv_rows, format_report, summarize_source
     from .spike import localise_all
+    from .tensorboard_reader import read_layer_series
 
 
 class _Parser(argparse.ArgumentParser):
@@ -84,12 +88,19 @@ def build_parser() -> argparse.ArgumentParser:
     plot.add_argument("logdir", help=logdir_help)
     plot.add_argument("-o", "--output", help="PNG or SVG file (default: layer_grad_norms.png, or spike_history.png "
                       "with --history, in LOGDIR or beside the dump)")
+    plot.add_argument("--layers", type=layer_selection, default="all",
+                      help=f"layers to draw, by their index in the log: {LAYER_FLAG_FORMS} (mid and negative indices "
+                      "count from the deepest logged layer)")
     plot.add_argument("--history", action="store_true",
                       help="draw instead the flight recorder's steps of each fire of the trigger, every layer: the "
                       "gradient, the update-to-weight ratio where the log holds it, and each layer's rise")
     report = commands.add_parser("report", help="per-layer medians, early/late ratio, clipping, overflow")
     report.add_argument("logdir", help=logdir_help)
-    report.add_argument("--json", action="store_true", help="print the report as JSON")
+    output = report.add_mutually_exclusive_group()
+    output.add_argument("--json", action="store_true", help="print the report as JSON")
+    output.add_argument("--csv", action="store_true",
+                        help="print instead every logged value as CSV: one row per step and layer, a column per "
+                        "phase and statistic")
     add_e2e_parser(commands)
     patch = commands.add_parser("patch", help="apply, check or revert the upstream patch in a DeepSpeed tree")
     patch.add_argument("action", choices=COMMANDS,
@@ -155,8 +166,7 @@ def main(argv: Optional[List[str]] = None) -> None:
         elif args.command == "megatron-e2e":
             run_e2e_command(parser, args)
         elif args.command == "report":
-            summary = summarize_source(args.logdir)
-            print(json.dumps(summary, indent=2) if args.json else format_report(summary))
+            report_command(args)
         else:
             run_demo_command(parser, args)
     except LogSourceError as err:
@@ -176,20 +186,74 @@ def _discard_stdout() -> None:
     os.close(devnull)
 
 
+def report_command(args: argparse.Namespace) -> None:
+    """``report``: the text, ``--json`` or ``--csv`` on stdout."""
+    with reading_notice(f"layer-grad-norms report: reading {args.logdir}"):
+        if args.csv:
+            rows = list(csv_rows(read_layer_series(args.logdir)))
+        else:
+            summary = summarize_source(args.logdir)
+    if args.csv:
+        csv.writer(sys.stdout, lineterminator="\n").writerows(rows)
+    else:
+        print(json.dumps(summary, indent=2) if args.json else format_report(summary))
+
+
+NOTICE_AFTER = 3.0
+"""Seconds of a read before ``reading_notice`` says it is under way (at once on a terminal)."""
+NOTICE_EVERY = 10.0
+"""Seconds between its lines when stderr is no terminal (on one, it redraws its line every second)."""
+
+
+@contextlib.contextmanager
+def reading_notice(what: str) -> Iterator[None]:
+    """While the block reads a log: on a terminal, ``what`` and the seconds so far, redrawn every second on
+    stderr and cleared at the end; elsewhere one line after ``NOTICE_AFTER`` seconds and one every
+    ``NOTICE_EVERY``. Nothing for a read shorter than that: a large folder takes half a minute, in silence
+    otherwise."""
+    terminal, start, done = sys.stderr.isatty(), time.monotonic(), threading.Event()
+
+    def tell() -> None:
+        wait = 1.0 if terminal else NOTICE_AFTER
+        while not done.wait(wait):
+            elapsed = time.monotonic() - start
+            sys.stderr.write(f"\r{what} ({elapsed:.0f} s)" if terminal else f"{what} ({elapsed:.0f} s so far)\n")
+            sys.stderr.flush()
+            wait = 1.0 if terminal else NOTICE_EVERY
+
+    teller = threading.Thread(target=tell, daemon=True)
+    teller.start()
+    try:
+        yield
+    finally:
+        done.set()
+        teller.join()
+        if terminal and time.monotonic() - start >= 1.0:
+            sys.stderr.write("\r\033[K")
+
+
 def plot_command(parser: argparse.ArgumentParser, args: argparse.Namespace) -> str:
     """Draw the figure ``plot`` asks for; returns its path. The output is checked before the log is read."""
     folder = args.logdir if os.path.isdir(args.logdir) else os.path.dirname(args.logdir)
     output = args.output or os.path.join(folder, "spike_history.png" if args.history else "layer_grad_norms.png")
     _check_output(parser, output)
+    if args.history and args.layers != "all":
+        parser.error("--layers: plot --history draws every layer of each fire")
+    with reading_notice(f"layer-grad-norms plot: reading {args.logdir}"):
+        _draw(parser, args, output)
+    return output
+
+
+def _draw(parser: argparse.ArgumentParser, args: argparse.Namespace, output: str) -> None:
+    """The figure of ``plot`` (or of ``plot --history``) into ``output``."""
     if not args.history:
-        plot_run(args.logdir, output)
+        plot_run(args.logdir, output, args.layers)
     else:
         fires = read_fires(args.logdir)
         if not fires:
             parser.exit(2, f"layer-grad-norms plot --history: {args.logdir}: no fire of the trigger with a flight "
                         "recorder (trigger.history) is recorded there\n")
         plot_spike_history(fires, localise_all(fires), output)
-    return output
 
 
 def _check_output(parser: argparse.ArgumentParser, output: str) -> None:

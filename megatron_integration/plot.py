@@ -102,11 +102,13 @@ def _saved(figure, out: str):
     return figure
 
 
-def plot_run(source: str, out: str):
-    """``plot``'s figure of any log ``source`` (``log_sources``), the layer that rose most at each of its fires
-    among the lines; returns the matplotlib Figure."""
+def plot_run(source: str, out: str, layers: str = "all"):
+    """``plot``'s figure of any log ``source`` (``log_sources``), of the ``layers`` it selects (``plot --layers``;
+    ``LayerSeries.selected``), the layer that rose most at each of its fires among the lines; returns the
+    matplotlib Figure."""
+    series = read_layer_series(source).selected(layers)
     spikes = localise_all(read_fires(source))
-    return plot_layer_norms(read_layer_series(source), out, spiked_layers(spikes))
+    return plot_layer_norms(series, out, [layer for layer in spiked_layers(spikes) if layer in series.layers()])
 
 
 def _depth_profile(axis, series: LayerSeries, figure) -> None:

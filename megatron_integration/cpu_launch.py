@@ -75,12 +75,13 @@ or cached (``announce_shm_comm_build`` already says when it is built)."""
 @contextlib.contextmanager
 def _without_line(ending: str) -> Iterator[None]:
     """What the block prints to stdout, less the lines ending with ``ending``."""
-    with contextlib.redirect_stdout(io.StringIO()) as printed:
-        try:
+    printed = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(printed):
             yield
-        finally:
-            lines = printed.getvalue().splitlines(keepends=True)
-            sys.stdout.write("".join(line for line in lines if not line.rstrip().endswith(ending)))
+    finally:
+        lines = printed.getvalue().splitlines(keepends=True)
+        sys.stdout.write("".join(line for line in lines if not line.rstrip().endswith(ending)))
 
 
 def free_port() -> int:

@@ -54,9 +54,10 @@ class LayerGradNormsCallback(TrainerCallback):
     warning at the start of training says so when ``logging_steps`` is not a multiple of it). Without
     DeepSpeed, ``options`` are those of ``plain.LayerGradNorms`` (``layers``, ``layer_pattern``,
     ``granularity``, ``group_by``), and only the logging steps are measured. With ``layers: "all"`` the
-    root-sum-square of the pre-clip norms is the ``grad_norm`` the Trainer logs. ``console``: print the values in
-    the Trainer's console line too (off by default: the line stays the Trainer's own; the values still reach
-    ``log_history`` and every ``report_to`` integration).
+    root-sum-square of the pre-clip norms is the ``grad_norm`` the Trainer logs. ``console``: print a summary of
+    the values in the Trainer's console line too, the largest and the smallest bucket's pre-clip norm (off by
+    default: the line stays the Trainer's own); every value still reaches ``log_history`` and every ``report_to``
+    integration.
 
     Constructing it calls ``deepspeed_patch.install()`` (when DeepSpeed is installed), which must precede
     ``deepspeed.initialize``; the Trainer calls that inside ``train()``. It may be given to the Trainer or

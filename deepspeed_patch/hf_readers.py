@@ -9,9 +9,9 @@ through ``publish.Consumer``: adding them to the logs (``TrainerLogs``), and eac
 writing a log that holds them (``IntegrationLogs``: the values multiply what it writes, so a full disk under its
 TensorBoard directory comes sooner). A failure logs one traceback and stops that reader on its rank; training and
 the other readers go on. An integration writing a log without the values is left alone: it fails as it would
-without the callback. The Trainer's console callbacks print the line without the values unless asked
-(``guard_readers``). A module apart from the callback: it wraps callbacks the Trainer owns, the callback only
-measures and hands over the values.
+without the callback. The Trainer's console callbacks print the line without the values, or when asked with a
+short summary of them (the largest and the smallest bucket: ``guard_readers``). A module apart from the callback:
+it wraps callbacks the Trainer owns, the callback only measures and hands over the values.
 """
 
 from typing import Any, Callable, Dict, NamedTuple, Optional, Tuple
@@ -20,7 +20,7 @@ from transformers import TrainerCallback
 from transformers.trainer_callback import CallbackHandler, PrinterCallback, ProgressCallback
 
 from .publish import Consumer, Reader
-from .tags import TAG_ROOT
+from .tags import TAG_ROOT, scalar_tag
 
 __all__ = ["LogStep", "TrainerLogs", "guard_readers"]
 
@@ -91,35 +91,55 @@ def _switched_off(*args, **kwargs) -> None:
     """An event of an integration switched off."""
 
 
-class _WithoutValues:
+class _ConsoleLine:
     """A console callback's ``on_log`` that does not see the values: they leave ``logs`` for its call and come
-    back after it, so the callbacks after it (a user's) still see them."""
+    back after it, so the callbacks after it (a user's) still see them. With ``summary`` it sees one short entry
+    in their place (``summary_of``), gone again after the call."""
 
-    def __init__(self, on_log: Callable) -> None:
+    def __init__(self, on_log: Callable, summary: bool) -> None:
         self.on_log = on_log
+        self.summary = summary
 
     def __call__(self, args, state, control, logs=None, **kwargs):
         hidden = {key: logs.pop(key) for key in [key for key in logs or () if key.startswith(_VALUES)]}
+        shown = summary_of(hidden) if self.summary else {}
+        if logs is not None:
+            logs.update(shown)
         try:
             return self.on_log(args, state, control, logs=logs, **kwargs)
         finally:
             if logs is not None:
+                for key in shown:
+                    logs.pop(key, None)
                 logs.update(hidden)
+
+
+SUMMARY_KEY = f"{TAG_ROOT} pre-clip"
+"""The console's one entry of the values (``LayerGradNormsCallback(console=True)``)."""
+_PRE_CLIP_NORMS = f"{scalar_tag('pre_clip', 'norm')}/"
+
+
+def summary_of(values: Dict[str, Any]) -> Dict[str, str]:
+    """The largest and the smallest bucket's pre-clip norm of a step's values, as one short entry; none without
+    them. The line stays short whatever the model's depth: every value is in the logs."""
+    norms = {key.removeprefix(_PRE_CLIP_NORMS): value for key, value in values.items()
+             if key.startswith(_PRE_CLIP_NORMS)}
+    if not norms:
+        return {}
+    largest, smallest = max(norms, key=norms.get), min(norms, key=norms.get)
+    return {SUMMARY_KEY: f"max {largest} {norms[largest]:.3e}, min {smallest} {norms[smallest]:.3e}"}
 
 
 def guard_readers(handler: CallbackHandler, console: bool) -> None:
     """Guard each ``report_to`` integration (the callbacks of ``transformers.integrations``), and let the Trainer's
-    console callbacks (``PrinterCallback``, its progress bar, in a notebook too) print the values or not; each
-    ``on_log`` wrapped once, whatever the training runs and callbacks that pass here."""
+    console callbacks (``PrinterCallback``, its progress bar, in a notebook too) print a summary of the values or
+    none (``console``); each ``on_log`` wrapped once, whatever the training runs and callbacks that pass here."""
     from transformers.trainer import DEFAULT_PROGRESS_CALLBACK
 
     for callback in handler.callbacks:
         if isinstance(callback, (PrinterCallback, ProgressCallback, DEFAULT_PROGRESS_CALLBACK)):
-            quiet = isinstance(callback.on_log, _WithoutValues)
-            if console and quiet:
-                callback.on_log = callback.on_log.on_log
-            elif not console and not quiet:
-                callback.on_log = _WithoutValues(callback.on_log)
+            original = callback.on_log.on_log if isinstance(callback.on_log, _ConsoleLine) else callback.on_log
+            callback.on_log = _ConsoleLine(original, summary=console)
         elif (type(callback).__module__.startswith("transformers.integrations")
               and not isinstance(callback.on_log, _GuardedIntegration)):
             callback.on_log = _GuardedIntegration(callback)

@@ -88,7 +88,8 @@ def host_adam_kernel() -> Optional[Callable[..., None]]:
 
 
 def _announce_build(build_dir: str) -> None:
-    """One line, from rank 0, before a build that is not cached yet: the silence would last half a minute."""
+    """One line, from rank 0, before a build that is not cached yet: the silence would last half a minute. At
+    WARNING: DeepSpeed's logger shows nothing below it by default (0.19)."""
     library = os.path.join(build_dir, f"{extension_name()}.so")
     if os.path.exists(library) and os.path.getmtime(library) >= os.path.getmtime(SOURCE):
         return
@@ -96,7 +97,7 @@ def _announce_build(build_dir: str) -> None:
         "layer_grad_norms: building the fused statistics kernel for the host (C++/OpenMP, "
         f"csrc/partition_stats.cpp) into {build_dir}, once per torch version: about 20 to 30 s",
         ranks=[0],
-        level=logging.INFO)
+        level=logging.WARNING)
 
 
 def _unlocked(lock: str, seconds: float) -> bool:

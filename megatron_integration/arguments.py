@@ -7,9 +7,11 @@ is needed. A block already in the user's ds_config wins, with a warning when the
 
 import argparse
 import copy
+import functools
 import json
 import logging
-from typing import Any, Dict, List, Optional, Union
+import math
+from typing import Any, Callable, Dict, Optional, Union
 
 from pydantic import ValidationError
 
@@ -25,35 +27,104 @@ LAYER_FLAG_FORMS = ('"all" or a comma-separated list such as 0,1,mid,-2,-1 (nega
 """What a command-line flag takes for a layer selection: the string form of the ds_config's ``layers``."""
 
 
+def layer_selection(value: str) -> str:
+    """A flag's layer selection (``LAYER_FLAG_FORMS``), checked; the text as given."""
+    try:
+        parse_layer_spec(value)
+    except ValueError as err:
+        reason = str(err).split("; expected")[0]
+        raise argparse.ArgumentTypeError(f"{value!r}: {reason}; expected {LAYER_FLAG_FORMS}") from None
+    return value
+
+
+def positive_int(value: str) -> int:
+    """An integer of 1 or more."""
+    if not str(value).isdigit() or int(value) < 1:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a positive integer")
+    return int(value)
+
+
+def _non_negative_int(value: str) -> int:
+    if not str(value).isdigit():
+        raise argparse.ArgumentTypeError(f"{value!r}: expected 0 (off) or a positive integer")
+    return int(value)
+
+
+def _trigger_factor(value: str) -> float:
+    """The trigger's factor: a number above 1 (a multiple of the running median)."""
+    try:
+        factor = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a number") from None
+    if not (math.isfinite(factor) and factor > 1):
+        raise argparse.ArgumentTypeError(f"{value!r}: must be more than 1 (a multiple of the median)")
+    return factor
+
+
+def _optimizer_kinds(value: str) -> str:
+    """A comma-separated list of ``OPTIMIZER_KINDS``, checked; the text as given."""
+    unknown = [kind for kind in (kind.strip() for kind in value.split(",")) if kind not in OPTIMIZER_KINDS]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"{value!r}: {unknown[0]!r} is not a kind; choose from "
+                                         f"{', '.join(OPTIMIZER_KINDS)}")
+    return value
+
+
+def remedy_settings(model: type, value: str) -> Dict[str, Any]:
+    """A remedy flag's ``KEY=VALUE,...`` (nothing: the defaults) as its ds_config block, checked by its model."""
+    settings: Dict[str, Any] = {"enabled": True}
+    for item in filter(None, (part.strip() for part in value.split(","))):
+        name, equals, number = item.partition("=")
+        if not equals or name.strip() not in model.model_fields or name.strip() == "enabled":
+            known = ", ".join(f"{field}=..." for field in model.model_fields if field != "enabled")
+            raise argparse.ArgumentTypeError(f"{value!r}: {item!r} is not one of {known}")
+        settings[name.strip()] = _number(number.strip())
+    try:
+        model(**settings)
+    except ValidationError as err:
+        raise argparse.ArgumentTypeError(f"{value!r}: {err.errors()[0]['msg']}") from None
+    return settings
+
+
+def _remedy_type(model: type) -> Callable[[str], str]:
+    def checked(value: str) -> str:
+        remedy_settings(model, value)
+        return value
+
+    return checked
+
+
 def add_layer_grad_norms_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Add the "layer grad norms" argument group to a Megatron argument parser."""
+    """Add the "layer grad norms" argument group to a Megatron argument parser. Each value is checked as the
+    flags are parsed (argparse's one line naming the flag, exit code 2), not at ``deepspeed.initialize`` after
+    the model is built."""
     flags = parser.add_argument_group(title="layer grad norms")
     flags.add_argument("--log-layer-grad-norms", action="store_true",
                        help="Log per-layer gradient norm, min and max (pre- and post-clip) to TensorBoard "
                        "and the training log.")
-    flags.add_argument("--layer-grad-norms-layers", type=str, default=DEFAULT_LAYERS,
+    flags.add_argument("--layer-grad-norms-layers", type=layer_selection, default=DEFAULT_LAYERS,
                        help=f"Layers to log: {LAYER_FLAG_FORMS} (default: {DEFAULT_LAYERS}).")
-    flags.add_argument("--layer-grad-norms-interval", type=int, default=None,
+    flags.add_argument("--layer-grad-norms-interval", type=positive_int, default=None,
                        help="Measure every N iterations (default: --tensorboard-log-interval).")
-    flags.add_argument("--layer-grad-norms-trigger", type=float, default=None, metavar="FACTOR",
+    flags.add_argument("--layer-grad-norms-trigger", type=_trigger_factor, default=None, metavar="FACTOR",
                        help="Capture every layer after a spike: the global gradient norm or the reported loss "
                        "above FACTOR x its running median, or an fp16 overflow (trigger.grad_norm_factor and "
                        "trigger.loss_factor).")
-    flags.add_argument("--layer-grad-norms-history", type=int, default=None, metavar="K",
+    flags.add_argument("--layer-grad-norms-history", type=_non_negative_int, default=None, metavar="K",
                        help="Record every layer's statistics of the last K steps, reduced when the trigger "
                        "fires (trigger.history; with the default trigger unless --layer-grad-norms-trigger).")
-    flags.add_argument("--layer-grad-norms-optimizer-statistics", type=str, default=None, metavar="KINDS",
+    flags.add_argument("--layer-grad-norms-optimizer-statistics", type=_optimizer_kinds, default=None, metavar="KINDS",
                        help=f"Also log what each measured optimizer step did to each layer: a comma-separated "
                        f"list of {','.join(OPTIMIZER_KINDS)} (the fp32 weights, the step's update, the Adam "
                        "moments; with param and update, their norms' ratio update-to-weight too); the ds_config's "
                        "optimizer_statistics.")
-    flags.add_argument("--layer-grad-norms-adaptive-clipping", type=str, nargs="?", const="", default=None,
-                       metavar="KEY=VALUE,...",
+    flags.add_argument("--layer-grad-norms-adaptive-clipping", type=_remedy_type(AdaptiveClippingConfig), nargs="?",
+                       const="", default=None, metavar="KEY=VALUE,...",
                        help="Clip each layer's gradient against the moving average of its own clipped norm (AdaGC) "
                        "after a warm-up of global clipping; optional settings such as beta=0.98,factor=1.05,"
                        "warmup_steps=100 (the ds_config's adaptive_clipping). Every step is then measured.")
-    flags.add_argument("--layer-grad-norms-skip-step", type=str, nargs="?", const="", default=None,
-                       metavar="KEY=VALUE,...",
+    flags.add_argument("--layer-grad-norms-skip-step", type=_remedy_type(SkipStepConfig), nargs="?", const="",
+                       default=None, metavar="KEY=VALUE,...",
                        help="Skip an optimizer step whose global gradient norm is more than sigma standard "
                        "deviations above its last window steps' mean; optional settings such as sigma=6,window=128 "
                        "(the ds_config's skip_step). Every step is then measured.")
@@ -67,23 +138,21 @@ def layer_grad_norms_interval(args: argparse.Namespace) -> int:
 
 def layer_grad_norms_block(args: argparse.Namespace) -> Optional[Dict[str, Any]]:
     """The ``layer_grad_norms`` ds_config block the flags ask for; ``None`` without them. A remedy's flag alone
-    gives a block that acts without logging (``enabled`` follows ``--log-layer-grad-norms``)."""
-    remedies = _remedy_blocks(args)
+    gives a block that acts without logging (``enabled`` follows ``--log-layer-grad-norms``). The values are
+    checked again here, by the parser's own checks, for a namespace no parser of these flags filled."""
+    remedies = {key: _checked(args, flag, functools.partial(remedy_settings, model))
+                for key, (flag, model) in REMEDY_FLAGS.items() if _flag_value(args, flag) is not None}
     if not getattr(args, "log_layer_grad_norms", False):
         return {"enabled": False, **remedies} if remedies else None
-    try:
-        parse_layer_spec(args.layer_grad_norms_layers)
-    except ValueError as err:
-        raise ValueError(f"--layer-grad-norms-layers={args.layer_grad_norms_layers!r}: {err}") from None
-    if args.layer_grad_norms_interval is not None and args.layer_grad_norms_interval < 1:
-        raise ValueError(f"--layer-grad-norms-interval={args.layer_grad_norms_interval}: must be 1 or more")
+    _checked(args, "--layer-grad-norms-layers", layer_selection)
+    _checked(args, "--layer-grad-norms-interval", positive_int)
     block = {"enabled": True, "layers": args.layer_grad_norms_layers, "interval": layer_grad_norms_interval(args)}
     trigger = _trigger_block(args)
     if trigger is not None:
         block["trigger"] = trigger
-    kinds = _optimizer_statistics(args)
-    if kinds:
-        block["optimizer_statistics"] = kinds
+    kinds = _checked(args, "--layer-grad-norms-optimizer-statistics", _optimizer_kinds)
+    if kinds is not None:
+        block["optimizer_statistics"] = [kind.strip() for kind in kinds.split(",")]
     return {**block, **remedies}
 
 
@@ -94,27 +163,19 @@ REMEDY_FLAGS = {
 """Each remedy's ds_config key: its flag, and the model that checks the flag's settings."""
 
 
-def _remedy_blocks(args: argparse.Namespace) -> Dict[str, Dict[str, Any]]:
-    """The ``adaptive_clipping`` and ``skip_step`` blocks of their flags (``KEY=VALUE,...``, or nothing for the
-    defaults), checked; none for a flag not given."""
-    blocks = {}
-    for key, (flag, model) in REMEDY_FLAGS.items():
-        value = getattr(args, flag.removeprefix("--").replace("-", "_"), None)
-        if value is None:
-            continue
-        settings: Dict[str, Any] = {"enabled": True}
-        for item in filter(None, (part.strip() for part in value.split(","))):
-            name, equals, number = item.partition("=")
-            if not equals or name.strip() not in model.model_fields or name.strip() == "enabled":
-                raise ValueError(f"{flag}={value!r}: {item!r} is not one of "
-                                 f"{', '.join(f'{field}=...' for field in model.model_fields if field != 'enabled')}")
-            settings[name.strip()] = _number(number.strip())
-        try:
-            model(**settings)
-        except ValidationError as err:
-            raise ValueError(f"{flag}={value!r}: {err.errors()[0]['msg']}") from None
-        blocks[key] = settings
-    return blocks
+def _flag_value(args: argparse.Namespace, flag: str) -> Any:
+    return getattr(args, flag.removeprefix("--").replace("-", "_"), None)
+
+
+def _checked(args: argparse.Namespace, flag: str, check: Callable[[Any], Any]) -> Any:
+    """``check`` of the flag's value (``None`` when unset), its refusal a ``ValueError`` naming the flag."""
+    value = _flag_value(args, flag)
+    if value is None:
+        return None
+    try:
+        return check(value)
+    except argparse.ArgumentTypeError as err:
+        raise ValueError(f"{flag}: {err}") from None
 
 
 def _number(text: str) -> Union[int, float, str]:
@@ -128,33 +189,16 @@ def _number(text: str) -> Union[int, float, str]:
     return text
 
 
-def _optimizer_statistics(args: argparse.Namespace) -> List[str]:
-    """The kinds ``--layer-grad-norms-optimizer-statistics`` lists, checked; none without the flag."""
-    flag = getattr(args, "layer_grad_norms_optimizer_statistics", None)
-    if flag is None:
-        return []
-    kinds = [kind.strip() for kind in flag.split(",")]
-    unknown = [kind for kind in kinds if kind not in OPTIMIZER_KINDS]
-    if unknown:
-        raise ValueError(f"--layer-grad-norms-optimizer-statistics={flag!r}: {unknown[0]!r} is not a kind; choose "
-                         f"from {', '.join(OPTIMIZER_KINDS)}")
-    return kinds
-
-
 def _trigger_block(args: argparse.Namespace) -> Optional[Dict[str, Any]]:
     """The ``trigger`` block of ``--layer-grad-norms-trigger`` and ``--layer-grad-norms-history``, or ``None``."""
-    factor = getattr(args, "layer_grad_norms_trigger", None)
-    history = getattr(args, "layer_grad_norms_history", None)
+    factor = _checked(args, "--layer-grad-norms-trigger", _trigger_factor)
+    history = _checked(args, "--layer-grad-norms-history", _non_negative_int)
     if factor is None and history is None:
         return None
     trigger: Dict[str, Any] = {}
     if factor is not None:
-        if not factor > 1:
-            raise ValueError(f"--layer-grad-norms-trigger={factor}: must be more than 1 (a multiple of the median)")
         trigger.update(grad_norm_factor=factor, loss_factor=factor)
     if history is not None:
-        if history < 0:
-            raise ValueError(f"--layer-grad-norms-history={history}: must be 0 (off) or more")
         trigger["history"] = history
     return trigger
 

@@ -5,6 +5,7 @@ Used by the demo and the tests: no launcher, no hostfile, a free loopback port p
 
 import contextlib
 import glob
+import io
 import logging
 import os
 import pickle
@@ -13,6 +14,7 @@ import socket
 import subprocess
 import sys
 import traceback
+import warnings
 from typing import Any, Callable, Iterator, List, Optional
 
 import torch.multiprocessing as mp
@@ -51,6 +53,37 @@ def announce_shm_comm_build() -> None:
               "minute on 2 cores", file=sys.stderr, flush=True)
 
 
+class RankFailed(RuntimeError):
+    """A rank's exception, re-raised in the launcher: its first line is the rank's own message, said once (what a
+    user reads first), and the rank's traceback, which leads to it, below."""
+
+    def __init__(self, rank: int, rank_traceback: str) -> None:
+        *frames, message = rank_traceback.rstrip().splitlines() or ["no traceback"]
+        super().__init__("\n".join([f"rank {rank}: {message}", "", "the rank's traceback, which led to it:", *frames]))
+        self.rank = rank
+
+
+DEPRECATED_GATHER = r"`torch\.distributed\.all_gather_into_tensor` is deprecated"
+"""torch 2.13's FutureWarning at DeepSpeed's own call of it (``TorchBackend.all_gather_into_tensor``, ZeRO's
+all-gather of the updated weights), printed once by every rank: DeepSpeed's to change, nothing a user of the demo
+can act on."""
+SHM_COMM_OP_BUILT = "deepspeed_shm_comm_op built successfully"
+"""The end of the line DeepSpeed prints on every rank as ``init_distributed`` loads its CPU communication op, built
+or cached (``announce_shm_comm_build`` already says when it is built)."""
+
+
+@contextlib.contextmanager
+def _without_line(ending: str) -> Iterator[None]:
+    """What the block prints to stdout, less the lines ending with ``ending``."""
+    printed = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(printed):
+            yield
+    finally:
+        lines = printed.getvalue().splitlines(keepends=True)
+        sys.stdout.write("".join(line for line in lines if not line.rstrip().endswith(ending)))
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -62,12 +95,14 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, qu
                       WORLD_SIZE=str(world_size), LOCAL_SIZE=str(world_size))
     try:
         quiet_cpu_fallback_notice()
+        warnings.filterwarnings("ignore", message=DEPRECATED_GATHER, category=FutureWarning)
         import deepspeed
 
         from .cpu_compat import apply_cpu_compat
 
         apply_cpu_compat()
-        deepspeed.init_distributed(dist_backend="gloo", verbose=False)
+        with _without_line(SHM_COMM_OP_BUILT):
+            deepspeed.init_distributed(dist_backend="gloo", verbose=False)
         # Plain pickle: tensors travel as bytes, not as shared memory that dies with this process.
         queue.put((rank, True, pickle.dumps(fn(*args))))
     except BaseException:
@@ -92,7 +127,7 @@ def launch(fn: Callable, world_size: int, *args: Any, timeout: float = 600) -> L
         for _ in range(world_size):
             rank, ok, value = queue.get(timeout=timeout)
             if not ok:
-                raise RuntimeError(f"rank {rank} failed:\n{value}")
+                raise RankFailed(rank, value)
             results[rank] = pickle.loads(value)
     except BaseException:  # a rank failed, a hang, or Ctrl-C: no rank goes on training
         for proc in procs:

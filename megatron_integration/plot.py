@@ -14,6 +14,7 @@ the update-to-weight ratio where the log holds it, and each layer's rise.
 """
 
 import math
+import textwrap
 from typing import Dict, Iterable, List
 
 from deepspeed_patch.tags import UPDATE_TO_WEIGHT, LayerId, layer_position
@@ -88,15 +89,26 @@ def plot_layer_norms(series: LayerSeries, out: str, spiked: Iterable[LayerId] = 
     handles, labels = pre_axis.get_legend_handles_labels()  # the same lines in both panels: one legend, below
     figure.legend(handles, labels, loc="outside lower center", ncol=min(len(labels), 6), fontsize="small")
     _depth_profile(depth_axis, series, figure)
+    return _saved(figure, out)
+
+
+def _saved(figure, out: str):
+    """``figure`` written to ``out`` and closed (pyplot keeps every open figure: a process drawing many, the
+    tests or a notebook, would hold them all); returned for a caller that inspects it."""
+    from matplotlib import pyplot as plt
+
     figure.savefig(out)
+    plt.close(figure)
     return figure
 
 
-def plot_run(source: str, out: str):
-    """``plot``'s figure of any log ``source`` (``log_sources``), the layer that rose most at each of its fires
-    among the lines; returns the matplotlib Figure."""
+def plot_run(source: str, out: str, layers: str = "all"):
+    """``plot``'s figure of any log ``source`` (``log_sources``), of the ``layers`` it selects (``plot --layers``;
+    ``LayerSeries.selected``), the layer that rose most at each of its fires among the lines; returns the
+    matplotlib Figure."""
+    series = read_layer_series(source).selected(layers)
     spikes = localise_all(read_fires(source))
-    return plot_layer_norms(read_layer_series(source), out, spiked_layers(spikes))
+    return plot_layer_norms(series, out, [layer for layer in spiked_layers(spikes) if layer in series.layers()])
 
 
 def _depth_profile(axis, series: LayerSeries, figure) -> None:
@@ -134,19 +146,29 @@ def plot_spike_history(fires: List[Fire], spikes: List[Dict], out: str):
 
     ratios = any(fire.series.get(UPDATE_TO_WEIGHT) for fire in fires)
     columns = 3 if ratios else 2
-    figure, axes = plt.subplots(len(fires), columns, figsize=(6.5 * columns, 4.2 * len(fires)), squeeze=False)
+    figure, axes = plt.subplots(len(fires), columns, figsize=(6.5 * columns, 4.2 * len(fires)), squeeze=False,
+                                layout="constrained")
     for row, fire, spike in zip(axes, fires, spikes):
         _recorded_lines(row[0], fire.norms, spike["layers"], spike["rose_most"], fire.fired_at)
         row[0].set_ylabel("pre-clip gradient L2 norm")
         words = figure_words(spike)
-        row[0].set_title(f"recorded steps of the fire at step {fire.fired_at}, every layer"
-                         + (f"\n{words}" if words else ""), fontsize="medium")
+        _title(row[0], f"recorded steps of the fire at step {fire.fired_at}, every layer", words)
         if ratios:
             _update_to_weight(row[1], fire, spike)
         _rise_map(row[-1], fire, spike, figure)
-    figure.tight_layout()
-    figure.savefig(out)
-    return figure
+    return _saved(figure, out)
+
+
+TITLE_CHARACTERS = 58
+"""A ``plot --history`` panel's title lines at most this long: a 6.5-inch panel holds about 60 characters at
+matplotlib's medium font size, so wrapped titles never run into their neighbours' (constrained layout makes
+room above the panels for their lines, not beside them)."""
+
+
+def _title(axis, *parts: str) -> None:
+    """``axis``'s title, its parts on lines of their own, each wrapped to ``TITLE_CHARACTERS``."""
+    lines = [line for part in parts if part for line in textwrap.wrap(part, TITLE_CHARACTERS)]
+    axis.set_title("\n".join(lines), fontsize="medium")
 
 
 def _recorded_lines(axis, series: Dict, layers: Iterable[LayerId], marked, fired_at: int) -> None:
@@ -171,19 +193,19 @@ def _update_to_weight(axis, fire: Fire, spike: Dict) -> None:
     rose most) marked as in the gradient's panel; the title names the layer whose signal moved first."""
     ratios = fire.series.get(UPDATE_TO_WEIGHT, {})
     if not ratios:
-        axis.set_title("update/weight: not recorded at this fire")
+        _title(axis, "update/weight: not recorded at this fire")
         return
     _recorded_lines(axis, ratios, ratios, spike["rose_most"], fire.fired_at)
     axis.set_ylabel("|update| / |weights|")
     claim = (spike["attribution"] or {}).get("verdict")
-    axis.set_title("update-to-weight ratio, every layer" + (f"; first to move: {claim['signal_name']} of "
-                                                             f"{claim['where']}" if claim else ""))
+    _title(axis, "update-to-weight ratio, every layer" + (f"; first to move: {claim['signal_name']} of "
+                                                          f"{claim['where']}" if claim else ""))
 
 
 def _rise_map(axis, fire: Fire, spike: Dict, figure) -> None:
     layers = list(spike["layers"])
     if not layers:  # nothing to map: the fire recorded no layer bucket
-        axis.set_title("rise: no layer bucket was recorded")
+        _title(axis, "rise: no layer bucket was recorded")
         return
     steps = sorted({step for points in fire.norms.values() for step, _ in points})
     grid = []
@@ -195,5 +217,5 @@ def _rise_map(axis, fire: Fire, spike: Dict, figure) -> None:
                         extent=(steps[0] - 0.5, steps[-1] + 0.5, -0.5, len(layers) - 0.5))
     axis.set_yticks(range(len(layers)), [layer_title(layer) for layer in layers], fontsize="small")
     axis.set_xlabel("step")
-    axis.set_title("rise: log10 of the norm over the layer's baseline")
+    _title(axis, "rise: log10 of the norm over the layer's baseline")
     figure.colorbar(image, ax=axis)

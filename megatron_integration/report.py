@@ -9,7 +9,7 @@ gets a spike section per fire (``spike``).
 
 import math
 import statistics
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 from deepspeed_patch.tags import LayerId, layer_position
 
@@ -113,6 +113,18 @@ def summarize_source(source: str) -> Dict:
     summary = summarize(read_layer_series(source), spikes=spikes)
     summary["spikes"] = spikes
     return summary
+
+
+def csv_rows(series: LayerSeries) -> Iterator[List]:
+    """``report --csv``: a header, then one row per step and layer: the step, the layer (as the report names it)
+    and each statistic the log holds (``pre-clip norm``, ``post-clip max``, ...; empty where that step lacks
+    it)."""
+    columns = sorted(series.values)
+    yield ["step", "layer", *(f"{phase} {statistic}" for phase, statistic in columns)]
+    for layer in series.layers():
+        by_column = [dict(series.series(phase, statistic, layer)) for phase, statistic in columns]
+        for step in sorted({step for values in by_column for step in values}):
+            yield [step, layer_title(layer), *(values.get(step, "") for values in by_column)]
 
 
 def _own_steps(steps: List[int], window_steps: int) -> str:

@@ -40,8 +40,9 @@ written.
 import math
 import re
 from dataclasses import dataclass, field
-from typing import Dict, Hashable, Iterable, List, Optional, Tuple
+from typing import Dict, Hashable, Iterable, List, Optional, Sequence, Tuple
 
+from deepspeed_patch.config import parse_layer_spec
 from deepspeed_patch.tags import (
     ALL_PHASES,
     HISTORY_ROOT,
@@ -124,6 +125,30 @@ class LayerSeries:
     def series(self, phase: str, statistic: str, layer: LayerId) -> Points:
         return self.values.get((phase, statistic), {}).get(layer, [])
 
+    def only(self, layers: Sequence[LayerId]) -> "LayerSeries":
+        """The same series, of ``layers`` alone."""
+        return LayerSeries({key: {layer: points for layer, points in by_layer.items() if layer in layers}
+                            for key, by_layer in self.values.items()})
+
+    def selected(self, spec: str) -> "LayerSeries":
+        """The layers a flag's selection (``"0,1,mid,-2,-1"``, ``"all"``) names, in each stack: indices as logged,
+        ``mid`` and negative ones counted from the stack's deepest logged layer. A layer the log lacks is an
+        error naming those it holds."""
+        tokens = parse_layer_spec(spec)
+        if tokens is None:
+            return self
+        chosen = []
+        for stack in self.stacks():
+            logged = {layer_position(layer)[1]: layer for layer in self.stack_layers(stack)}
+            depth = max(logged) + 1
+            for token in tokens:
+                index = depth // 2 if token == "mid" else token + depth if token < 0 else token
+                if index not in logged:
+                    raise NoLayerDataError(f"layer {token} ({index}) is not in this log{_of_stack(stack)}; it "
+                                           f"holds layers {', '.join(str(index) for index in sorted(logged))}")
+                chosen.append(logged[index])
+        return self.only(chosen)
+
 
 class _Collector:
     """Whole-layer series, and the series of finer buckets grouped by the layer their name carries."""
@@ -160,6 +185,10 @@ class _Collector:
             recorded = dict(point for point in points if point[0] not in logged)  # a later fire's copy wins
             self.layers.values[(phase, statistic)][layer] = sorted(live + list(recorded.items()))
         return self.layers
+
+
+def _of_stack(stack: Optional[str]) -> str:
+    return "" if stack is None else f" (stack {stack!r})"
 
 
 def read_layer_series(source: str) -> LayerSeries:

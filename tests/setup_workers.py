@@ -35,6 +35,12 @@ def initialize(config: Dict[str, Any], model: torch.nn.Module = None):
     return engine
 
 
+def installed_initialize(config: Dict[str, Any]) -> None:
+    """``deepspeed.initialize`` after ``install()``, as a user's script calls them; nothing comes back."""
+    deepspeed_patch.install()
+    initialize(config).destroy()
+
+
 def error_of(start: Callable[[], Any]) -> str:
     """The error ``start()`` raises, as ``Type: message``; '' if none."""
     try:

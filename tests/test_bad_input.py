@@ -144,3 +144,56 @@ def test_numbers_and_strings_are_strict_as_booleans_are(block, message):
 def test_an_integer_is_still_a_number():
     config = load_config({"layer_grad_norms": {"trigger": {"grad_norm_factor": 2, "loss_factor": 3}}})
     assert (config.trigger.grad_norm_factor, config.trigger.loss_factor) == (2.0, 3.0)
+
+
+def test_a_bad_block_through_deepspeed_initialize_is_one_exception_whose_first_line_is_the_message():
+    """On one rank, through ``deepspeed.initialize`` as a user calls it: the launcher's exception opens with the
+    rank's own message, naming key and value, and says it once."""
+    from megatron_integration.cpu_launch import RankFailed, launch
+    from setup_workers import base_config, installed_initialize
+
+    with pytest.raises(RankFailed) as failure:
+        launch(installed_initialize, 1, base_config(layer_grad_norms={"enabled": True, "interval": "10"}))
+    message = "invalid ds_config block: layer_grad_norms.interval='10': expected an integer"
+    lines = str(failure.value).splitlines()
+    assert lines[0] == f"rank 0: deepspeed_patch.config.LayerGradNormsConfigError: {message}", lines[0]
+    assert str(failure.value).count(message) == 1 and "Traceback" in lines[3], str(failure.value)
+
+
+@pytest.mark.parametrize("out, message", [
+    ("report.txt", "--out {out}: a file, not a directory"),
+    ("report.txt/demo", "is a file, not a directory"),
+    ("/sys/demo", "--out /sys/demo: cannot write in /sys (Permission denied)"),
+    ("/sys", "--out /sys: cannot write in /sys (Permission denied)"),
+])
+def test_demo_checks_its_out_folder_before_any_rank_launches(out, message, tmp_path, capsys, monkeypatch):
+    """A file, a path under a file, a folder no one may write in (/sys: read-only even for root, whom a
+    folder's mode bits do not stop), and under one."""
+    import megatron_integration.cli as cli
+
+    monkeypatch.setattr(cli, "run_demo", lambda options: pytest.fail("launched"))
+    (tmp_path / "report.txt").write_text("a file\n")
+    out = out if out.startswith("/") else str(tmp_path / out)
+    assert message.format(out=out) in one_line_error(["demo", "--out", out], capsys)
+
+
+def run_cli(*argv: str, **popen) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "megatron_integration.cli", *argv], stderr=subprocess.PIPE,
+                            text=True, **popen)
+
+
+def test_the_demo_command_refuses_a_read_only_out_in_one_line():
+    """Through the entry point, as a user runs it: no rank launched, no traceback."""
+    command = run_cli("demo", "--out", "/sys/demo")
+    _, err = command.communicate(timeout=300)
+    assert command.returncode == 2
+    assert err.splitlines() == ["layer-grad-norms: error: --out /sys/demo: cannot write in /sys (Permission denied)"]
+
+
+@pytest.mark.parametrize("options", [[], ["--json"]])
+def test_a_report_piped_into_a_reader_that_stops_early_ends_quietly(options, logs):
+    """``report | head -3``: the read end is closed before the report is written, so every write fails."""
+    command = run_cli("report", *options, str(logs / "dump.jsonl"), stdout=subprocess.PIPE)
+    command.stdout.close()
+    err = command.stderr.read()
+    assert command.wait(timeout=300) == 141 and err == "", err

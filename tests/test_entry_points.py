@@ -143,3 +143,13 @@ def test_launch_leaves_no_shared_memory_behind():
     assert seen[0] == seen[1] and len(seen[0]) == 2, seen  # one buffer per rank, both mapped by both ranks
     left_behind = [path for path in seen[0] if os.path.exists(path)]
     assert not left_behind, f"this launch left {left_behind}"
+
+
+def test_the_ranks_drop_deepspeed_s_notice_of_its_communication_op_and_keep_the_rest(capsys):
+    """Every rank prints it as ``init_distributed`` loads the op, built or cached: the demo printed it twice."""
+    from megatron_integration import cpu_launch
+
+    with cpu_launch._without_line(cpu_launch.SHM_COMM_OP_BUILT):
+        print("DeepSpeed deepspeed.ops.comm.deepspeed_shm_comm_op built successfully")
+        print("another line")
+    assert capsys.readouterr().out == "another line\n"

@@ -437,3 +437,14 @@ def test_triton_probe(monkeypatch, warnings_logged):
     assert not fused_stats._triton_runs(torch.device(TRITON_DEVICE))
     assert not fused_stats._triton_runs(torch.device(TRITON_DEVICE))
     assert len([message for message in warnings_logged() if "unavailable" in message]) == 1
+
+
+def test_the_host_kernel_s_build_is_announced_at_warning_and_only_when_not_cached(tmp_path, warnings_logged):
+    """DeepSpeed's logger shows WARNING and above by default: an INFO line before a build would be unseen."""
+    module = importlib.import_module("deepspeed_patch.partition_stats_cpu")
+    module._announce_build(str(tmp_path))
+    (announced, ) = warnings_logged()
+    assert "building the fused statistics kernel for the host" in announced
+    (tmp_path / f"{module.extension_name()}.so").write_bytes(b"")  # newer than the source: cached
+    module._announce_build(str(tmp_path))
+    assert len(warnings_logged()) == 1

@@ -215,13 +215,22 @@ def test_the_console_line_is_the_trainers_own_by_default():
     assert len(deepspeed_record("zero2", 1)["console"]) == 0  # printed on the local process zero only
 
 
-def test_the_console_prints_the_values_when_asked():
+def test_the_console_prints_a_summary_of_the_values_when_asked():
+    """One short entry, the largest and the smallest bucket's pre-clip norm; every value in the logs."""
+    from deepspeed_patch.hf_readers import SUMMARY_KEY
+
     record = plain_variant("console")
     checked = 0
     for line, entry in zip(console_lines(record), training_logs(record)):
         printed = ast.literal_eval(line)
-        values = {tag for tag in entry if tag.startswith("layer-grad-norms/")}
-        assert len(values) == len(BUCKETS) * 2 * len(STATISTICS) and set(printed) == set(entry) - {"step"}
+        values = {tag: value for tag, value in entry.items() if tag.startswith("layer-grad-norms/")}
+        assert len(values) == len(BUCKETS) * 2 * len(STATISTICS) and SUMMARY_KEY not in entry
+        assert set(printed) == set(entry) - {"step"} - set(values) | {SUMMARY_KEY}
+        norms = {tag.rsplit("/", 1)[1]: value for tag, value in values.items()
+                 if tag.startswith("layer-grad-norms/pre-clip/")}
+        largest, smallest = max(norms, key=norms.get), min(norms, key=norms.get)
+        assert printed[SUMMARY_KEY] == (f"max {largest} {norms[largest]:.3e}, min {smallest} "
+                                        f"{norms[smallest]:.3e}") and len(line) < 200, line
         checked += 1
     assert checked == STEPS
     with pytest.raises(ValueError, match=r"LayerGradNormsCallback\(console='yes'\): must be True or False"):

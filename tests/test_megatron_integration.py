@@ -2,6 +2,7 @@
 
 import argparse
 import contextlib
+import importlib.util
 import json
 import logging
 import math
@@ -10,7 +11,8 @@ import re
 import subprocess
 import sys
 import threading
-from typing import Dict, Tuple
+from pathlib import Path
+from typing import Dict, List, Tuple
 
 import pytest
 
@@ -66,17 +68,63 @@ def test_optimizer_statistics_flag_fills_the_block_s_kinds():
     assert "optimizer_statistics" not in layer_grad_norms_ds_config(megatron_args(FLAGS), {})["layer_grad_norms"]
 
 
-@pytest.mark.parametrize("flags,message", [
-    (["--layer-grad-norms-layers", "0,last"], "--layer-grad-norms-layers='0,last': 'last' is not a layer index"),
-    (["--layer-grad-norms-interval", "0"], "--layer-grad-norms-interval=0: must be 1 or more"),
+FAKE_FORK_FLAGS = [f"--{flag}=2" for flag in (
+    "num-layers", "hidden-size", "num-attention-heads", "seq-length", "micro-batch-size", "global-batch-size",
+    "train-iters", "vocab-size", "log-interval", "tensorboard-log-interval", "tensor-model-parallel-size",
+    "pipeline-model-parallel-size", "zero-stage", "seed")] + ["--data-path=d", "--tensorboard-dir=t",
+                                                               "--deepspeed_config=c.json", "--log-layer-grad-norms"]
+
+
+def fake_fork_parse_args(flags: List[str], monkeypatch) -> argparse.Namespace:
+    """The fake fork's ``megatron.arguments.parse_args`` (tests/fake_fork), loaded under a name of its own, on a
+    command line of its required flags and ``flags``."""
+    spec = importlib.util.spec_from_file_location("fake_fork_arguments",
+                                                  Path(__file__).parent / "fake_fork" / "megatron" / "arguments.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    monkeypatch.setattr(sys, "argv", ["pretrain_gpt.py", *FAKE_FORK_FLAGS, *flags])
+    return module.parse_args()
+
+
+BAD_FLAGS = [
+    (["--layer-grad-norms-layers", "0,last"], "'0,last': 'last' is not a layer index or 'mid'; expected \"all\""),
+    (["--layer-grad-norms-interval", "0"], "'0' is not a positive integer"),
+    (["--layer-grad-norms-trigger", "0.5"], "'0.5': must be more than 1 (a multiple of the median)"),
+    (["--layer-grad-norms-trigger", "often"], "'often' is not a number"),
+    (["--layer-grad-norms-history", "-1"], "'-1': expected 0 (off) or a positive integer"),
     (["--layer-grad-norms-optimizer-statistics", "param,momentum"],
-     "--layer-grad-norms-optimizer-statistics='param,momentum': 'momentum' is not a kind; choose from param, update, "
-     "exp_avg, exp_avg_sq"),
-    (["--layer-grad-norms-optimizer-statistics", ""], "--layer-grad-norms-optimizer-statistics='': '' is not a kind"),
-])
-def test_bad_flags_name_the_flag_and_value(flags, message):
-    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
-        layer_grad_norms_ds_config(megatron_args(FLAGS + flags), {})
+     "'param,momentum': 'momentum' is not a kind; choose from param, update, exp_avg, exp_avg_sq"),
+    (["--layer-grad-norms-optimizer-statistics", ""], "'': '' is not a kind"),
+    (["--layer-grad-norms-skip-step", "sigma=-1"], "'sigma=-1': Input should be greater than 0"),
+    (["--layer-grad-norms-skip-step", "sgma=1"], "'sgma=1': 'sgma=1' is not one of sigma=..., window=..."),
+    (["--layer-grad-norms-adaptive-clipping", "beta=1.5"], "'beta=1.5': Input should be less than 1"),
+]
+
+
+@pytest.mark.parametrize("flags,message", BAD_FLAGS)
+def test_bad_flags_are_refused_by_the_fork_s_parser_naming_the_flag(flags, message, monkeypatch, capsys):
+    """At argument parsing, before any model is built: argparse's one line, in the flag's own name, exit code 2."""
+    with pytest.raises(SystemExit) as exit_info:
+        fake_fork_parse_args(flags, monkeypatch)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exit_info.value.code == 2, err
+    assert err[-1].startswith(f"pretrain_gpt.py: error: argument {flags[0]}: {message}"), err
+
+
+def test_good_flags_pass_the_fork_s_parser_into_the_block(monkeypatch):
+    args = fake_fork_parse_args(["--layer-grad-norms-trigger", "4", "--layer-grad-norms-skip-step", "sigma=5"],
+                                monkeypatch)
+    block = layer_grad_norms_ds_config(args, {})["layer_grad_norms"]
+    assert block["trigger"] == {"grad_norm_factor": 4.0, "loss_factor": 4.0}
+    assert block["skip_step"] == {"enabled": True, "sigma": 5}
+
+
+def test_a_namespace_built_by_hand_is_checked_by_the_same_rules():
+    """A fork that fills the namespace itself, not through ``add_layer_grad_norms_args``: the same message, named
+    after the flag, at ``layer_grad_norms_ds_config``."""
+    args = argparse.Namespace(log_layer_grad_norms=True, layer_grad_norms_layers="0,last", layer_grad_norms_interval=1)
+    with pytest.raises(ValueError, match="^--layer-grad-norms-layers: '0,last': 'last' is not a layer index"):
+        layer_grad_norms_ds_config(args, {})
 
 
 def test_log_string_field_format():
@@ -227,6 +275,16 @@ def event_files(logdir) -> int:
     return sum(name.startswith("events.out.tfevents") for _, _, names in os.walk(logdir) for name in names)
 
 
+def open_files_under(folder) -> int:
+    """How many of this process's file descriptors are open on files under ``folder``: only what the test's
+    writers hold is counted (the whole process's count moves with other threads: pytest's, torch's)."""
+    count = 0
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):  # an fd closed since the listing, the listing's own
+            count += os.readlink(f"/proc/self/fd/{fd}").startswith(f"{folder}{os.sep}")
+    return count
+
+
 def test_bucket_runs_share_one_writer_thread_flushed_and_closed_with_the_megatron_writer(tmp_path):
     from torch.utils.tensorboard import SummaryWriter
 
@@ -240,13 +298,14 @@ def test_bucket_runs_share_one_writer_thread_flushed_and_closed_with_the_megatro
 
     iterate(1)
     writer.flush()  # the parent's flush flushes the bucket runs
-    held = (threading.active_count(), len(os.listdir("/proc/self/fd")), event_files(tmp_path))
+    held = (threading.active_count(), open_files_under(tmp_path), event_files(tmp_path))
     assert held[0] == threads_before + 2  # Megatron's writer's thread, and one for every bucket's run
     assert held[2] == 1 + len(keys)
     assert read_layer_series(str(tmp_path)).series("pre-clip", "norm", 2) == [(1, pytest.approx(1.001))]
     for iteration in range(2, 401):
         iterate(iteration)
-    assert (threading.active_count(), len(os.listdir("/proc/self/fd")), event_files(tmp_path)) == held
+    assert held[1] <= 1 + len(keys)  # at most each run's events file (tensorboard's GFile without TF holds none)
+    assert (threading.active_count(), open_files_under(tmp_path), event_files(tmp_path)) == held
     writer.close()
     assert threading.active_count() == threads_before
     series = read_layer_series(str(tmp_path))

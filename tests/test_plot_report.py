@@ -465,3 +465,56 @@ def test_deepspeed_s_monitor_counts_samples(tmp_path, capsys):
     text = capsys.readouterr().out
     assert text.startswith("per-layer pre-clip gradient norm, median over samples 6-10 (5 logged samples):")
     assert "median over samples 6-10" in text.splitlines()[-1] and " steps" not in text
+
+
+@pytest.fixture
+def one_run_per_bucket(tmp_path) -> str:
+    write_log(str(tmp_path / "tb"), known_results(), "one run per bucket")
+    return str(tmp_path / "tb")
+
+
+def test_plot_layers_draws_the_selected_layers_and_names_one_the_log_lacks(one_run_per_bucket, tmp_path, capsys):
+    """``plot --layers`` as the demo's: indices as logged, ``mid`` and negative ones from the deepest layer."""
+    from megatron_integration.plot import plot_run
+
+    figure = plot_run(one_run_per_bucket, str(tmp_path / "f.png"), "0,mid,-1")
+    pre_axis, _, depth_axis = figure.axes[:3]
+    assert [line.get_label() for line in pre_axis.get_lines()] == ["layer 0", "layer 3", "layer 5"]
+    assert depth_axis.images[0].get_array().shape == (3, STEPS)
+    main(["plot", one_run_per_bucket, "--layers", "1,2", "-o", str(tmp_path / "g.png")])
+    assert capsys.readouterr().out == f"figure: {tmp_path / 'g.png'}\n"
+    with pytest.raises(SystemExit) as exit_info:
+        main(["plot", one_run_per_bucket, "--layers", "0,7", "-o", str(tmp_path / "h.png")])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err == ("layer-grad-norms plot: layer 7 (7) is not in this log; it holds layers "
+                                       "0, 1, 2, 3, 4, 5\n")
+
+
+def test_report_csv_has_one_row_per_step_and_layer(one_run_per_bucket, capsys):
+    import csv
+
+    main(["report", "--csv", one_run_per_bucket])
+    header, *rows = csv.reader(capsys.readouterr().out.splitlines())
+    assert header[:2] == ["step", "layer"] and "pre-clip norm" in header and "post-clip max" in header
+    assert len(rows) == LAYERS * STEPS
+    column, checked = header.index("pre-clip norm"), 0
+    for row in rows:
+        step, layer = int(row[0]), int(row[1].removeprefix("layer "))
+        if (layer, step) == (2, 5):  # the overflow: written as non-finite
+            assert not math.isfinite(float(row[column])), row
+        else:
+            assert float(row[column]) == pytest.approx(known_norm(layer, step), rel=1e-6), row
+        checked += 1
+    assert checked == LAYERS * STEPS
+
+
+def test_a_long_read_is_announced_on_stderr_and_a_short_one_is_not(monkeypatch, capsys):
+    import megatron_integration.cli as cli
+
+    with cli.reading_notice("layer-grad-norms report: reading runs/x"):
+        pass
+    assert capsys.readouterr().err == ""
+    monkeypatch.setattr(cli, "NOTICE_AFTER", 0.05)
+    with cli.reading_notice("layer-grad-norms report: reading runs/x"):
+        time.sleep(0.5)
+    assert capsys.readouterr().err == "layer-grad-norms report: reading runs/x (0 s so far)\n"

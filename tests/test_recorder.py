@@ -228,8 +228,8 @@ def test_megatron_flags_fill_the_trigger_block():
     assert block["trigger"] == {"grad_norm_factor": 4.0, "loss_factor": 4.0, "history": 8}
     assert load_config({"layer_grad_norms": block}).trigger.history == 8
     assert "trigger" not in layer_grad_norms_block(parser.parse_args(["--log-layer-grad-norms"]))
-    with pytest.raises(ValueError, match="--layer-grad-norms-history=-1"):
-        layer_grad_norms_block(parser.parse_args(["--log-layer-grad-norms", "--layer-grad-norms-history", "-1"]))
+    with pytest.raises(SystemExit):  # refused by the parser, naming the flag (test_megatron_integration.py)
+        parser.parse_args(["--log-layer-grad-norms", "--layer-grad-norms-history", "-1"])
 
 
 def test_megatron_hook_reports_the_loss():

@@ -272,11 +272,7 @@ def test_megatron_flags_fill_the_block():
     alone = layer_grad_norms_block(parser.parse_args(["--layer-grad-norms-adaptive-clipping", "factor=1.1"]))
     assert alone == {"enabled": False, "adaptive_clipping": {"enabled": True, "factor": 1.1}}
     assert layer_grad_norms_block(parser.parse_args([])) is None
-    for flags, words in ((["--layer-grad-norms-skip-step", "sigma=-1"], "greater than 0"),
-                         (["--layer-grad-norms-skip-step", "sgma=1"], "'sgma=1' is not one of sigma=..., window=..."),
-                         (["--layer-grad-norms-adaptive-clipping", "beta=1.5"], "less than 1")):
-        with pytest.raises(ValueError, match=words):
-            layer_grad_norms_block(parser.parse_args(flags))
+    # the flags' bad values: test_megatron_integration.py, through the fork's parser
 
 
 @pytest.mark.parametrize("block, words", [

@@ -563,7 +563,7 @@ def test_plot_history_draws_the_update_to_weight_ratio_beside_the_gradient(kinds
     assert list(thick.get_xdata()) == list(WINDOW)
     assert len(norm_axis.get_lines()) == LAYERS + 1 and rise_axis.images[0].get_array().shape == (LAYERS, 8)
     assert norm_axis.get_title().splitlines()[-1] == "update of layer 2 rose first (step 8)"  # the answer's words
-    assert ratio_axis.get_title().endswith("first to move: update of layer 2")
+    assert " ".join(ratio_axis.get_title().split()).endswith("first to move: update of layer 2")  # wrapped
 
 
 def test_plot_history_titles_say_every_layer_and_the_fire_continued(tmp_path):
@@ -573,8 +573,26 @@ def test_plot_history_titles_say_every_layer_and_the_fire_continued(tmp_path):
     figure = plot_spike_history(fires, localise_all(fires), str(tmp_path / "history.png"))
     titles = [axis.get_title() for axis in figure.axes if axis.get_title().startswith("recorded steps")]
     assert titles[0].splitlines()[1].startswith(f"update of every layer (4 of 4) rose first, step {CAUSE_STEP}")
-    assert titles[1].splitlines()[1].endswith(f"; continues the fire at step {CAUSE_STEP + 2}")
+    assert " ".join(titles[1].splitlines()[1:]).endswith(f"; continues the fire at step {CAUSE_STEP + 2}")
     assert len(titles) == 2
+    assert_titles_fit(figure)
+
+
+def assert_titles_fit(figure) -> None:
+    """Every drawn title (``plot --history``'s are long: the answer's words) inside the figure, and none over
+    another: their extents as the renderer draws them."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    canvas = FigureCanvasAgg(figure)  # the figure is closed once saved: drawn again on a canvas of its own
+    canvas.draw()
+    renderer = canvas.get_renderer()
+    boxes = [text.get_window_extent(renderer) for axis in figure.axes
+             for text in (axis.title, axis._left_title, axis._right_title) if text.get_text()]
+    inside = figure.bbox
+    assert len(boxes) >= 6  # two rows of three panels
+    for index, box in enumerate(boxes):
+        assert inside.x0 <= box.x0 and box.x1 <= inside.x1 and inside.y0 <= box.y0 and box.y1 <= inside.y1, box
+        assert not any(box.overlaps(other) for other in boxes[index + 1:]), box
 
 
 # Coupled Adam dynamics (tests/adam_dynamics.py): a TinyGPT trained by torch's AdamW, each signal read from the model

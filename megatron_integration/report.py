@@ -11,6 +11,7 @@ from typing import Dict, List, Optional, Sequence
 
 from deepspeed_patch.tags import LayerId, layer_position
 
+from .remedy_report import format_remedies, read_remedies, remedy_section
 from .spike import format_spikes, spike_summaries
 from .tensorboard_reader import LayerSeries, NoLayerDataError, layer_title, read_layer_series
 
@@ -75,9 +76,11 @@ def summarize(series: LayerSeries, window: float = 0.5) -> Dict:
 
 
 def summarize_source(source: str) -> Dict:
-    """``summarize`` of a TensorBoard directory or JSONL dump, with its fires' spike sections under ``spikes``."""
+    """``summarize`` of a TensorBoard directory or JSONL dump, with its fires' spike sections under ``spikes`` and,
+    where a remedy was on, what it did under ``remedies`` (``remedy_report``)."""
     summary = summarize(read_layer_series(source))
     summary["spikes"] = spike_summaries(source)
+    summary.update(remedy_section(read_remedies(source)))
     return summary
 
 
@@ -114,4 +117,6 @@ def format_report(summary: Dict) -> str:
     lines.append(summary["answer"])
     if summary.get("spikes"):
         lines.append(format_spikes(summary["spikes"]))
+    if summary.get("remedies"):
+        lines.append(format_remedies(summary["remedies"]))
     return "\n".join(lines)

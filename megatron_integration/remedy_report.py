@@ -27,6 +27,8 @@ _FACTOR_TAG = re.compile(rf"(?:^|/)(?:non-)?{TAG_ROOT}/{phase_label(ADAPTIVE_CLI
 """A factor's tag, after any writer's prefix: the bucket ends it (the flat form), or names the part of the run's
 layer (finer buckets), or the run is the bucket's."""
 _SKIPPED_TAG = re.compile(rf"(?:^|/){re.escape(SKIPPED_TAG)}$")
+SKIPPED_GID = "skipped-step"
+"""The matplotlib ``gid`` of a skipped step's marker."""
 FACTORS_DRAWN = 8
 """The buckets ``plot`` draws factors of: those clipped lowest."""
 
@@ -156,7 +158,7 @@ def draw_skipped(axes: Iterable, log: RemedyLog) -> None:
     """A vertical line at each skipped step on each of ``axes``, labelled once."""
     for axis in axes:
         for index, step in enumerate(log.skipped_steps()):
-            axis.axvline(step, color="black", linestyle=":", linewidth=1,
+            axis.axvline(step, color="black", linestyle=":", linewidth=1, gid=SKIPPED_GID,
                          label="skipped step (skip_step)" if index == 0 else None)
 
 

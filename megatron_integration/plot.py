@@ -7,7 +7,8 @@ log10 of the pre-clip norm for every logged layer
 against step, as a heatmap. In a model of several layer stacks (an encoder's and a decoder's) each
 stack gets its five lines, in a line style of its own, and its band of the depth profile. Lines take their colour
 from their depth (``depth_colour``); one layer per figure, the one that rose most at the first fire, is highlighted
-(``HIGHLIGHT``); legends sit under the panels, off the data.
+(``HIGHLIGHT``); legends sit under the panels, off the data. Where a remedy was on (``remedy_report``), each
+skipped step is a dotted vertical line on the norms, and a fourth panel draws adaptive clipping's factors.
 
 ``plot --history``: the flight recorder's steps of each fire (``plot_spike_history``), every layer: the gradient,
 the update-to-weight ratio where the log holds it, and each layer's rise.
@@ -91,7 +92,7 @@ def plot_layer_norms(series: LayerSeries, out: str, spiked: Iterable[LayerId] = 
         axis.set_xlabel("step")
         axis.set_ylabel("gradient L2 norm")
         axis.set_title(f"per-layer gradient norm, {phase}")
-    draw_skipped(axes[:2] if panels == 3 else (*axes[:2], axes[3]), remedies)
+    draw_skipped([pre_axis, post_axis, *axes[3:]], remedies)
     handles, labels = pre_axis.get_legend_handles_labels()  # the same lines in both panels: one legend, below
     figure.legend(handles, labels, loc="outside lower center", ncol=min(len(labels), 6), fontsize="small")
     _depth_profile(depth_axis, series, figure)

@@ -151,7 +151,7 @@ def test_demo_remedy_adaptive_reports_the_factors(tmp_path, capsys):
     1 are the section's (AdaGC's warm-up average is the smallest norm seen, so some bucket is clipped)."""
     remedies = demo_remedies(tmp_path, capsys, "--remedy", "adaptive")
     adaptive = remedies["adaptive_clipping"]
-    assert adaptive["steps"] == 10 and adaptive["buckets"] == 7  # 4 layers, the embeddings, final norm, head
+    assert adaptive["steps"] == 10 and adaptive["buckets"] == 8  # 4 layers, 2 embeddings, the final norm, the head
     assert adaptive["clipped"], adaptive
     assert all(0 < entry["lowest"] < 1 and entry["steps"] >= 1 for entry in adaptive["clipped"].values())
     figure = plot_run(str(tmp_path / "tensorboard"), str(tmp_path / "again.png"))

@@ -1,5 +1,7 @@
 """``adaptive_clipping`` with ``granularity: "param"`` step by step against an independent implementation of AdaGC:
 pytorch-optimizer's ``AdaGC`` (per tensor, inside its own Adam), on one rank under ZeRO-2 fp32 with torch's AdamW.
+The extended tier: the suite checks the same rule against this project's own plain-PyTorch AdaGC
+(``test_remedies.py``).
 
 What is compared, step by step (adagc_reference_workers.py runs both):
 
@@ -49,6 +51,7 @@ def relative(ours: float, theirs: float) -> float:
     return abs(ours - theirs) / abs(theirs)
 
 
+@pytest.mark.extended  # its 1-rank launch costs about 29 CPU seconds; test_remedies.py checks AdaGC in the suite
 @pytest.mark.parametrize("name", CASES)
 def test_adaptive_clipping_per_param_is_pytorch_optimizers_adagc(name):
     record = records()[name]

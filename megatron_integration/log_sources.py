@@ -22,7 +22,7 @@ import os
 import re
 from typing import Dict, Iterator, List, Optional, Tuple
 
-from deepspeed_patch.tags import ALL_PHASES, TAG_ROOT, phase_label, scalar_tag
+from deepspeed_patch.tags import ALL_PHASES, SKIPPED_TAG, TAG_ROOT, WRITTEN_PHASES, phase_label, scalar_tag
 
 Points = List[Tuple[int, float]]
 Series = Tuple[str, str, Points]
@@ -31,7 +31,11 @@ Series = Tuple[str, str, Points]
 TRAINER_STATE = "trainer_state.json"
 PHASE_PATTERN = "(" + "|".join(re.escape(phase_label(phase)) for phase in ALL_PHASES) + ")"
 """A phase as tags name it (``pre-clip``, ``exp-avg-sq``, ``update-to-weight``), one regex group."""
-_CSV_NAME = re.compile(rf"(?:^|_){TAG_ROOT}_(?:{PHASE_PATTERN}|values_([a-z0-9]+)_{PHASE_PATTERN})_(.+)$")
+_WRITTEN_PATTERN = "(" + "|".join(re.escape(phase_label(phase)) for phase in WRITTEN_PHASES) + ")"
+"""Every phase a writer writes: the signals, and adaptive clipping's factors (``adaptive-clip``)."""
+_CSV_NAME = re.compile(rf"(?:^|_){TAG_ROOT}_(?:{_WRITTEN_PATTERN}|values_([a-z0-9]+)_{PHASE_PATTERN})_(.+)$")
+_CSV_SKIPPED = re.compile(rf"(?:^|_){re.escape(SKIPPED_TAG.replace('/', '_'))}$")
+"""The file of ``skip_step``'s scalar, a step's rather than a bucket's."""
 _EVENTS_FILE = "tfevents"
 _SNIFF_BYTES = 4096
 _MAX_LINE = 1 << 24
@@ -177,11 +181,15 @@ def tensorboard_scalars(logdir: str) -> Iterator[Series]:
 
 def _csv_series(path: str, run: str) -> Iterator[Series]:
     """One file of DeepSpeed's CSV monitor: rows ``step,value`` under a header (repeated by a restart)."""
-    match = _CSV_NAME.search(os.path.splitext(os.path.basename(path))[0])
-    if match is None:
+    name = os.path.splitext(os.path.basename(path))[0]
+    match = _CSV_NAME.search(name)
+    if match is not None:
+        norm_phase, statistic, values_phase, bucket = match.groups()
+        tag = f"{scalar_tag(norm_phase or values_phase, statistic or 'norm')}/{bucket}"
+    elif _CSV_SKIPPED.search(name):
+        tag = SKIPPED_TAG
+    else:
         return
-    norm_phase, statistic, values_phase, bucket = match.groups()
-    tag = f"{scalar_tag(norm_phase or values_phase, statistic or 'norm')}/{bucket}"
     points = []
     with open(path, newline="", encoding="utf-8") as rows:
         for row in csv.reader(rows):

@@ -27,7 +27,7 @@ EXPECTED_CLIPPED = {  # lowest first
     "embedding": {"steps": 1, "lowest": 0.8, "lowest_step": 11, "median": 0.8},
     "layer03": {"steps": 1, "lowest": 0.9, "lowest_step": 10, "median": 0.9},
 }
-SOURCES = ["dump", "one run per bucket", "DeepSpeed monitor", "trainer_state"]
+SOURCES = ["dump", "one run per bucket", "DeepSpeed monitor", "CSV", "trainer_state"]
 
 
 def known_result(step: int) -> Dict:
@@ -48,6 +48,16 @@ def write_source(path: str, results: List[Dict], source: str) -> str:
         for stats in results:
             dump.write(stats)
         return os.path.join(path, "dump.jsonl")
+    if source == "CSV":  # DeepSpeed's CSV monitor: a file per tag, the tag's "/" made "_"
+        series: Dict[str, List[str]] = {}
+        for stats in results:
+            for tag, value in flat_scalars(stats).items():
+                name = f"Train_Samples_{tag.replace('/', '_')}.csv"
+                series.setdefault(name, []).append(f"{stats['step']},{value}\n")
+        for name, rows in series.items():
+            with open(os.path.join(path, name), "w") as out:
+                out.write("step,value\n" + "".join(rows))
+        return path
     if source == "trainer_state":
         with open(os.path.join(path, "trainer_state.json"), "w") as state:
             json.dump({"log_history": [{"step": stats["step"], **flat_scalars(stats)} for stats in results]}, state)

@@ -29,7 +29,7 @@ with contextlib.redirect_stdout(sys.stderr):
     from deepspeed_patch.upstream.apply import COMMANDS, run_patch_command
 
     from .arguments import LAYER_FLAG_FORMS, layer_selection, positive_int
-    from .demo import LR_SPIKE, SPIKE_HISTORY, DemoOptions, run_demo
+    from .demo import DEMO_REMEDIES, LR_SPIKE, SPIKE_HISTORY, DemoOptions, run_demo
     from .fires import read_fires
     from .fork_e2e.run import E2EOptions, run_e2e, summary_markdown
     from .fork_e2e.setups import SETUPS
@@ -85,6 +85,10 @@ def build_parser() -> argparse.ArgumentParser:
                       help=f"multiply the learning rate by {LR_SPIKE:g} at optimizer step STEP only, with a flight "
                       f"recorder of {SPIKE_HISTORY} steps and the optimizer's statistics: the spike starts in the "
                       "update, and the report names it")
+    demo.add_argument("--remedy", choices=tuple(DEMO_REMEDIES),
+                      help="turn a remedy on: adaptive (adaptive_clipping, warm-up 20 steps) or skip (skip_step, "
+                      "window 20; with --spike after step 20 it skips the spiking step); the report and figure show "
+                      "what it did")
     logdir_help = (f"{READABLE}: a TensorBoard directory written by log_layer_grad_norms, DeepSpeed's monitor or "
                    "the Hugging Face Trainer (its output directory or one run), its trainer_state.json, a JSONL dump "
                    "with its rotated files, or a directory of CSV monitor files")
@@ -330,7 +334,8 @@ def run_demo_command(parser: argparse.ArgumentParser, args: argparse.Namespace) 
                      "select at least 2 layers")
     options = DemoOptions(steps=args.steps, num_layers=args.num_layers, hidden=args.hidden,
                           zero_stage=args.zero_stage, world_size=args.world_size, arch=args.arch,
-                          layers=args.layers, out=args.out, spike=args.spike, lr_spike=args.lr_spike)
+                          layers=args.layers, out=args.out, spike=args.spike, lr_spike=args.lr_spike,
+                          remedy=args.remedy)
     print(run_demo(options))
 
 

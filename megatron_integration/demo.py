@@ -14,6 +14,11 @@ only: every layer's update leaves its median there, and the next step's gradient
 Either spike turns on the optimizer's statistics (``optimizer_statistics``: weights, update, moments) and the
 JSONL dump, and the report says which signal of which layer left its median first: the gradient for ``--spike``,
 the update for ``--lr-spike``.
+
+With a remedy (``--remedy adaptive`` or ``skip``) the run turns it on (``DEMO_REMEDIES``' settings: a warm-up or
+window short enough for the demo's steps) and writes the JSONL dump; the report's remedy section and the figure's
+markers and factor panel show what it did. With ``--spike`` too, ``skip`` skips the spiking step; the optimizer's
+statistics stay off (a remedy and ``optimizer_statistics`` are not combined).
 """
 
 import argparse
@@ -37,6 +42,7 @@ from .cpu_launch import launch
 from .fires import read_fires
 from .log_sources import dump_files
 from .plot import plot_layer_norms, plot_spike_history
+from .remedy_report import RemedyLog, read_remedies, remedy_section
 from .report import format_report, summarize
 from .spike import localise_all, spiked_layers
 from .tensorboard_reader import read_layer_series
@@ -59,6 +65,8 @@ class DemoOptions:
     """``(step, layer)``: inject a gradient spike into that layer at that step, with a flight recorder on."""
     lr_spike: Optional[int] = None
     """A step whose learning rate is ``LR_SPIKE`` x the others', with a flight recorder on."""
+    remedy: Optional[str] = None
+    """A remedy to turn on: a key of ``DEMO_REMEDIES``."""
 
     @property
     def recording(self) -> bool:
@@ -74,6 +82,10 @@ trigger's factor (3 by default)."""
 LR_SPIKE = 3000.0
 """The learning rate's factor at ``--lr-spike``'s step: every layer's update leaves its median at that step, and
 the weights it moves raise the next step's gradient past the trigger's factor."""
+DEMO_REMEDIES = {"adaptive": ("layer_grad_norms_adaptive_clipping", "warmup_steps=20"),
+                 "skip": ("layer_grad_norms_skip_step", "window=20")}
+"""``--remedy``'s choices: the Megatron flag's attribute that turns the remedy on, and its settings (judged after
+20 steps, where the defaults wait 100 and 64: the demo runs 200)."""
 DUMP = "layer_grad_norms.jsonl"
 """The JSONL dump of a run with a spike, in ``--out``: every measured step's full result, and the recorded steps
 of each fire with the optimizer's statistics of every layer."""
@@ -82,10 +94,14 @@ of each fire with the optimizer's statistics of every layer."""
 def megatron_style_args(options: DemoOptions) -> argparse.Namespace:
     """The arguments a Megatron run with ``--log-layer-grad-norms`` would have (and
     ``--layer-grad-norms-history`` with a spike)."""
-    return argparse.Namespace(log_layer_grad_norms=True, layer_grad_norms_layers=options.layers,
+    args = argparse.Namespace(log_layer_grad_norms=True, layer_grad_norms_layers=options.layers,
                               layer_grad_norms_interval=1, tensorboard_log_interval=1,
                               layer_grad_norms_history=SPIKE_HISTORY if options.recording else None,
                               log_interval=max(1, options.steps // 10), consumed_train_samples=0)
+    if options.remedy is not None:
+        flag, settings = DEMO_REMEDIES[options.remedy]
+        setattr(args, flag, settings)
+    return args
 
 
 def spike_term(layer: nn.Module, norm: float) -> torch.Tensor:
@@ -106,7 +122,7 @@ def injected_spike(engine, options: DemoOptions, step: int) -> torch.Tensor:
 
 def demo_ds_config(options: DemoOptions, args: argparse.Namespace) -> dict:
     """The ds_config of the demo's engine: its ``layer_grad_norms`` block from ``args``, and with a spike the
-    optimizer's statistics of every kind and the dump (``DUMP``)."""
+    optimizer's statistics of every kind (not with a remedy) and the dump (``DUMP``), which a remedy writes too."""
     config = layer_grad_norms_ds_config(args, {
         "train_micro_batch_size_per_gpu": options.micro_batch,
         "gradient_clipping": 1.0,
@@ -114,9 +130,10 @@ def demo_ds_config(options: DemoOptions, args: argparse.Namespace) -> dict:
         "zero_allow_untested_optimizer": True,
         "steps_per_print": 10**9,
     })
-    if options.recording:
-        config[CONFIG_KEY].update(optimizer_statistics=list(OPTIMIZER_KINDS),
-                                  dump={"path": os.path.join(options.out, DUMP)})
+    if options.recording and options.remedy is None:
+        config[CONFIG_KEY]["optimizer_statistics"] = list(OPTIMIZER_KINDS)
+    if options.recording or options.remedy is not None:
+        config[CONFIG_KEY]["dump"] = {"path": os.path.join(options.out, DUMP)}
     return config
 
 
@@ -191,12 +208,15 @@ def run_demo(options: DemoOptions) -> str:
     os.makedirs(options.out, exist_ok=True)  # the dump's directory, before rank 0 writes its first line
     launch(train_rank, options.world_size, options)
     series, fires = read_layer_series(tensorboard_dir), read_fires(dump) if options.recording else []
+    remedies = read_remedies(dump) if options.remedy is not None else RemedyLog()
     spikes = localise_all(fires)
     summary = summarize(series, spikes=spikes)
     summary["spikes"] = spikes
+    summary.update(remedy_section(remedies))
     figure = os.path.join(options.out, "layer_grad_norms.png")
-    plot_layer_norms(series, figure, spiked_layers(summary["spikes"]))
-    paths = f"dump: {dump}\nfigure: {figure}\n" if options.recording else f"figure: {figure}\n"
+    plot_layer_norms(series, figure, spiked_layers(summary["spikes"]), remedies)
+    dumped = options.recording or options.remedy is not None
+    paths = f"dump: {dump}\nfigure: {figure}\n" if dumped else f"figure: {figure}\n"
     if fires:
         history_figure = os.path.join(options.out, "spike_history.png")
         plot_spike_history(fires, summary["spikes"], history_figure)
@@ -204,6 +224,7 @@ def run_demo(options: DemoOptions) -> str:
     report = format_report(summary)
     with open(os.path.join(options.out, "report.txt"), "w") as out:
         out.write(report + "\n")
+    remedy = "" if options.remedy is None else f", remedy {options.remedy}"
     return (f"{report}\n\n({options.arch}, {options.num_layers} layers, hidden {options.hidden}, "
-            f"ZeRO-{options.zero_stage}, {options.world_size} ranks)\n"
+            f"ZeRO-{options.zero_stage}, {options.world_size} ranks{remedy})\n"
             f"TensorBoard: {tensorboard_dir}\n{paths}report: {os.path.join(options.out, 'report.txt')}")

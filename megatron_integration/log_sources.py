@@ -26,7 +26,7 @@ import os
 import re
 from typing import Dict, Iterator, List, Optional, Tuple
 
-from deepspeed_patch.tags import ALL_PHASES, TAG_ROOT, phase_label, scalar_tag
+from deepspeed_patch.tags import ALL_PHASES, SKIPPED_TAG, TAG_ROOT, WRITTEN_PHASES, phase_label, scalar_tag
 
 Points = List[Tuple[int, float]]
 Series = Tuple[str, str, Points]
@@ -41,6 +41,10 @@ _BUCKET_RUNS = re.compile(rf"(?:^|/)(?:non-)?{TAG_ROOT}(?:-history)?(?:/.*)?$")
 ``non-layer-grad-norms/embed``, ``layer-grad-norms-history/fire-000150/layer03``)."""
 _OUR_TAG = re.compile(rf"^(.*?)(?:non-)?{TAG_ROOT}(?:-history)?/")
 """A tag of ours, its writer's prefix (``Train/Samples/``, ``train/``, none) its group."""
+_WRITTEN_PATTERN = "(" + "|".join(re.escape(phase_label(phase)) for phase in WRITTEN_PHASES) + ")"
+"""Every phase a writer writes: the signals, and adaptive clipping's factors (``adaptive-clip``)."""
+_CSV_SKIPPED = re.compile(rf"(?:^|_){re.escape(SKIPPED_TAG.replace('/', '_'))}$")
+"""The file of ``skip_step``'s scalar, a step's rather than a bucket's."""
 _EVENTS_FILE = "tfevents"
 _SNIFF_BYTES = 4096
 _MAX_LINE = 1 << 24
@@ -218,12 +222,16 @@ def tensorboard_scalars(logdir: str) -> Iterator[Series]:
 def _csv_series(path: str, run: str) -> Iterator[Series]:
     """One file of DeepSpeed's CSV monitor: rows ``step,value`` under a header (repeated by a restart); its tag
     with the writer's prefix the file name carries (``Train/Samples/``)."""
-    match = _CSV_NAME.search(os.path.splitext(os.path.basename(path))[0])
-    if match is None:
+    name = os.path.splitext(os.path.basename(path))[0]
+    match = _CSV_NAME.search(name)
+    if match is not None:
+        norm_phase, statistic, values_phase, bucket = match.groups()
+        writer = match.string[:match.start()].replace("_", "/")  # Train_Samples_... : DeepSpeed's Train/Samples/
+        tag = f"{writer}/" * bool(writer) + f"{scalar_tag(norm_phase or values_phase, statistic or 'norm')}/{bucket}"
+    elif _CSV_SKIPPED.search(name):
+        tag = SKIPPED_TAG
+    else:
         return
-    norm_phase, statistic, values_phase, bucket = match.groups()
-    writer = match.string[:match.start()].replace("_", "/")  # Train_Samples_... : DeepSpeed's Train/Samples/
-    tag = f"{writer}/" * bool(writer) + f"{scalar_tag(norm_phase or values_phase, statistic or 'norm')}/{bucket}"
     points = []
     with open(path, newline="", encoding="utf-8") as rows:
         for row in csv.reader(rows):

@@ -7,7 +7,8 @@ log10 of the pre-clip norm for every logged layer
 against step, as a heatmap. In a model of several layer stacks (an encoder's and a decoder's) each
 stack gets its five lines, in a line style of its own, and its band of the depth profile. Lines take their colour
 from their depth (``depth_colour``); one layer per figure, the one that rose most at the first fire, is highlighted
-(``HIGHLIGHT``); legends sit under the panels, off the data.
+(``HIGHLIGHT``); legends sit under the panels, off the data. Where a remedy was on (``remedy_report``), each
+skipped step is a dotted vertical line on the norms, and a fourth panel draws adaptive clipping's factors.
 
 ``plot --history``: the flight recorder's steps of each fire (``plot_spike_history``), every layer: the gradient,
 the update-to-weight ratio where the log holds it, and each layer's rise.
@@ -15,11 +16,12 @@ the update-to-weight ratio where the log holds it, and each layer's rise.
 
 import math
 import textwrap
-from typing import Dict, Iterable, List
+from typing import Dict, Iterable, List, Optional
 
 from deepspeed_patch.tags import UPDATE_TO_WEIGHT, LayerId, layer_position
 
 from .fires import Fire, read_fires
+from .remedy_report import RemedyLog, draw_factors, draw_skipped, read_remedies
 from .spike import figure_words, localise_all, spiked_layers
 from .tensorboard_reader import LayerSeries, layer_title, read_layer_series
 
@@ -59,9 +61,11 @@ def line_label(series: LayerSeries, layer: LayerId, steps: int) -> str:
     return layer_title(layer) + (f" ({count} of {steps} steps)" if count < steps else "")
 
 
-def plot_layer_norms(series: LayerSeries, out: str, spiked: Iterable[LayerId] = ()):
+def plot_layer_norms(series: LayerSeries, out: str, spiked: Iterable[LayerId] = (),
+                     remedies: Optional[RemedyLog] = None):
     """Draw the figure into ``out`` (PNG or SVG, from its extension), with the ``spiked`` layers (those that
-    rose most at a fire, ``spike.localise``) among the lines, the first of them highlighted; returns the
+    rose most at a fire, ``spike.localise``) among the lines, the first of them highlighted, and what the
+    ``remedies`` did: skipped steps marked on the norms, adaptive clipping's factors in a fourth panel; returns the
     matplotlib Figure."""
     import matplotlib
 
@@ -71,7 +75,10 @@ def plot_layer_norms(series: LayerSeries, out: str, spiked: Iterable[LayerId] = 
     stacks, spiked = series.stacks(), list(spiked)
     highlight = spiked[0] if spiked else None
     steps = len({step for layer in series.layers() for step, _ in series.series("pre-clip", "norm", layer)})
-    figure, (pre_axis, post_axis, depth_axis) = plt.subplots(1, 3, figsize=(16, 5.4), layout="constrained")
+    remedies = remedies or RemedyLog()
+    panels = 4 if remedies.factors else 3
+    figure, axes = plt.subplots(1, panels, figsize=(16 * panels / 3, 5.4), layout="constrained")
+    pre_axis, post_axis, depth_axis = axes[:3]
     for axis, phase in ((pre_axis, "pre-clip"), (post_axis, "post-clip")):
         for position, stack in enumerate(stacks):
             drawn = line_layers(series.stack_layers(stack), series, spiked)
@@ -86,9 +93,12 @@ def plot_layer_norms(series: LayerSeries, out: str, spiked: Iterable[LayerId] = 
         axis.set_xlabel("step")
         axis.set_ylabel("gradient L2 norm")
         axis.set_title(f"per-layer gradient norm, {phase}")
+    draw_skipped([pre_axis, post_axis, *axes[3:]], remedies)
     handles, labels = pre_axis.get_legend_handles_labels()  # the same lines in both panels: one legend, below
     figure.legend(handles, labels, loc="outside lower center", ncol=min(len(labels), 6), fontsize="small")
     _depth_profile(depth_axis, series, figure)
+    if panels == 4:
+        draw_factors(axes[3], remedies)
     return _saved(figure, out)
 
 
@@ -104,11 +114,12 @@ def _saved(figure, out: str):
 
 def plot_run(source: str, out: str, layers: str = "all"):
     """``plot``'s figure of any log ``source`` (``log_sources``), of the ``layers`` it selects (``plot --layers``;
-    ``LayerSeries.selected``), the layer that rose most at each of its fires among the lines; returns the
-    matplotlib Figure."""
+    ``LayerSeries.selected``), the layer that rose most at each of its fires among the lines, and what its remedies
+    did; returns the matplotlib Figure."""
     series = read_layer_series(source).selected(layers)
     spikes = localise_all(read_fires(source))
-    return plot_layer_norms(series, out, [layer for layer in spiked_layers(spikes) if layer in series.layers()])
+    return plot_layer_norms(series, out, [layer for layer in spiked_layers(spikes) if layer in series.layers()],
+                            read_remedies(source))
 
 
 def _depth_profile(axis, series: LayerSeries, figure) -> None:

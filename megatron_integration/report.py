@@ -13,6 +13,7 @@ from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 from deepspeed_patch.tags import LayerId, layer_position
 
+from .remedy_report import format_remedies, read_remedies, remedy_section
 from .spike import format_spikes, spike_summaries, wrapped
 from .tensorboard_reader import LayerSeries, NoLayerDataError, layer_title, read_layer_series
 
@@ -108,10 +109,12 @@ def _left_out(summary: Dict) -> str:
 
 
 def summarize_source(source: str) -> Dict:
-    """``summarize`` of a TensorBoard directory or JSONL dump, with its fires' spike sections under ``spikes``."""
+    """``summarize`` of a TensorBoard directory or JSONL dump, with its fires' spike sections under ``spikes`` and,
+    where a remedy was on, what it did under ``remedies`` (``remedy_report``)."""
     spikes = spike_summaries(source)
     summary = summarize(read_layer_series(source), spikes=spikes)
     summary["spikes"] = spikes
+    summary.update(remedy_section(read_remedies(source)))
     return summary
 
 
@@ -166,4 +169,6 @@ def format_report(summary: Dict) -> str:
     lines.append(summary["answer"])
     if summary.get("spikes"):
         lines.append(format_spikes(summary["spikes"]))
+    if summary.get("remedies"):
+        lines.append(format_remedies(summary["remedies"]))
     return "\n".join(wrapped(lines))

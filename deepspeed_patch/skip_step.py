@@ -16,6 +16,9 @@ of its window.
 Its inputs are the same on every rank: the global norm from the step's reduced table, and the largest loss any
 rank reported for the step (``trigger.agreed_loss``: one 8-byte MAX all-reduce per step, made whether or not a
 loss was reported), so every rank takes the same decision even where the ranks report their own losses.
+
+Both windows are in the checkpoint (``state_dict``), as OLMo-core keeps its own: a resumed run judges from its
+first step.
 """
 
 import math
@@ -55,6 +58,17 @@ class SkipStep:
                                   self._outlier("grad norm", global_norm, self.norms)) if reason
         ]
         return "; ".join(reasons) or None
+
+    def state_dict(self) -> dict:
+        """The state a checkpoint keeps: both windows, oldest value first."""
+        return {"losses": list(self.losses), "norms": list(self.norms)}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore ``state_dict()``'s windows (their newest ``window`` values, where the window shrank)."""
+        self.losses.clear()
+        self.losses.extend(state["losses"])
+        self.norms.clear()
+        self.norms.extend(state["norms"])
 
     def _outlier(self, name: str, value: Optional[float], window: deque) -> Optional[str]:
         if value is None:

@@ -67,10 +67,11 @@ def layer_grad_norms_interval(args: argparse.Namespace) -> int:
 
 def layer_grad_norms_block(args: argparse.Namespace) -> Optional[Dict[str, Any]]:
     """The ``layer_grad_norms`` ds_config block the flags ask for; ``None`` without them. A remedy's flag alone
-    gives a block that acts without logging (``enabled`` follows ``--log-layer-grad-norms``)."""
+    gives a block that acts without logging: ``enabled`` (the block's master switch) is on, and the training-log
+    hook writes nothing without ``--log-layer-grad-norms``."""
     remedies = _remedy_blocks(args)
     if not getattr(args, "log_layer_grad_norms", False):
-        return {"enabled": False, **remedies} if remedies else None
+        return {"enabled": True, **remedies} if remedies else None
     try:
         parse_layer_spec(args.layer_grad_norms_layers)
     except ValueError as err:

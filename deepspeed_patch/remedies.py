@@ -56,16 +56,18 @@ class Action:
 class Remedies:
     """The remedies a ds_config turns on, for one optimizer's buckets."""
 
-    def __init__(self, config: LayerGradNormsConfig, keys: Sequence[Hashable]) -> None:
+    def __init__(self, config: LayerGradNormsConfig, keys: Sequence[Hashable], process_group: object = None) -> None:
+        """``process_group``: the ranks whose tables a step reduces (``skip_step`` agrees the loss over them)."""
         self.adaptive = AdaptiveClipping(config.adaptive_clipping, keys) if config.adaptive_clipping.enabled else None
-        self.skip = SkipStep(config.skip_step) if config.skip_step.enabled else None
+        self.skip = SkipStep(config.skip_step, process_group) if config.skip_step.enabled else None
         self.num_buckets = len(keys)
         self.restored = False
         """A checkpoint's state was loaded (``load_state_dict``), or the first step of a fresh run was taken."""
 
     @staticmethod
-    def wanted(config: LayerGradNormsConfig, keys: Sequence[Hashable]) -> Optional["Remedies"]:
-        return Remedies(config, keys) if config.acts() else None
+    def wanted(config: LayerGradNormsConfig, keys: Sequence[Hashable],
+               process_group: object = None) -> Optional["Remedies"]:
+        return Remedies(config, keys, process_group) if config.acts() else None
 
     def report_loss(self, loss: Union[float, torch.Tensor]) -> None:
         if self.skip is not None:

@@ -79,7 +79,7 @@ class LayerGradNormsAdapter:
         ZeRO-3 sub-group); ``device``: where the statistics are computed (that of the partitions)."""
         self.schedule = StepSchedule(setup.config, setup.layer_map, setup.completed_steps)
         self.latch = FailureLatch()
-        self.trigger = TriggerState(setup.config.trigger)
+        self.trigger = TriggerState(setup.config.trigger, setup.process_group)
         self.publisher = Publisher(setup.config.dump, setup.monitor)
         self.layer_map = setup.layer_map
         self.process_group = setup.process_group
@@ -95,7 +95,7 @@ class LayerGradNormsAdapter:
         self.reporting = False
         """Whether the step under way is measured (reduced and published), not only recorded."""
         trigger = setup.config.trigger
-        self.remedies = Remedies.wanted(setup.config, self.layer_map.keys)
+        self.remedies = Remedies.wanted(setup.config, self.layer_map.keys, setup.process_group)
         """``adaptive_clipping`` and ``skip_step``, when either is on: then every step is measured, and reduced
         before the optimizer steps (``act``)."""
         self.capture_steps = trigger.capture_steps if trigger is not None else None

@@ -331,3 +331,20 @@ def test_bad_remedy_keys_are_named(block, words):
 
     with pytest.raises(LayerGradNormsConfigError, match=re.escape(words)):
         load_config({"layer_grad_norms": block})
+
+
+def test_a_universal_checkpoint_is_read_from_its_folder(tmp_path):
+    """DeepSpeed loads a universal checkpoint with ``state_dict_list=None`` and the folder (a ``TypeError`` before):
+    the remedies' state is read from ``zero/optimizer_state.pt``, where ``ds_to_universal`` copies it (the real
+    conversion: ``test_resume_keeps_the_averages_and_the_windows[1x-...]``, extended tier)."""
+    import torch
+
+    from deepspeed_patch.remedies import CHECKPOINT_KEY, UNIVERSAL_STATE, saved_state
+
+    state = {"adaptive_clipping": {"steps": 3, "ema": {0: 0.5}}, "skip_step": {"losses": [1.0], "norms": [2.0]}}
+    path = tmp_path / UNIVERSAL_STATE
+    path.parent.mkdir()
+    torch.save({CHECKPOINT_KEY: state, "param_groups": []}, path)
+    assert saved_state(None, str(tmp_path)) == state
+    assert saved_state(None, str(tmp_path / "elsewhere")) is None
+    assert saved_state([{"other": 1}, {CHECKPOINT_KEY: state}], None) == state

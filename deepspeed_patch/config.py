@@ -9,15 +9,21 @@ launch with an error naming the key and the value instead of silently measuring 
 """
 
 import difflib
+import logging
 import re
 from typing import Any, List, Optional, Tuple, Union
 
 from pydantic import ConfigDict, Field, StrictBool, ValidationError, field_validator, model_validator
 
 from .capabilities import DeepSpeedConfigModel
+from .process_rank import rank_of_process
 from .tags import OPTIMIZER_KINDS
 
+logger = logging.getLogger(__name__)
+
 CONFIG_KEY = "layer_grad_norms"
+REMEDIES = ("adaptive_clipping", "skip_step")
+"""The sub-blocks that change the optimizer step; ``enabled: false`` switches them off too (``master_switch``)."""
 
 # One layer of a selection: an index (negative counts from the last layer) or "mid" (L // 2).
 LayerToken = Union[int, str]
@@ -153,7 +159,8 @@ class LayerGradNormsConfig(StrictConfigModel):
     """Per-layer gradient statistics inside the ZeRO-1/2 optimizer."""
 
     enabled: StrictBool = False
-    """Measure per-layer statistics. Without the block, or with ``false``, nothing changes."""
+    """Measure per-layer statistics. Without the block, or with ``false``, nothing changes: the remedies are off
+    whatever their sub-blocks say (``master_switch``); a trigger or control file may switch measuring on later."""
 
     layers: Optional[Tuple[LayerToken, ...]] = None
     """Layers to report: ``"all"`` (stored as ``None``) or a selection, see ``parse_layer_spec``."""
@@ -276,9 +283,22 @@ def load_config(param_dict: dict) -> LayerGradNormsConfig:
     if not isinstance(block, dict):
         raise LayerGradNormsConfigError(f"{CONFIG_KEY}={block!r}: expected a JSON object")
     try:
-        return LayerGradNormsConfig(strict=True, **block)
+        config = LayerGradNormsConfig(strict=True, **block)
     except ValidationError as err:
         raise LayerGradNormsConfigError(_describe(err, block)) from None
+    return master_switch(config)
+
+
+def master_switch(config: LayerGradNormsConfig) -> LayerGradNormsConfig:
+    """``config`` with its remedies off where ``enabled`` is false: a switched-off block changes nothing, and a
+    remedy changes the optimizer step. The remedies it turns off are named in one warning (rank 0)."""
+    ignored = [name for name in REMEDIES if getattr(config, name).enabled]
+    if config.enabled or not ignored:
+        return config
+    if rank_of_process() == 0:
+        logger.warning("%s.enabled=false: %s ignored (enabled is the master switch; set it to true to act)",
+                       CONFIG_KEY, ", ".join(f"{name}.enabled=true" for name in ignored))
+    return config.model_copy(update={name: type(getattr(config, name))() for name in ignored})
 
 
 # How close (difflib ratio, on the key lower-cased without "_" and "-") a top-level ds_config key must be

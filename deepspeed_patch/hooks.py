@@ -107,9 +107,9 @@ _GROUPS_AND_NORM = ("grad_groups_flat", "total_norm")
 def _remedy_state(saving_method: str = "state_dict") -> Tuple[tuple, tuple]:
     """The remedies' state (adaptive clipping's averages) in the optimizer's checkpoint: added to the dict
     ``saving_method`` returns (ZeRO-3's ``state_dict`` returns ``_rigid_state_dict()``'s), read back first thing in
-    ``load_state_dict``."""
+    ``load_state_dict``, from the ZeRO files' state dicts or a universal checkpoint's folder."""
     return (saving_method, RESULT, AdapterCall(Adapter.save_remedies, (RETURNED, ))), \
-        ("load_state_dict", START, AdapterCall(Adapter.load_remedies, ("state_dict_list", )))
+        ("load_state_dict", START, AdapterCall(Adapter.load_remedies, ("state_dict_list", "checkpoint_folder")))
 
 
 CALL_SITES = (

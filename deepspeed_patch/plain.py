@@ -22,24 +22,37 @@ from .layer_map import build_layer_map
 from .measurement import Measurement
 from .reduction import REPLICATED
 
+REFUSED = {
+    "trigger": "needs DeepSpeed's ZeRO-1/2, BF16 or fp16 optimizer, which report the global norm",
+    "optimizer_statistics": "read inside DeepSpeed's optimizers; not in plain PyTorch",
+    "adaptive_clipping": "acts inside DeepSpeed's ZeRO or BF16_Optimizer step; not in plain PyTorch (clip with "
+    "clip_grad_norm_)",
+    "skip_step": "skips DeepSpeed's ZeRO optimizer step; not in plain PyTorch",
+}
+"""The keys this class refuses when they ask for something, and why: each one given is named."""
+
+
+def _asks_for(value: Any) -> bool:
+    """Whether a key's value asks for something: a trigger, statistics, an enabled remedy."""
+    return bool(getattr(value, "enabled", value))
+
 
 class LayerGradNorms:
     """Per-layer gradient statistics of ``model`` (an ``nn.Module`` or a ``DistributedDataParallel``).
 
     ``options`` are the keys of the ds_config block (``layers``, ``interval``, ``layer_pattern``,
     ``granularity``, ``group_by``, ``statistics``, ``control_file``, ``dump``), validated the same
-    way; ``trigger`` is refused (no optimizer here reports the global norm). Call ``measure()`` or
+    way; ``trigger`` is refused (no optimizer here reports the global norm), and so are the remedies
+    (``adaptive_clipping``, ``skip_step``: they act inside DeepSpeed's optimizer step). Call ``measure()`` or
     ``clip_grad_norm_()`` once per optimizer step, after ``backward()`` (and after unscaling, with AMP).
     """
 
     def __init__(self, model: nn.Module, **options: Any) -> None:
         config = load_config({CONFIG_KEY: {"enabled": True, **options}})
-        if config.trigger is not None:
-            raise LayerGradNormsConfigError(f"{CONFIG_KEY}.trigger={options['trigger']!r}: needs DeepSpeed's "
-                                            "ZeRO-1/2, BF16 or fp16 optimizer, which report the global norm")
-        if config.optimizer_statistics:
-            raise LayerGradNormsConfigError(f"{CONFIG_KEY}.optimizer_statistics={options['optimizer_statistics']!r}: "
-                                            "read inside DeepSpeed's optimizers; not in plain PyTorch")
+        refused = [f"{CONFIG_KEY}.{key}={options[key]!r}: {why}" for key, why in REFUSED.items()
+                   if key in options and _asks_for(getattr(config, key))]
+        if refused:
+            raise LayerGradNormsConfigError("; and ".join(refused))
         module = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
         named = list(module.named_parameters())
         trainable = [(name, param) for name, param in named if param.requires_grad]

@@ -11,9 +11,11 @@ the reported loss, both the same on every rank, so every rank skips or scales al
 step's scales (``result.StepScales``) into the result: ``skipped`` and ``skip_reason``, ``adaptive_clip``.
 """
 
+import logging
 import math
+import os
 from dataclasses import dataclass
-from typing import Callable, Hashable, Optional, Sequence, Tuple, Union
+from typing import Callable, Hashable, List, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -22,8 +24,13 @@ from .config import LayerGradNormsConfig
 from .skip_step import SkipStep
 from .statistics import SUMSQ
 
+logger = logging.getLogger(__name__)
+
 CHECKPOINT_KEY = "layer_grad_norms"
 """The entry of the optimizer's state dict that holds the remedies' state."""
+UNIVERSAL_STATE = os.path.join("zero", "optimizer_state.pt")
+"""Where a universal checkpoint (``ds_to_universal``) keeps the optimizer state dict's unsharded entries, ours
+among them: DeepSpeed copies every entry but the partitions' from the first rank's file."""
 
 
 @dataclass(frozen=True)
@@ -49,14 +56,18 @@ class Action:
 class Remedies:
     """The remedies a ds_config turns on, for one optimizer's buckets."""
 
-    def __init__(self, config: LayerGradNormsConfig, keys: Sequence[Hashable]) -> None:
+    def __init__(self, config: LayerGradNormsConfig, keys: Sequence[Hashable], process_group: object = None) -> None:
+        """``process_group``: the ranks whose tables a step reduces (``skip_step`` agrees the loss over them)."""
         self.adaptive = AdaptiveClipping(config.adaptive_clipping, keys) if config.adaptive_clipping.enabled else None
-        self.skip = SkipStep(config.skip_step) if config.skip_step.enabled else None
+        self.skip = SkipStep(config.skip_step, process_group) if config.skip_step.enabled else None
         self.num_buckets = len(keys)
+        self.restored = False
+        """A checkpoint's state was loaded (``load_state_dict``), or the first step of a fresh run was taken."""
 
     @staticmethod
-    def wanted(config: LayerGradNormsConfig, keys: Sequence[Hashable]) -> Optional["Remedies"]:
-        return Remedies(config, keys) if config.acts() else None
+    def wanted(config: LayerGradNormsConfig, keys: Sequence[Hashable],
+               process_group: object = None) -> Optional["Remedies"]:
+        return Remedies(config, keys, process_group) if config.acts() else None
 
     def report_loss(self, loss: Union[float, torch.Tensor]) -> None:
         if self.skip is not None:
@@ -87,12 +98,58 @@ class Remedies:
             self.skip.loss = None
         return Action(adaptive=self.adaptive is not None, skipping=self.skip is not None)
 
+    def active(self) -> List[Tuple[str, Union[AdaptiveClipping, SkipStep]]]:
+        """The remedies on, by their ds_config key."""
+        return [(name, remedy) for name, remedy in (("adaptive_clipping", self.adaptive), ("skip_step", self.skip))
+                if remedy is not None]
+
     def state_dict(self) -> dict:
-        return {"adaptive_clipping": self.adaptive.state_dict()} if self.adaptive is not None else {}
+        """Each remedy's state, by its ds_config key: adaptive clipping's averages, skip_step's windows."""
+        return {name: remedy.state_dict() for name, remedy in self.active()}
 
     def load_state_dict(self, state: dict) -> None:
-        if self.adaptive is not None and "adaptive_clipping" in state:
-            self.adaptive.load_state_dict(state["adaptive_clipping"])
+        """Restore ``state_dict()``'s state; a remedy the checkpoint lacks starts afresh, named in a warning."""
+        self.restored = True
+        missing = [name for name, remedy in self.active() if name not in state]
+        for name, remedy in self.active():
+            if name in state:
+                remedy.load_state_dict(state[name])
+        if missing:
+            logger.warning("layer_grad_norms: the checkpoint holds no state of %s; %s", ", ".join(missing),
+                           self.restarting(missing))
+
+    def first_step(self, step: int) -> None:
+        """The first step this process takes: a run resumed (``step`` > 1) without ``load_state_dict`` restarts
+        every remedy, said in a warning (``load_checkpoint(load_optimizer_states=False)`` or
+        ``load_module_only=True`` read no optimizer state)."""
+        if not self.restored and step > 1:
+            logger.warning(
+                "layer_grad_norms: resumed at step %d without the remedies' state (load_checkpoint with "
+                "load_optimizer_states=False or load_module_only=True reads none); %s", step,
+                self.restarting([name for name, _ in self.active()]))
+        self.restored = True
+
+    def restarting(self, names: Sequence[str]) -> str:
+        """What restarts for the remedies ``names``, in words."""
+        said = []
+        if "adaptive_clipping" in names:
+            said.append(f"adaptive_clipping's averages restart their warm-up ({self.adaptive.warmup_steps} steps of "
+                        "global clipping)")
+        if "skip_step" in names:
+            said.append(f"skip_step's windows restart empty (no step is judged for {self.skip.least} steps)")
+        return "; ".join(said)
+
+
+def saved_state(state_dict_list, checkpoint_folder: Optional[str]) -> Optional[dict]:
+    """The remedies' state a checkpoint holds, or ``None``: from the optimizer state dicts of every rank's ZeRO file
+    (the same in each; the first that has it), or from a universal checkpoint's ``UNIVERSAL_STATE``, where DeepSpeed
+    passes ``checkpoint_folder`` and no state dicts."""
+    if checkpoint_folder:
+        path = os.path.join(checkpoint_folder, UNIVERSAL_STATE)
+        states = [torch.load(path, map_location="cpu", weights_only=False)] if os.path.isfile(path) else []
+    else:
+        states = state_dict_list if isinstance(state_dict_list, (list, tuple)) else [state_dict_list]
+    return next((state[CHECKPOINT_KEY] for state in states if state and CHECKPOINT_KEY in state), None)
 
 
 def scale_spans(flat: torch.Tensor, starts: Sequence[int], lengths: Sequence[int], buckets: Sequence[int],

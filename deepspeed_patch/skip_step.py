@@ -14,8 +14,12 @@ deviation). A non-finite loss or norm on a step the loss scaler did not skip is 
 of its window.
 
 Its inputs are the same on every rank: the global norm from the step's reduced table, and the largest loss any
-rank reported for the step (``trigger.agreed_loss``: one 8-byte MAX all-reduce per step, made whether or not a
-loss was reported), so every rank takes the same decision even where the ranks report their own losses.
+rank of the process group reported for the step (``trigger.agreed_loss``: one 8-byte MAX all-reduce per step over
+the group the step is reduced over, made whether or not a loss was reported), so every rank takes the same decision
+even where the ranks report their own losses.
+
+Both windows are in the checkpoint (``state_dict``), as OLMo-core keeps its own: a resumed run judges from its
+first step.
 """
 
 import math
@@ -35,7 +39,9 @@ MIN_JUDGED = 20
 class SkipStep:
     """The windows of the loss and of the global norm, and the decision of each step."""
 
-    def __init__(self, config: SkipStepConfig) -> None:
+    def __init__(self, config: SkipStepConfig, process_group: object = None) -> None:
+        """``process_group``: the ranks whose tables a step reduces, over which the loss is agreed too."""
+        self.process_group = process_group
         self.sigma = config.sigma
         self.least = min(config.window, max(MIN_JUDGED, config.window // 2))
         self.losses: deque = deque(maxlen=config.window)
@@ -49,12 +55,23 @@ class SkipStep:
     def judge(self, global_norm: float) -> Optional[str]:
         """Why the step whose global gradient norm is ``global_norm`` is skipped, or ``None``; the loss reported
         since the last step (if any) is judged with it."""
-        loss, self.loss = reported_loss(agreed_loss(self.loss)), None
+        loss, self.loss = reported_loss(agreed_loss(self.loss, self.process_group)), None
         reasons = [
             reason for reason in (self._outlier("loss", loss, self.losses),
                                   self._outlier("grad norm", global_norm, self.norms)) if reason
         ]
         return "; ".join(reasons) or None
+
+    def state_dict(self) -> dict:
+        """The state a checkpoint keeps: both windows, oldest value first."""
+        return {"losses": list(self.losses), "norms": list(self.norms)}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore ``state_dict()``'s windows (their newest ``window`` values, where the window shrank)."""
+        self.losses.clear()
+        self.losses.extend(state["losses"])
+        self.norms.clear()
+        self.norms.extend(state["norms"])
 
     def _outlier(self, name: str, value: Optional[float], window: deque) -> Optional[str]:
         if value is None:

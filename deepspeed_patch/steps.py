@@ -84,6 +84,12 @@ class FailureLatch:
     The failing rank logs it and flags every later step it opens (``failed_locally``): the flag rides in the
     status row of the next reduction, a measured step's or the recorder's at a fire, and every rank then
     reads the same flag and switches off (``broken``). Each is logged once.
+
+    "Every rank" is every rank of the adapter's process group, the one its reductions run over: the whole world
+    under ZeRO, one data-parallel replica's model-parallel group under pipeline or tensor parallelism without ZeRO,
+    this rank alone where each holds the whole model (``REPLICATED``). Every other collective of the statistics
+    runs over that group as well (the loss's, ``trigger.agreed_loss``), so ranks that switched off together stop
+    every collective together, and no rank outside the group waits for one.
     """
 
     def __init__(self) -> None:

@@ -5,9 +5,9 @@
 """The trigger's state across steps: the spike trigger, the loss reported since the last step, and its fires
 with the steps the flight recorder held at each.
 
-It changes only with what is the same on every rank (the global gradient norm, the loss scaler's overflow,
-the largest loss any rank reported: ``agreed_loss``), so every rank fires at the same step, whatever the
-training loop reports on each and whatever a reader of the results does on one of them.
+It changes only with what is the same on every rank of the process group (the global gradient norm, the loss
+scaler's overflow, the largest loss any of them reported: ``agreed_loss``), so they all fire at the same step,
+whatever the training loop reports on each and whatever a reader of the results does on one of them.
 """
 
 import logging
@@ -20,7 +20,7 @@ from deepspeed.accelerator import get_accelerator
 
 from .config import TriggerConfig
 from .process_rank import rank_of_process
-from .reduction import INF_CODE, NAN_CODE, decode_maxima
+from .reduction import INF_CODE, NAN_CODE, REPLICATED, decode_maxima
 from .spike_rule import SpikeTrigger
 
 logger = logging.getLogger(__name__)
@@ -37,7 +37,9 @@ KEPT_FIRES = 16
 class TriggerState:
     """Whether a step fires the trigger; the fires so far and their recorded steps, each step kept once."""
 
-    def __init__(self, config: Optional[TriggerConfig]) -> None:
+    def __init__(self, config: Optional[TriggerConfig], process_group: object = None) -> None:
+        """``process_group``: the ranks whose tables a step reduces, over which the loss is agreed too."""
+        self.process_group = process_group
         self.trigger = None
         if config is not None:
             self.trigger = SpikeTrigger(config.grad_norm_factor,
@@ -69,7 +71,7 @@ class TriggerState:
             return None
         watched_norm = global_norm if self.trigger.factor is not None else None  # not read when not watched
         if self.trigger.loss_factor is not None:
-            loss = self.reduced_loss = agreed_loss(loss)
+            loss = self.reduced_loss = agreed_loss(loss, self.process_group)
         norm, loss = _on_host(watched_norm, loss)
         loss = reported_loss(loss)
         fired = self.trigger.update(step, norm, bool(overflow), loss)
@@ -101,13 +103,20 @@ class TriggerState:
         return self.fires.get(fire)
 
 
-def agreed_loss(loss: Union[None, float, torch.Tensor]) -> Union[None, float, torch.Tensor]:
-    """The largest loss any rank reported since the last step, the same on every rank, on the device: one MAX
-    all-reduce of one float64 over all ranks, on every step the trigger watches the loss, whether this rank
-    reported one or not (``-inf``: none), so that ranks reporting their own losses, or some none, still make one
-    decision. A non-finite loss travels as ``reduction``'s codes (NaN over +inf; ``-inf`` as NaN), and so fires
-    on every rank. One process, or no communication set up: the loss as reported."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
+def agreed_loss(loss: Union[None, float, torch.Tensor],
+                process_group: object = None) -> Union[None, float, torch.Tensor]:
+    """The largest loss any rank of ``process_group`` reported since the last step, the same on each of them, on
+    the device: one MAX all-reduce of one float64, on every step the trigger or ``skip_step`` watches the loss,
+    whether this rank reported one or not (``-inf``: none), so that ranks reporting their own losses, or some none,
+    still make one decision. A non-finite loss travels as ``reduction``'s codes (NaN over +inf; ``-inf`` as NaN),
+    and so fires on every rank.
+
+    ``process_group`` is the adapter's: the group its reductions run over, which the failure latch spreads over
+    (``steps.FailureLatch``), so after a failure every rank that stops measuring stops this all-reduce at the same
+    step, and no rank outside the group waits for it. Under pipeline parallelism it holds every stage, the last
+    (the loss's) included. ``REPLICATED`` (each rank holds the whole model and reduces nothing), one process, or
+    no communication set up: the loss as this rank reported it."""
+    if process_group is REPLICATED or not dist.is_initialized() or dist.get_world_size(group=process_group) == 1:
         return loss
     device = get_accelerator().current_device_name()
     if loss is None:
@@ -116,7 +125,7 @@ def agreed_loss(loss: Union[None, float, torch.Tensor]) -> Union[None, float, to
         value = loss.reshape(1).double().to(device) if isinstance(loss, torch.Tensor) else \
             torch.tensor([loss], dtype=torch.float64, device=device)
         value = value.nan_to_num(nan=NAN_CODE, posinf=INF_CODE, neginf=NAN_CODE)
-    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX, group=process_group)
     return decode_maxima(value)
 
 

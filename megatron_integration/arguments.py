@@ -138,12 +138,13 @@ def layer_grad_norms_interval(args: argparse.Namespace) -> int:
 
 def layer_grad_norms_block(args: argparse.Namespace) -> Optional[Dict[str, Any]]:
     """The ``layer_grad_norms`` ds_config block the flags ask for; ``None`` without them. A remedy's flag alone
-    gives a block that acts without logging (``enabled`` follows ``--log-layer-grad-norms``). The values are
-    checked again here, by the parser's own checks, for a namespace no parser of these flags filled."""
+    gives a block that acts without logging: ``enabled`` (the block's master switch) is on, and the training-log
+    hook writes nothing without ``--log-layer-grad-norms``. The values are checked again here, by the parser's own
+    checks, for a namespace no parser of these flags filled."""
     remedies = {key: _checked(args, flag, functools.partial(remedy_settings, model))
                 for key, (flag, model) in REMEDY_FLAGS.items() if _flag_value(args, flag) is not None}
     if not getattr(args, "log_layer_grad_norms", False):
-        return {"enabled": False, **remedies} if remedies else None
+        return {"enabled": True, **remedies} if remedies else None
     _checked(args, "--layer-grad-norms-layers", layer_selection)
     _checked(args, "--layer-grad-norms-interval", positive_int)
     block = {"enabled": True, "layers": args.layer_grad_norms_layers, "interval": layer_grad_norms_interval(args)}

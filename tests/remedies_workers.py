@@ -6,9 +6,13 @@ received. Rank 0 also records the plain-PyTorch reference gradient of every step
 before it; the test computes AdaGC's factors and the skip decision from it on its own.
 """
 
+import argparse
+import contextlib
 import json
+import logging
+import os
 import tempfile
-from typing import Any, Dict
+from typing import Any, Dict, List
 
 import torch
 
@@ -31,7 +35,9 @@ REMEDY_CASE: Dict[str, Any] = {
     "spike_step": None,  # multiply this step's loss (every rank, every micro-batch) by SPIKE
     "report_loss": False,  # report the loss averaged over ranks and micro-batches before each step
     "resume_at": None,  # save a checkpoint after this step, train on, then resume from it in a new engine
+    "resume_from": "checkpoint",  # or "universal" (converted by ds_to_universal), or "module" (no optimizer states)
     "dump": False,  # write the JSONL dump and return its lines
+    "adam": False,  # Adam instead of SGD with lr 1 (ds_to_universal converts Adam's state only)
 }
 SPIKE = 1000.0
 
@@ -48,7 +54,8 @@ def build(case: Dict[str, Any], enabled: bool = True):
     params = [param for param in model.parameters()]
     if case["groups"]:
         params = [{"params": [p for p in params if p.ndim > 1]}, {"params": [p for p in params if p.ndim <= 1]}]
-    engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(params, lr=1.0), config=config)
+    optimizer = torch.optim.Adam(params, lr=1e-3) if case["adam"] else torch.optim.SGD(params, lr=1.0)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
     return engine
 
 
@@ -110,30 +117,72 @@ def train(case: Dict[str, Any]) -> Dict[str, Any]:
 
 
 def resume(case: Dict[str, Any], checkpoint: str) -> Dict[str, Any]:
-    """A new engine resumed from the checkpoint of step ``resume_at``, trained to the end as the first was."""
+    """A new engine resumed from the checkpoint of step ``resume_at`` (``resume_from``: as saved, converted to a
+    universal checkpoint, or without its optimizer states), trained to the end as the first was; the warnings of
+    the package's loggers while loading and training."""
+    from deepspeed import comm as dist
+
+    tag = "resume"
+    if case["resume_from"] == "universal":
+        tag = "resume_universal"
+        if dist.get_rank() == 0:
+            to_universal(os.path.join(checkpoint, "resume"), os.path.join(checkpoint, tag))
+        dist.barrier()
+        case = {**case, "top": {**case["top"], "checkpoint": {"load_universal": True}}}
     engine = build(case)
-    engine.load_checkpoint(checkpoint, tag="resume")
-    record = new_record()
-    record["loaded_state"] = engine.layer_grad_norms.remedies.state_dict()
-    for step in range(case["resume_at"] + 1, case["steps"] + 1):
-        one_step(engine, case, step, record)
+    with warnings_of("deepspeed_patch") as logged:
+        engine.load_checkpoint(checkpoint, tag=tag, load_optimizer_states=case["resume_from"] != "module")
+        record = new_record()
+        record["loaded_state"] = engine.layer_grad_norms.remedies.state_dict()
+        for step in range(case["resume_at"] + 1, case["steps"] + 1):
+            one_step(engine, case, step, record)
+    record["warnings"] = logged
     record["final"] = full_weights(engine.module, dtype=None)
     engine.destroy()
     return record
 
 
-def off_weights(case: Dict[str, Any], enabled: bool) -> Dict[str, torch.Tensor]:
-    """The final weights of ``case`` trained with the block (``enabled``) or without it."""
+def to_universal(folder: str, output: str) -> None:
+    """DeepSpeed's own conversion (``ds_to_universal.py``), in this process; it adds the universal_checkpoint_info a
+    model without one (not Megatron's) lacks (``--inject_missing_state``)."""
+    from deepspeed.checkpoint.ds_to_universal import main
+
+    main(argparse.Namespace(input_folder=folder, output_folder=output, num_extract_workers=1, num_merge_workers=1,
+                            keep_temp_folder=False, strict=True, inject_missing_state=True))
+
+
+@contextlib.contextmanager
+def warnings_of(logger_name: str):
+    """The messages of warnings and errors logged under ``logger_name`` inside the block."""
+    messages: List[str] = []
+
+    class Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            messages.append(record.getMessage())
+
+    handler = Collect(logging.WARNING)
+    logger = logging.getLogger(logger_name)
+    logger.addHandler(handler)
+    try:
+        yield messages
+    finally:
+        logger.removeHandler(handler)
+
+
+def off_weights(case: Dict[str, Any], enabled: bool) -> Dict[str, Any]:
+    """The final weights of ``case`` trained with the block (``enabled``) or without it, its spike included, and
+    the last result the engine published."""
     from deepspeed import comm as dist
 
     engine = build(case, enabled)
     for step in range(1, case["steps"] + 1):
         for batch in batches_of_step(case, step, dist.get_world_size(), dist.get_rank()):
-            engine.backward(engine(batch))
+            loss = engine(batch)
+            engine.backward(loss * SPIKE if step == case["spike_step"] else loss)
             engine.step()
-    weights = full_weights(engine.module, dtype=None)
+    trained = {"weights": full_weights(engine.module, dtype=None), "result": engine.get_layer_grad_norms()}
     engine.destroy()
-    return weights
+    return trained
 
 
 def run_cases(cases: Dict[str, Dict[str, Any]]) -> Dict[str, Any]:
@@ -141,7 +190,8 @@ def run_cases(cases: Dict[str, Dict[str, Any]]) -> Dict[str, Any]:
 
     def trained(case: Dict[str, Any]) -> Dict[str, Any]:
         if case.get("compare_off"):
-            return {"on": off_weights(case, True), "off": off_weights(case, False)}
+            on, off = off_weights(case, True), off_weights(case, False)
+            return {"on": on["weights"], "off": off["weights"], "result": on["result"]}
         return {"on": train(case)}
 
     return run_each(cases, REMEDY_CASE, trained)

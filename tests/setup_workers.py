@@ -159,23 +159,37 @@ def failing_from_the_second_call(function):
     return wrapper
 
 
-def failure_on_one_rank(steps: int) -> Dict[str, Any]:
-    """Break the measurement on the last rank only; training must go on, every rank switching it off."""
+LOSS_TRIGGER = {"grad_norm_factor": 1e9, "loss_factor": 3.0, "window": 3, "capture_steps": 1, "history": 2}
+"""Watches the loss (its all-reduce on every step) and never fires: the loss stays near its median."""
+
+
+def failure_on_one_rank(steps: int, report_loss: bool = False, broken: str = "accumulate_partition",
+                        **overrides: Any) -> Dict[str, Any]:
+    """Break the measurement on the last rank only (``measurement.<broken>``, the kernel its family calls); training
+    must go on, every rank of its process group switching it off. ``report_loss``: each rank reports its own loss
+    before each step (the trigger's all-reduce of it)."""
     from deepspeed import comm as dist
 
-    engine = initialize(base_config(layer_grad_norms={"enabled": True}))
+    engine = initialize(base_config(**{"layer_grad_norms": {"enabled": True}, **overrides}))
     from deepspeed_patch import measurement
 
+    kernel = getattr(measurement, broken)
     if dist.get_rank() == dist.get_world_size() - 1:
-        measurement.accumulate_partition = failing_from_the_second_call(measurement.accumulate_partition)
+        setattr(measurement, broken, failing_from_the_second_call(kernel))
     record = {"losses": [], "measured": []}
-    for step in range(steps):
-        loss = engine(synthetic_batch(TinyGPTConfig(), 2, seed=step))
-        engine.backward(loss)
-        engine.step()
-        record["losses"].append(loss.item())
-        record["measured"].append(engine.get_layer_grad_norms())
-    engine.destroy()
+    try:
+        for step in range(steps):
+            loss = engine(synthetic_batch(TinyGPTConfig(), 2, seed=step))
+            engine.backward(loss)
+            if report_loss:
+                engine.layer_grad_norms.report_loss(loss.detach())
+            engine.step()
+            record["losses"].append(loss.item())
+            record["measured"].append(engine.get_layer_grad_norms())
+        record["weights"] = {name: param.detach().clone() for name, param in engine.module.named_parameters()}
+    finally:
+        setattr(measurement, broken, kernel)
+        engine.destroy()
     return record
 
 
@@ -271,6 +285,11 @@ def run_setup_checks(multi_rank: bool) -> Dict[str, Any]:
     results: Dict[str, Any] = {"collectives": collective_counts()}
     if multi_rank:
         results["failure"] = failure_on_one_rank(4)
+        # without ZeRO each rank holds the whole model: its statistics' group is itself, and so is the loss's
+        results["failure_stage0_loss"] = failure_on_one_rank(4, report_loss=True, broken="accumulate_spans",
+                                                             zero_optimization={"stage": 0},
+                                                             layer_grad_norms={"enabled": True,
+                                                                               "trigger": LOSS_TRIGGER})
         return results
     results["bad_blocks"] = {name: initialize_error(base_config(layer_grad_norms=block))
                              for name, block in BAD_BLOCKS.items()}

@@ -77,6 +77,17 @@ def test_bad_options_name_the_key_and_value():
         LayerGradNorms(TinyGPT(TinyGPTConfig()), optimizer_statistics=["update"])
 
 
+def test_remedies_are_refused_each_by_name():
+    """The remedies act inside DeepSpeed's optimizer step: asked for here, each is named (it was ignored before);
+    switched off, they are accepted."""
+    with pytest.raises(LayerGradNormsConfigError) as refused:
+        LayerGradNorms(TinyGPT(TinyGPTConfig()), adaptive_clipping={"enabled": True}, skip_step={"enabled": True})
+    message = str(refused.value)
+    assert "layer_grad_norms.adaptive_clipping={'enabled': True}: acts inside DeepSpeed's" in message
+    assert "layer_grad_norms.skip_step={'enabled': True}: skips DeepSpeed's ZeRO optimizer step" in message
+    LayerGradNorms(TinyGPT(TinyGPTConfig()), adaptive_clipping={"enabled": False}, skip_step={"enabled": False})
+
+
 def test_ddp_two_ranks_match_the_averaged_gradient_without_any_collective():
     first, second = launch(ddp_measure, 2, 3)
     assert repr(first["measured"]) == repr(second["measured"])

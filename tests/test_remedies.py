@@ -28,6 +28,7 @@ DUMP = os.path.join(tempfile.gettempdir(), f"remedies-dump-{os.getpid()}.jsonl")
 ADAPTIVE = {"enabled": True, "warmup_steps": 2, "factor": 0.9, "beta": 0.5}
 """Tight enough that buckets are clipped on most steps after the warm-up (a factor under 1 clips a steady norm)."""
 SKIP = {"enabled": True, "sigma": 6.0, "window": 4}
+BOTH = {"skip_step": SKIP, "adaptive_clipping": ADAPTIVE}
 TRIGGER = {"grad_norm_factor": 1e12, "window": 3, "capture_steps": 1, "history": 3}
 """A trigger that never fires by itself: only a skipped step opens its capture and reduces its recorder."""
 BF16_OPTIMIZER = {"stage": 1, "dtype": "bf16", "grad_accum_dtype": "fp32"}
@@ -48,12 +49,23 @@ CASES = {  # by launch: its world size, and "x" for the extended tier
         "z2_fp32_adaptive_groups": adaptive(groups=True),
         "z2_fp32_keys_off": {"steps": 3, "clip": 0.5, "compare_off": True,
                              "block": {"adaptive_clipping": {"enabled": False}, "skip_step": {"enabled": False}}},
-        "z2_fp32_resume": adaptive(steps=6, resume_at=3),
+        # the master switch off, both remedies on below it, a spike they would skip and factors that would clip
+        "z2_fp32_master_switch_off": {"steps": 8, "spike_step": 7, "clip": 0.5, "compare_off": True,
+                                      "block": {"enabled": False, "adaptive_clipping": ADAPTIVE, "skip_step": SKIP}},
+        # both remedies resumed after step 5 (past the warm-up, the windows full), a spike at the first step after it
+        "z2_fp32_resume": skipping(clip=0.5, resume_at=5, spike_step=6, block=BOTH),
         "refused_stage0": {"stage": 0, "block": {"adaptive_clipping": ADAPTIVE}},
         "refused_bf16_optimizer_skip": {**BF16_OPTIMIZER, "block": {"skip_step": SKIP}},
-        "refused_with_optimizer_statistics": {"block": {"skip_step": SKIP, "optimizer_statistics": ["param"]}},
+        # three refusals of two checks (issue 46: every refusal that applies is named at once): SGD has no update
+        # by Adam's rule, and neither remedy goes with optimizer_statistics
+        "refused_with_optimizer_statistics": {"block": {**BOTH, "optimizer_statistics": ["update"]}},
         "z2_fp32_skip_spike": skipping(block={"skip_step": SKIP, "trigger": TRIGGER, "dump": {"path": DUMP}},
                                        dump=True),
+    },
+    "1x": {  # a universal checkpoint (DeepSpeed's conversion, of Adam's state only), a resume without the optimizer's
+        "z2_fp32_resume_universal": skipping(clip=0.5, resume_at=5, spike_step=6, block=BOTH, resume_from="universal",
+                                             adam=True),
+        "z2_fp32_resume_module": skipping(clip=0.5, resume_at=5, spike_step=6, block=BOTH, resume_from="module"),
     },
     "2x": {  # the ranks agree (the agreed loss itself: test_on_demand.py, at 2 ranks in the suite)
         "z2_fp32_both_spike": skipping(clip=0.5, block={"skip_step": SKIP, "adaptive_clipping": ADAPTIVE}),
@@ -75,9 +87,9 @@ CASES = {  # by launch: its world size, and "x" for the extended tier
 }
 ADAPTIVE_CASES = [(launch_id, name) for launch_id, cases in CASES.items() for name, case in cases.items()
                   if "adaptive_clipping" in case.get("block", {}) and case["block"]["adaptive_clipping"]["enabled"]
-                  and not name.startswith("refused")]
+                  and not name.startswith("refused") and not case.get("compare_off") and not case.get("adam")]
 SKIP_CASES = [(launch_id, name) for launch_id, cases in CASES.items() for name, case in cases.items()
-              if "spike_step" in case]
+              if "spike_step" in case and not case.get("compare_off")]
 
 
 def tiered(pairs):
@@ -226,37 +238,66 @@ def test_skipped_step_fires_the_capture_and_shows_in_dump():
     assert dumped and all(line["skipped"] for line in dumped)
 
 
-def test_keys_off_is_bit_identical():
-    """Both keys present and off: the same weights, bit for bit, as without the block."""
-    result = results_of("1")[0]["z2_fp32_keys_off"]
+@pytest.mark.parametrize("name", ["z2_fp32_keys_off", "z2_fp32_master_switch_off"])
+def test_keys_off_is_bit_identical(name):
+    """Both keys present and off, or both on under ``"enabled": false`` (the master switch): the same weights, bit
+    for bit, as without the block; with the switch off, no result either."""
+    result = results_of("1")[0][name]
     assert "error" not in result, result.get("error")
     assert result["on"].keys() == result["off"].keys()
-    for name, weight in result["on"].items():
-        assert weight.equal(result["off"][name]), name
+    for weight_name, weight in result["on"].items():
+        assert weight.equal(result["off"][weight_name]), weight_name
+    assert len(result["on"]) > 0
+    if not CASES["1"][name]["block"].get("enabled", True):
+        assert result["result"] is None
 
 
-def test_resume_keeps_the_averages():
-    """A checkpoint keeps each bucket's average and the steps seen; a resumed run applies what the first did."""
-    case = CASES["1"]["z2_fp32_resume"]
-    record = ok("1", "z2_fp32_resume")[0]
+@pytest.mark.parametrize("launch_id, name", tiered([("1", "z2_fp32_resume"), ("1x", "z2_fp32_resume_universal")]))
+def test_resume_keeps_the_averages_and_the_windows(launch_id, name):
+    """A checkpoint, as saved or converted to a universal one, keeps each bucket's average, the steps seen and
+    skip_step's windows: the resumed run skips the spike at its first step, and applies what the first run did."""
+    case = CASES[launch_id][name]
+    record = ok(launch_id, name)[0]
     resumed = record["resumed"]
     assert resumed["loaded_state"] == record["saved_state"]
     assert record["saved_state"]["adaptive_clipping"]["steps"] == case["resume_at"]
+    assert len(record["saved_state"]["skip_step"]["norms"]) == SKIP["window"]
+    assert resumed["measured"][0]["skipped"] and case["spike_step"] == case["resume_at"] + 1
     after = record["measured"][case["resume_at"]:]
-    assert [step["adaptive_clip"] for step in resumed["measured"]] == [step["adaptive_clip"] for step in after]
-    for name, weight in record["final"].items():
-        assert weight.equal(resumed["final"][name]), name
+    for key in ("adaptive_clip", "skipped"):
+        assert [step[key] for step in resumed["measured"]] == [step[key] for step in after]
+    for weight_name, weight in record["final"].items():
+        assert weight.equal(resumed["final"][weight_name]), weight_name
+    assert not [line for line in resumed["warnings"] if "restart" in line]
+
+
+@pytest.mark.extended
+def test_resume_without_the_optimizer_states_says_what_restarts():
+    """``load_optimizer_states=False`` reads no optimizer state: the remedies restart, and a warning names what."""
+    record = ok("1x", "z2_fp32_resume_module")[0]
+    resumed = record["resumed"]
+    assert resumed["loaded_state"]["adaptive_clipping"]["steps"] == 0
+    assert not resumed["measured"][0]["skipped"]
+    restarting = [line for line in resumed["warnings"] if "resumed at step 6 without the remedies' state" in line]
+    assert len(restarting) == 1
+    assert "adaptive_clipping's averages restart their warm-up" in restarting[0]
+    assert "skip_step's windows restart empty" in restarting[0]
 
 
 @pytest.mark.parametrize("name, words", [
-    ("refused_stage0", "adaptive_clipping is supported under ZeRO stage 1, 2 and 3 and BF16_Optimizer only"),
-    ("refused_bf16_optimizer_skip", "skip_step is supported under ZeRO stage 1, 2 and 3 only"),
-    ("refused_with_optimizer_statistics", "skip_step with optimizer_statistics is not supported"),
+    ("refused_stage0", ["adaptive_clipping is supported under ZeRO stage 1, 2 and 3 and BF16_Optimizer only"]),
+    ("refused_bf16_optimizer_skip", ["skip_step is supported under ZeRO stage 1, 2 and 3 only"]),
+    ("refused_with_optimizer_statistics", ["'update', 'exp_avg' and 'exp_avg_sq' need an Adam optimizer",
+                                           "adaptive_clipping with optimizer_statistics is not supported",
+                                           "skip_step with optimizer_statistics is not supported"]),
 ])
 def test_refused_by_name(name, words):
+    """Each refusal that applies is in the one error, on one line."""
     result = results_of("1")[0][name]
     assert result.get("type") == "UnsupportedSetupError", result.get("error")
-    assert words in result["message"]
+    for said in words:
+        assert said in result["message"]
+    assert "\n" not in result["message"]
 
 
 def test_megatron_flags_fill_the_block():
@@ -270,7 +311,7 @@ def test_megatron_flags_fill_the_block():
     assert block["adaptive_clipping"] == {"enabled": True}
     assert block["skip_step"] == {"enabled": True, "sigma": 5, "window": 64}
     alone = layer_grad_norms_block(parser.parse_args(["--layer-grad-norms-adaptive-clipping", "factor=1.1"]))
-    assert alone == {"enabled": False, "adaptive_clipping": {"enabled": True, "factor": 1.1}}
+    assert alone == {"enabled": True, "adaptive_clipping": {"enabled": True, "factor": 1.1}}
     assert layer_grad_norms_block(parser.parse_args([])) is None
     # the flags' bad values: test_megatron_integration.py, through the fork's parser
 
@@ -286,3 +327,20 @@ def test_bad_remedy_keys_are_named(block, words):
 
     with pytest.raises(LayerGradNormsConfigError, match=re.escape(words)):
         load_config({"layer_grad_norms": block})
+
+
+def test_a_universal_checkpoint_is_read_from_its_folder(tmp_path):
+    """DeepSpeed loads a universal checkpoint with ``state_dict_list=None`` and the folder (a ``TypeError`` before):
+    the remedies' state is read from ``zero/optimizer_state.pt``, where ``ds_to_universal`` copies it (the real
+    conversion: ``test_resume_keeps_the_averages_and_the_windows[1x-...]``, extended tier)."""
+    import torch
+
+    from deepspeed_patch.remedies import CHECKPOINT_KEY, UNIVERSAL_STATE, saved_state
+
+    state = {"adaptive_clipping": {"steps": 3, "ema": {0: 0.5}}, "skip_step": {"losses": [1.0], "norms": [2.0]}}
+    path = tmp_path / UNIVERSAL_STATE
+    path.parent.mkdir()
+    torch.save({CHECKPOINT_KEY: state, "param_groups": []}, path)
+    assert saved_state(None, str(tmp_path)) == state
+    assert saved_state(None, str(tmp_path / "elsewhere")) is None
+    assert saved_state([{"other": 1}, {CHECKPOINT_KEY: state}], None) == state

@@ -62,6 +62,21 @@ def test_a_failure_on_one_rank_switches_the_statistics_off_everywhere_and_traini
         assert record["measured"][1:] == [None, None, None]
 
 
+def test_a_failure_on_one_rank_without_zero_neither_hangs_nor_diverges_with_the_loss_watched():
+    """Issue 45 item 8: the loss's all-reduce ran over the whole world while a failure switched the statistics off
+    on its process group only (here each rank's own): the failing rank stopped the all-reduce, the other did not,
+    and the collectives mismatched. Now both run over the process group: the failing rank switches off alone, the
+    other goes on measuring, and the two replicas train the same weights."""
+    first, second = (result["failure_stage0_loss"] for result in two_ranks())
+    assert len(first["losses"]) == len(second["losses"]) == 4
+    assert first["losses"] == second["losses"]
+    assert all(record is not None for record in first["measured"])  # the other rank's statistics go on
+    assert second["measured"][0]["step"] == 1 and second["measured"][1:] == [None, None, None]
+    assert len(first["weights"]) > 0
+    for name, weight in first["weights"].items():
+        assert weight.equal(second["weights"][name]), name
+
+
 def test_pipeline_without_zero_is_measured_and_only_its_fp32_trigger_refused():
     errors = single_rank()["pipeline_without_zero"]
     assert errors["measured"] == ""

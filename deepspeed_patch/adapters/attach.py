@@ -29,6 +29,7 @@ from .bf16 import BF16Adapter
 from .fused_fp16 import FusedFP16Adapter
 from .param_grads import ParamGradAdapter
 from .refusals import (
+    Refusals,
     check_moe,
     check_no_sequence_parallel,
     check_optimizer_statistics,
@@ -59,12 +60,16 @@ def attach(engine) -> Optional[LayerGradNormsAdapter]:
         return None
     optimizer = engine.optimizer
     family = next((family for family in OPTIMIZER_FAMILIES if family.handles(optimizer)), None)
-    check_moe(engine, family)
-    check_optimizer_statistics(optimizer, family, config)
-    check_remedies(optimizer, family, config)
+    refusals = Refusals()  # every refusal that applies, named at once
+    refusals.check(check_moe, engine, family)
+    refusals.check(check_optimizer_statistics, optimizer, family, config)
+    refusals.check(check_remedies, optimizer, family, config)
+    if family is not None:
+        refusals.check(check_supported, optimizer,
+                       family.unsupported(optimizer, engine.param_names, capabilities.installed()))
+    refusals.raise_all()
     if family is None:
         return _param_grad_adapter(engine, config)
-    check_supported(optimizer, family.unsupported(optimizer, engine.param_names, capabilities.installed()))
     if family in REPLICATED_FAMILIES:
         group = _stage0_group(engine)
     else:

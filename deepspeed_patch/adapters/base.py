@@ -42,7 +42,7 @@ from ..optimizer_stats import OptimizerStatistics
 from ..process_rank import rank_of_process
 from ..publish import Publisher, Reader
 from ..recorder import FlightRecorder, Replay
-from ..remedies import CHECKPOINT_KEY, Action, Remedies, scale_spans
+from ..remedies import CHECKPOINT_KEY, Action, Remedies, saved_state, scale_spans
 from ..statistics import empty_stats, table_rows
 from ..steps import FailureLatch, StepSchedule
 from ..trigger import FireSelector, History, TriggerState
@@ -79,7 +79,7 @@ class LayerGradNormsAdapter:
         ZeRO-3 sub-group); ``device``: where the statistics are computed (that of the partitions)."""
         self.schedule = StepSchedule(setup.config, setup.layer_map, setup.completed_steps)
         self.latch = FailureLatch()
-        self.trigger = TriggerState(setup.config.trigger)
+        self.trigger = TriggerState(setup.config.trigger, setup.process_group)
         self.publisher = Publisher(setup.config.dump, setup.monitor)
         self.layer_map = setup.layer_map
         self.process_group = setup.process_group
@@ -95,7 +95,7 @@ class LayerGradNormsAdapter:
         self.reporting = False
         """Whether the step under way is measured (reduced and published), not only recorded."""
         trigger = setup.config.trigger
-        self.remedies = Remedies.wanted(setup.config, self.layer_map.keys)
+        self.remedies = Remedies.wanted(setup.config, self.layer_map.keys, setup.process_group)
         """``adaptive_clipping`` and ``skip_step``, when either is on: then every step is measured, and reduced
         before the optimizer steps (``act``)."""
         self.capture_steps = trigger.capture_steps if trigger is not None else None
@@ -112,6 +112,8 @@ class LayerGradNormsAdapter:
         """Top of the engine's optimizer step: open a measurement if this step is measured or recorded."""
         self.end_skip()
         self.reporting = (self.schedule.next_step() or self.remedies is not None) and not self.latch.broken
+        if self.remedies is not None:
+            self.remedies.first_step(self.schedule.step)
         if not (self.reporting or (self.recorder is not None and not self.latch.broken)):
             return
         self.measurement = Measurement(self.schedule.step,
@@ -253,17 +255,12 @@ class LayerGradNormsAdapter:
         if self.remedies is not None:
             state_dict[CHECKPOINT_KEY] = self.remedies.state_dict()
 
-    def load_remedies(self, state_dict_list) -> None:
-        """At the top of the optimizer's ``load_state_dict``: the remedies' state from the checkpoint (the same in
-        every rank's file; the first that has it is read)."""
-        if self.remedies is None:
-            return
-        states = state_dict_list if isinstance(state_dict_list, (list, tuple)) else [state_dict_list]
-        saved = next((state[CHECKPOINT_KEY] for state in states if CHECKPOINT_KEY in state), None)
-        if saved is None:
-            logger.warning("layer_grad_norms: the checkpoint holds no adaptive_clipping state; it starts afresh")
-        else:
-            self.remedies.load_state_dict(saved)
+    def load_remedies(self, state_dict_list, checkpoint_folder: Optional[str] = None) -> None:
+        """At the top of the optimizer's ``load_state_dict``: the remedies' state from the checkpoint, its ZeRO files'
+        ``state_dict_list`` or, for a universal checkpoint (``state_dict_list`` ``None``), ``checkpoint_folder``
+        (``remedies.saved_state``). A checkpoint without it restarts them, named in a warning."""
+        if self.remedies is not None:
+            self.remedies.load_state_dict(saved_state(state_dict_list, checkpoint_folder) or {})
 
     def _replay(self, fired: dict) -> None:
         """At a fire: the recorded steps no earlier fire published, reduced, kept and published. A rank's

@@ -5,10 +5,11 @@
 """The set-ups the per-layer statistics refuse at initialize, each with its reason.
 
 A set-up that cannot be measured correctly (yet) fails when the engine is built, naming the reason and the
-way out, rather than reporting wrong numbers later. ``attach`` asks these checks while it picks the adapter.
+way out, rather than reporting wrong numbers later. ``attach`` asks these checks while it picks the adapter, and
+raises every refusal that applies in one error (``Refusals``), so a user fixes them in one go.
 """
 
-from typing import List, Optional
+from typing import Callable, List, Optional
 
 import torch
 
@@ -19,6 +20,26 @@ from .fused_fp16 import FusedFP16Adapter
 from .unfused_fp16 import UnfusedFP16Adapter
 from .zero import ZeroAdapter
 from .zero3 import Zero3Adapter
+
+
+class Refusals:
+    """The refusals of the checks asked (``check``), raised together in one error (``raise_all``)."""
+
+    def __init__(self) -> None:
+        self.reasons: List[str] = []
+
+    def check(self, check: Callable[..., None], *args) -> None:
+        """Ask ``check(*args)``; its refusal is kept, not raised."""
+        try:
+            check(*args)
+        except UnsupportedSetupError as err:
+            self.reasons.append(str(err))
+
+    def raise_all(self) -> None:
+        """One ``UnsupportedSetupError`` naming every refusal kept, if any."""
+        if self.reasons:
+            raise UnsupportedSetupError("; and ".join(self.reasons))
+
 
 # The families that read optimizer_statistics; None: fp32 without ZeRO (ParamGradAdapter).
 OPTIMIZER_STATISTICS_FAMILIES = (ZeroAdapter, Zero3Adapter, BF16Adapter, FusedFP16Adapter, UnfusedFP16Adapter, None)
@@ -129,17 +150,19 @@ def check_remedies(optimizer, family: Optional[type], config: LayerGradNormsConf
     optimizer skips a step on a flag it tests after that point. Neither goes with ``optimizer_statistics``, which
     are reduced with the step after the optimizer steps. The fp16 optimizers without ZeRO, and fp32 without ZeRO,
     are refused by name."""
-    wanted = [name for name in ("adaptive_clipping", "skip_step") if getattr(config, name).enabled]
-    if not wanted:
-        return
-    refused = [name for name in wanted if name not in REMEDY_FAMILIES.get(family, ())]
-    if refused:
-        raise UnsupportedSetupError(f"{CONFIG_KEY}.{refused[0]} is supported under ZeRO stage 1, 2 and 3"
-                                    f"{' and BF16_Optimizer' if refused[0] == 'adaptive_clipping' else ''} only yet; "
-                                    f"this engine uses {type(optimizer).__name__}")
+    wanted = [name for name in BOTH_REMEDIES if getattr(config, name).enabled]
+    refusals = [
+        f"{CONFIG_KEY}.{name} is supported under ZeRO stage 1, 2 and 3"
+        f"{' and BF16_Optimizer' if name == 'adaptive_clipping' else ''} only yet; this engine uses "
+        f"{type(optimizer).__name__}" for name in wanted if name not in REMEDY_FAMILIES.get(family, ())
+    ]
     if config.optimizer_statistics:
-        raise UnsupportedSetupError(f"{CONFIG_KEY}.{wanted[0]} with optimizer_statistics is not supported yet (the "
-                                    "step is reduced before the optimizer steps); leave one of them out")
+        refusals += [
+            f"{CONFIG_KEY}.{name} with optimizer_statistics is not supported yet (the step is reduced before the "
+            "optimizer steps; docs/remedies.md says why); leave one of them out" for name in wanted
+        ]
+    if refusals:
+        raise UnsupportedSetupError("; and ".join(refusals))
 
 
 def check_moe(engine, family: Optional[type]) -> None:

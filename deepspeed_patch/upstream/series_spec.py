@@ -202,7 +202,7 @@ _PARALLEL_CUTS = (
         replace=(("check_supported", _MUON,
                   _MUON + '        "Mixture-of-Experts": bool(getattr(optimizer, "has_moe_layers", False)),\n'), )),
     Cut("adapters/attach.py",
-        statements=(("attach", r"check_moe\("), ("_setup", r"check_no_sequence_parallel\("),
+        statements=(("attach", r"check_moe\b"), ("_setup", r"check_no_sequence_parallel\("),
                     ("_setup", r"tensor_rank = "), ("_setup", r"def bucket_of")),
         replace=(("_setup", "                 bucket_of,\n", "                 layer_map.bucket_of,\n"),
                  ("_stats_group", "    covered = dist.get_world_size(group=optimizer.dp_process_group) * "
@@ -412,7 +412,7 @@ SERIES = (
             Cut("adapters/param_grads.py", statements=(("ParamGradAdapter.__init__", r"if optimizer is not None:"), )),
             Cut("adapters/refusals.py",
                 drop=("OPTIMIZER_STATISTICS_FAMILIES", "check_optimizer_statistics", "low_precision_state")),
-            Cut("adapters/attach.py", statements=(("attach", r"check_optimizer_statistics\("), )),
+            Cut("adapters/attach.py", statements=(("attach", r"check_optimizer_statistics\b"), )),
             Cut(DOCS, rows=("optimizer_statistics", )),
         ),
     ),
@@ -544,7 +544,7 @@ SERIES = (
             Cut("adapters/attach.py",
                 replace=(("attach", " or config.acts()):", "):"), ("attach", ", a remedy acts: they need the adapter",
                                                                       ": they need the adapter")),
-                statements=(("attach", r"check_remedies\("), )),
+                statements=(("attach", r"check_remedies\b"), )),
         ),
     ),
 )

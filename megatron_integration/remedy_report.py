@@ -5,9 +5,10 @@ what ``plot`` draws of them.
 The logs carry them as the writers write them (``deepspeed_patch.tags``): the JSONL dump's lines hold ``skipped``,
 ``skip_reason`` and ``adaptive_clip`` (``{bucket: factor}``, ``None`` in the warm-up); TensorBoard, DeepSpeed's
 monitors (its CSV files too) and the Trainer's ``log_history`` hold the factors as the phase ``adaptive-clip``
-(each bucket's factor as its "norm", in the bucket's run or with the bucket ending the tag) and ``layer-grad-norms/skipped-step`` (1 skipped,
-0 applied), without the reason, which only the dump keeps. The dump's recorded steps (``"history": true``, a fire's
-copies of steps logged before) are left out: the live lines say what the remedies did.
+(each bucket's factor as its "norm", in the bucket's run or with the bucket ending the tag) and
+``layer-grad-norms/skipped-step`` (1 skipped, 0 applied), without the reason, which only the dump keeps. The dump's
+recorded steps (``"history": true``, a fire's copies of steps logged before) are left out: the live lines say what
+the remedies did.
 """
 
 import math

@@ -35,7 +35,6 @@ Series = Tuple[str, str, Points]
 TRAINER_STATE = "trainer_state.json"
 PHASE_PATTERN = "(" + "|".join(re.escape(phase_label(phase)) for phase in ALL_PHASES) + ")"
 """A phase as tags name it (``pre-clip``, ``exp-avg-sq``, ``update-to-weight``), one regex group."""
-_CSV_NAME = re.compile(rf"(?:^|_){TAG_ROOT}_(?:{PHASE_PATTERN}|values_([a-z0-9]+)_{PHASE_PATTERN})_(.+)$")
 _BUCKET_RUNS = re.compile(rf"(?:^|/)(?:non-)?{TAG_ROOT}(?:-history)?(?:/.*)?$")
 """The writers' runs of one training run, under its folder: per bucket, per fire (``layer-grad-norms/layer00``,
 ``non-layer-grad-norms/embed``, ``layer-grad-norms-history/fire-000150/layer03``)."""
@@ -43,6 +42,7 @@ _OUR_TAG = re.compile(rf"^(.*?)(?:non-)?{TAG_ROOT}(?:-history)?/")
 """A tag of ours, its writer's prefix (``Train/Samples/``, ``train/``, none) its group."""
 _WRITTEN_PATTERN = "(" + "|".join(re.escape(phase_label(phase)) for phase in WRITTEN_PHASES) + ")"
 """Every phase a writer writes: the signals, and adaptive clipping's factors (``adaptive-clip``)."""
+_CSV_NAME = re.compile(rf"(?:^|_){TAG_ROOT}_(?:{_WRITTEN_PATTERN}|values_([a-z0-9]+)_{PHASE_PATTERN})_(.+)$")
 _CSV_SKIPPED = re.compile(rf"(?:^|_){re.escape(SKIPPED_TAG.replace('/', '_'))}$")
 """The file of ``skip_step``'s scalar, a step's rather than a bucket's."""
 _EVENTS_FILE = "tfevents"
@@ -224,14 +224,16 @@ def _csv_series(path: str, run: str) -> Iterator[Series]:
     with the writer's prefix the file name carries (``Train/Samples/``)."""
     name = os.path.splitext(os.path.basename(path))[0]
     match = _CSV_NAME.search(name)
+    skipped = None if match is not None else _CSV_SKIPPED.search(name)
     if match is not None:
         norm_phase, statistic, values_phase, bucket = match.groups()
-        writer = match.string[:match.start()].replace("_", "/")  # Train_Samples_... : DeepSpeed's Train/Samples/
-        tag = f"{writer}/" * bool(writer) + f"{scalar_tag(norm_phase or values_phase, statistic or 'norm')}/{bucket}"
-    elif _CSV_SKIPPED.search(name):
+        tag = f"{scalar_tag(norm_phase or values_phase, statistic or 'norm')}/{bucket}"
+    elif skipped is not None:
         tag = SKIPPED_TAG
     else:
         return
+    writer = name[:(match or skipped).start()].replace("_", "/")  # Train_Samples_... : DeepSpeed's Train/Samples/
+    tag = f"{writer}/" * bool(writer) + tag
     points = []
     with open(path, newline="", encoding="utf-8") as rows:
         for row in csv.reader(rows):

@@ -1,7 +1,8 @@
-"""``adaptive_clipping`` and ``skip_step`` against an independent plain-PyTorch reference, on 1, 2 and 3 CPU ranks.
+"""``adaptive_clipping`` and ``skip_step`` against an independent plain-PyTorch reference, on 1 to 4 CPU ranks.
 
-One launch per world size runs all of that world's cases (remedies_workers.py): one rank in the suite, 2 and 3 ranks
-in the extended tier. The reference of each step is the
+One launch per world size runs all of that world's cases (remedies_workers.py): 1 and 2 ranks in the suite (the
+2-rank launch: tensor parallelism's replicas, ``group_by`` leaving parameters out, BF16_Optimizer's global norm),
+more at 2 ranks (a tied pipeline), 3 and 4 ranks (TP 2 x DP 2) in the extended tier. The reference of each step is the
 full gradient averaged over ranks and micro-batches (reference.py), from which this module computes AdaGC's factors
 and the skip decision itself (``adagc_factors``, ``skip_decisions``); the optimizer is SGD with lr 1, so the update a
 step applied is the gradient the optimizer received, compared bucket by bucket with the reference's clipped one.

@@ -65,7 +65,7 @@ CASES = {  # by launch: its world size, and "x" for the extended tier
                                        dump=True),
         # the loss scale grows on every second step: ZeRO divides that step's gradient by the grown scale
         "z2_fp16_adaptive_scale_growth": adaptive(dtype="fp16", scale_window=2),
-        "z2_fp32_adaptive_scaling_fails": adaptive(steps=FAIL_AT, fail_scaling_at=FAIL_AT),
+        "z2_fp32_adaptive_scaling_fails": adaptive(steps=FAIL_AT + 1, fail_scaling_at=FAIL_AT),
     },
     "2": {  # the suite's multi-rank launch: the paths a remedy takes across ranks (a tensor-parallel case last:
         # its grid stays DeepSpeed's model-parallel unit for the engines built after it in the process)
@@ -283,7 +283,8 @@ def test_replicas_get_the_same_factor(launch_id, name):
 
 def test_a_failing_remedy_leaves_global_clipping_on():
     """The scaling raising inside the step, after global clipping was suspended for it: the step is clipped
-    globally (DeepSpeed's rule), no result claims a factor, and the statistics switch off."""
+    globally (DeepSpeed's rule), its result says so and claims no factor, and the statistics switch off at the
+    next step."""
     case = CASES["1"]["z2_fp32_adaptive_scaling_fails"]
     record = ok("1", "z2_fp32_adaptive_scaling_fails")[0]
     reference = record["reference"][FAIL_AT - 1]
@@ -292,7 +293,9 @@ def test_a_failing_remedy_leaves_global_clipping_on():
     want = {key: {stat: stats[stat] * coef for stat in ("norm", "min", "max", "abs_max")}
             for key, stats in reference.items()}
     assert_close_stats(record["applied"][FAIL_AT - 1], want, APPLIED_TOLERANCE, stats=("norm", "min", "max"))
-    assert record["measured"][FAIL_AT - 1] is None
+    measured = record["measured"][FAIL_AT - 1]
+    assert measured["adaptive_clip"] is None and measured["clip_coef"] == pytest.approx(coef, rel=1e-5)
+    assert record["measured"][FAIL_AT] is None
 
 
 @pytest.mark.parametrize("launch_id, name", tiered(SKIP_CASES))

@@ -231,15 +231,16 @@ class LayerGradNormsAdapter:
     def scale_buckets(self, measurement: Measurement, index: int, flat_grad: torch.Tensor) -> None:
         """Multiply flat gradient ``index`` (``scaled_spans``) by each bucket's adaptive factor, in place, where the
         step has them; before the optimizer divides it by the loss scale. Should that fail, global clipping is
-        restored for the step and the result claims no factor (``drop_factors``), and the failure goes on to the
-        read point's guard."""
+        restored for the step, the result claims no factor (``drop_factors``) and the failure flags the step (the
+        statistics switch off at the next reduction); the caller then records the scale applied."""
         if self.scaling is None:
             return
-        try:
-            scale_spans(flat_grad, self.scaling[index])
-        except Exception:
-            self.drop_factors(measurement)
-            raise
+        with measurement.guarded("scaling the gradient by the adaptive factors"):
+            try:
+                scale_spans(flat_grad, self.scaling[index])
+            except Exception:
+                self.drop_factors(measurement)
+                raise
 
     def drop_factors(self, measurement: Measurement) -> None:
         """The step's adaptive factors are not (all) applied: global clipping is back for it, the result says so."""

@@ -60,9 +60,8 @@ class BF16Adapter(OptimizerAdapter):
         if self.remedies is None:
             return
         self.act(measurement)
-        with measurement.guarded("scaling the gradients"):
-            for index, flat_grad in enumerate(self.optimizer.fp32_groups_gradients_flat):
-                self.scale_buckets(measurement, index, flat_grad)
+        for index, flat_grad in enumerate(self.optimizer.fp32_groups_gradients_flat):
+            self.scale_buckets(measurement, index, flat_grad)
 
     def spans_to_scale(self, index: int) -> List[Span]:
         """The group's whole flat gradient: its parameters back to back from 0."""

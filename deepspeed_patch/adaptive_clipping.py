@@ -12,8 +12,8 @@ multiplied by ``min(1, factor * ema / norm)`` and ``ema`` moves to ``beta * ema 
 
 Everything here works on the host, on the per-bucket norms the step's reduction gave every rank (the same bits
 on every rank), so every rank computes the same factors and the same state. A bucket with no gradient (norm 0)
-or a non-finite one keeps its ``ema`` and is not scaled; a bucket that had no usable norm in the warm-up starts
-its ``ema`` at its first one.
+or a non-finite one keeps its ``ema``. A bucket that has had no usable norm yet (an expert not routed in the
+warm-up) is clipped as the warm-up clips, by the global coefficient, until it has one; its ``ema`` starts there.
 """
 
 import logging
@@ -42,14 +42,16 @@ class AdaptiveClipping:
         """Whether DeepSpeed's global clipping still applies (the first ``warmup_steps`` applied steps)."""
         return self.steps < self.warmup_steps
 
-    def factors(self, norms: torch.Tensor) -> Optional[torch.Tensor]:
+    def factors(self, norms: torch.Tensor, global_coefficient: float) -> Optional[torch.Tensor]:
         """Each bucket's multiplier for a step whose pre-clip norms are ``norms`` (float64, host, unscaled);
-        ``None`` in the warm-up."""
+        ``None`` in the warm-up. A bucket without an average yet gets ``global_coefficient``, what global clipping
+        would multiply the step's gradient by: no bucket passes unclipped because it had no usable norm before."""
         if self.warming_up():
             return None
         limit = self.factor * self.ema
-        clipped = torch.isfinite(limit) & torch.isfinite(norms) & (norms > limit)
-        return torch.where(clipped, limit / norms, torch.ones_like(norms))
+        clipped = torch.isfinite(norms) & (norms > limit)
+        factors = torch.where(clipped, limit / norms, torch.ones_like(norms))
+        return torch.where(torch.isinf(self.ema), torch.full_like(norms, global_coefficient), factors)
 
     def update(self, clipped_norms: torch.Tensor) -> None:
         """An applied step's clipped norms join each bucket's average (the warm-up's minimum before)."""

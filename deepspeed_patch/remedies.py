@@ -8,7 +8,11 @@
 the step they act on is measured and reduced before the optimizer steps (the adapter's ``act``), with the same two
 all-reduces as any measured step and nothing more. The decision (``Action``) is taken from that reduced table and
 the reported loss, both the same on every rank, so every rank skips or scales alike; it then travels with the
-step's scales (``result.StepScales``) into the result: ``skipped`` and ``skip_reason``, ``adaptive_clip``.
+step's scales (``result.StepScales``) into the result: ``skipped`` and ``skip_reason``, ``adaptive_clip``. Once the
+optimizer has applied the step (``Remedies.applied``), what it applied joins the adaptive averages.
+
+Every row of the statistics table is a bucket here, the unreported row of the parameters a ``group_by`` pattern
+leaves out included (key ``UNMATCHED``): their gradient is clipped by its own average, as any bucket's.
 """
 
 import logging
@@ -31,6 +35,8 @@ CHECKPOINT_KEY = "layer_grad_norms"
 UNIVERSAL_STATE = os.path.join("zero", "optimizer_state.pt")
 """Where a universal checkpoint (``ds_to_universal``) keeps the optimizer state dict's unsharded entries, ours
 among them: DeepSpeed copies every entry but the partitions' from the first rank's file."""
+UNMATCHED = "(unmatched by group_by)"
+"""The key of the adaptive average of the parameters a ``group_by`` pattern leaves out (the unreported row)."""
 
 
 @dataclass(frozen=True)
@@ -56,18 +62,24 @@ class Action:
 class Remedies:
     """The remedies a ds_config turns on, for one optimizer's buckets."""
 
-    def __init__(self, config: LayerGradNormsConfig, keys: Sequence[Hashable], process_group: object = None) -> None:
-        """``process_group``: the ranks whose tables a step reduces (``skip_step`` agrees the loss over them)."""
-        self.adaptive = AdaptiveClipping(config.adaptive_clipping, keys) if config.adaptive_clipping.enabled else None
+    def __init__(self, config: LayerGradNormsConfig, keys: Sequence[Hashable], num_rows: int,
+                 process_group: object = None) -> None:
+        """``keys``: the buckets, the first rows of a table of ``num_rows`` gradient rows (one more: ``UNMATCHED``);
+        ``process_group``: the ranks whose tables a step reduces (``skip_step`` agrees the loss over them)."""
+        buckets = list(keys) + [UNMATCHED] * (num_rows - len(keys))
+        self.adaptive = (AdaptiveClipping(config.adaptive_clipping, buckets)
+                         if config.adaptive_clipping.enabled else None)
         self.skip = SkipStep(config.skip_step, process_group) if config.skip_step.enabled else None
-        self.num_buckets = len(keys)
+        self.num_buckets = num_rows
+        self.pending: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
+        """The decided step's pre-clip norms and factors, until the optimizer has applied it (``applied``)."""
         self.restored = False
         """A checkpoint's state was loaded (``load_state_dict``), or the first step of a fresh run was taken."""
 
     @staticmethod
-    def wanted(config: LayerGradNormsConfig, keys: Sequence[Hashable],
+    def wanted(config: LayerGradNormsConfig, keys: Sequence[Hashable], num_rows: int,
                process_group: object = None) -> Optional["Remedies"]:
-        return Remedies(config, keys, process_group) if config.acts() else None
+        return Remedies(config, keys, num_rows, process_group) if config.acts() else None
 
     def report_loss(self, loss: Union[float, torch.Tensor]) -> None:
         if self.skip is not None:
@@ -76,24 +88,34 @@ class Remedies:
     def decide(self, reduced: torch.Tensor, gradient_scale: float, clip_divisor: Callable[[float], float]) -> Action:
         """The step's action from its ``reduced`` table (host, the gradient's rows first), whose gradient carries
         ``gradient_scale``; ``clip_divisor(norm)``: what DeepSpeed's global clipping divides the gradient by for a
-        global norm ``norm``. An applied step's clipped norms join the adaptive averages here."""
+        global norm ``norm``. The adaptive averages move once the step is applied (``applied``)."""
         norms = reduced[:self.num_buckets, SUMSQ].sqrt() / gradient_scale
         global_norm = math.sqrt(reduced[:self.num_buckets, SUMSQ].sum().item()) / gradient_scale
         reason = self.skip.judge(global_norm) if self.skip is not None else None
         factors = None
+        self.pending = None
         if self.adaptive is not None and reason is None and math.isfinite(global_norm):
-            factors = self.adaptive.factors(norms)
-            applied = factors if factors is not None else 1.0 / clip_divisor(global_norm)
-            self.adaptive.update(norms * applied)
+            factors = self.adaptive.factors(norms, 1.0 / clip_divisor(global_norm))
+            self.pending = (norms, factors if factors is not None else torch.ones_like(norms))
         return Action(reason,
                       None if factors is None else tuple(factors.tolist()),
                       global_norm,
                       adaptive=self.adaptive is not None,
                       skipping=self.skip is not None)
 
+    def applied(self, multiplier: float) -> None:
+        """The optimizer applied the step ``decide`` decided last, its gradient multiplied, besides each bucket's
+        factor, by ``multiplier`` (the global clip coefficient in the warm-up; where ZeRO unscales an fp16 step by
+        the loss scale it grew to, old over new scale): each bucket's average takes in the norm it applied."""
+        if self.pending is not None:
+            norms, factors = self.pending
+            self.adaptive.update(norms * factors * multiplier)
+            self.pending = None
+
     def overflowed(self) -> Action:
         """The action of a step the loss scaler skips: none; the loss reported for it is dropped, not judged with
         the next step's norm."""
+        self.pending = None
         if self.skip is not None:
             self.skip.loss = None
         return Action(adaptive=self.adaptive is not None, skipping=self.skip is not None)
@@ -152,11 +174,9 @@ def saved_state(state_dict_list, checkpoint_folder: Optional[str]) -> Optional[d
     return next((state[CHECKPOINT_KEY] for state in states if state and CHECKPOINT_KEY in state), None)
 
 
-def scale_spans(flat: torch.Tensor, starts: Sequence[int], lengths: Sequence[int], buckets: Sequence[int],
-                factors: Sequence[float]) -> None:
-    """Multiply each span of a flat gradient partition by its bucket's factor, in place; spans of factor 1 are left
-    alone. One multiply per span, and spans are whole buckets where the layout keeps a bucket's parameters together."""
-    for start, length, bucket in zip(starts, lengths, buckets):
-        factor = factors[bucket]
+def scale_spans(flat: torch.Tensor, spans: Sequence[Tuple[int, int, float]]) -> None:
+    """Multiply each span ``(start, length, factor)`` of a flat gradient, in place; spans of factor 1 are left alone.
+    One multiply per span, and spans are whole buckets where the layout keeps a bucket's parameters together."""
+    for start, length, factor in spans:
         if factor != 1.0:
             flat.narrow(0, start, length).mul_(factor)

@@ -104,7 +104,8 @@ def ds_config(case: Dict[str, Any], enabled: bool) -> Dict[str, Any]:
         "steps_per_print": 10**9,
     }
     if enabled:
-        ds_config["layer_grad_norms"] = {"enabled": True, "optimizer_statistics": list(case.get("kinds", ()))}
+        ds_config["layer_grad_norms"] = {"enabled": True, "optimizer_statistics": list(case.get("kinds", ())),
+                                         **case.get("block", {})}
     if case["dtype"] == "bf16":
         ds_config["bf16"] = {"enabled": True}
         if case["stage"] > 0:
@@ -157,6 +158,8 @@ def train_pipe(case: Dict[str, Any], enabled: bool = True) -> Dict[str, Any]:
         grads = trained_gradients(before, stage_of, config, case, batches)
         record["reference"].append(bucket_stats(grads))
     record["final"] = full_weights(engine, case)[0]
+    record["tied"] = {name: param.detach().clone() for name, param in engine.module.named_parameters()
+                      if name.startswith("tied_modules.")}  # this stage's own copy
     engine.destroy()
     return record
 

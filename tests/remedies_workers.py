@@ -11,13 +11,15 @@ import contextlib
 import json
 import logging
 import os
+import re
 import tempfile
-from typing import Any, Dict, List
+from typing import Any, Callable, Dict, Hashable, List
 
 import torch
 
+import deepspeed_patch.adapters.base
 from megatron_integration.tiny_gpt import TinyGPT
-from reference import averaged_gradients, bucket_stats
+from reference import averaged_gradients, bucket_stats, reference_bucket
 from zero_workers import (
     DEFAULT_CASE,
     DTYPES,
@@ -26,6 +28,7 @@ from zero_workers import (
     batches_of_step,
     ds_config,
     full_weights,
+    loss_scale,
     model_config,
     run_each,
 )
@@ -38,8 +41,13 @@ REMEDY_CASE: Dict[str, Any] = {
     "resume_from": "checkpoint",  # or "universal" (converted by ds_to_universal), or "module" (no optimizer states)
     "dump": False,  # write the JSONL dump and return its lines
     "adam": False,  # Adam instead of SGD with lr 1 (ds_to_universal converts Adam's state only)
+    "model": "tiny",  # "tp": tensor (x data) parallel MLP stack (parallel3d_workers); "pipe": a tied 2-stage pipeline
+    "scale_window": 1000,  # fp16: clean steps before the loss scale grows (2: grows on every second step)
+    "fail_scaling_at": None,  # make the adaptive scaling raise on this step (the remedy failing inside the step)
 }
 SPIKE = 1000.0
+UNMATCHED = "unmatched"
+"""The reference's bucket of the parameters a ``group_by`` pattern leaves out."""
 
 
 def build(case: Dict[str, Any], enabled: bool = True):
@@ -48,8 +56,8 @@ def build(case: Dict[str, Any], enabled: bool = True):
 
     torch.manual_seed(0)
     config = ds_config(case, enabled)
-    if case["dtype"] == "fp16":  # no growth of the scale: ZeRO unscales by the grown one (a DeepSpeed bug)
-        config["fp16"]["loss_scale_window"] = 1000
+    if case["dtype"] == "fp16":  # ZeRO unscales a growth step's gradient by the grown scale (a DeepSpeed bug)
+        config["fp16"]["loss_scale_window"] = case["scale_window"]
     model = TinyGPT(model_config(case))
     params = [param for param in model.parameters()]
     if case["groups"]:
@@ -65,6 +73,7 @@ def one_step(engine, case: Dict[str, Any], step: int, record: Dict[str, Any]) ->
 
     rank, world_size = dist.get_rank(), dist.get_world_size()
     before = full_weights(engine.module)
+    scale_before = loss_scale(engine.optimizer)
     blow_up = SPIKE if step == case["spike_step"] else OVERFLOW_BLOW_UP if step == case["overflow_step"] else None
     losses = []
     for batch in batches_of_step(case, step, world_size, rank):
@@ -78,9 +87,13 @@ def one_step(engine, case: Dict[str, Any], step: int, record: Dict[str, Any]) ->
             dist.all_reduce(mean)
             record["losses"].append(mean.item() / world_size)
             engine.layer_grad_norms.report_loss(mean / world_size)
-        engine.step()
+        with failing_scaling(step == case["fail_scaling_at"]):
+            engine.step()
     after = full_weights(engine.module)
-    record["applied"].append(bucket_stats({name: before[name] - after[name] for name in before}))
+    key_of = reference_key(case)
+    record["applied"].append(bucket_stats({name: before[name] - after[name] for name in before}, key_of))
+    record["loss_scales"].append((scale_before, loss_scale(engine.optimizer)))
+    record["global_norm"].append(float(engine.get_global_grad_norm() or "nan"))
     record["unchanged"].append(all(torch.equal(before[name], after[name]) for name in before))
     record["measured"].append(engine.get_layer_grad_norms())
     record["skipped_steps"].append(engine.skipped_steps)
@@ -88,11 +101,46 @@ def one_step(engine, case: Dict[str, Any], step: int, record: Dict[str, Any]) ->
         scale = 2.0**FP16_INITIAL_SCALE_POWER if case["dtype"] == "fp16" else 1.0
         grads = averaged_gradients(before, model_config(case), DTYPES[case["dtype"]],
                                    batches_of_step(case, step, world_size), (), scale, blow_up)
-        record["reference"].append(bucket_stats(grads))
+        record["reference"].append(bucket_stats(grads, key_of))
+
+
+def reference_key(case: Dict[str, Any]) -> Callable[[str], Hashable]:
+    """The reference's bucket of a parameter: its layer, or, under ``granularity: group_by``, the pattern's capture
+    groups joined by ``.`` (``UNMATCHED`` where it does not match)."""
+    if case["block"].get("granularity") != "group_by":
+        return reference_bucket
+    pattern = re.compile(case["block"]["group_by"])
+
+    def group_key(name: str) -> Hashable:
+        match = pattern.search(name)
+        return ".".join(match.groups()) if match else UNMATCHED
+
+    return group_key
+
+
+class failing_scaling:
+    """While ``on``: the adapters' in-place scaling of the gradient partitions raises (a remedy failing inside the
+    step, after global clipping was suspended)."""
+
+    def __init__(self, on: bool) -> None:
+        self.on = on
+        self.saved = deepspeed_patch.adapters.base.scale_spans
+
+    def __enter__(self) -> None:
+        if self.on:
+            deepspeed_patch.adapters.base.scale_spans = self.fail
+
+    def __exit__(self, *exc) -> None:
+        deepspeed_patch.adapters.base.scale_spans = self.saved
+
+    @staticmethod
+    def fail(*args, **kwargs) -> None:
+        raise RuntimeError("scaling failed (injected)")
 
 
 def new_record() -> Dict[str, list]:
-    return {"applied": [], "unchanged": [], "measured": [], "skipped_steps": [], "reference": [], "losses": []}
+    return {"applied": [], "unchanged": [], "measured": [], "skipped_steps": [], "reference": [], "losses": [],
+            "loss_scales": [], "global_norm": []}
 
 
 def train(case: Dict[str, Any]) -> Dict[str, Any]:
@@ -192,6 +240,39 @@ def run_cases(cases: Dict[str, Dict[str, Any]]) -> Dict[str, Any]:
         if case.get("compare_off"):
             on, off = off_weights(case, True), off_weights(case, False)
             return {"on": on["weights"], "off": off["weights"], "result": on["result"]}
-        return {"on": train(case)}
+        return {"on": PARALLEL_MODELS.get(case["model"], train)(case)}
 
     return run_each(cases, REMEDY_CASE, trained)
+
+
+def train_tensor_parallel(case: Dict[str, Any]) -> Dict[str, Any]:
+    """``case`` on ``parallel3d_workers``' tensor-parallel MLP stack, TP 2 x DP (world size / 2), no pipeline; the
+    record holds every rank's final weights by name and which of them are replicated across the TP ranks."""
+    from deepspeed import comm as dist
+    from parallel3d_workers import DEFAULT_CASE as CASE_3D
+    from parallel3d_workers import train as train_3d
+
+    from tp_workers import TensorParallelModel
+
+    tp = 2
+    overrides = {key: case[key] for key in ("dtype", "stage", "clip", "steps", "block")}
+    record = train_3d({**CASE_3D, **overrides, "pp": 1, "tp": tp, "dp": dist.get_world_size() // tp})
+    names = [(name, not getattr(param, "tensor_model_parallel", False))
+             for name, param in TensorParallelModel(tp).named_parameters()]
+    record["final"] = {name: weight for (name, _), weight in zip(names, record["final"])}
+    record["replicated"] = [name for name, replicated in names if replicated]
+    record["unchanged"] = [False] * case["steps"]
+    return record
+
+
+def train_tied_pipe(case: Dict[str, Any]) -> Dict[str, Any]:
+    """``case`` on ``pipeline_workers``' tiny GPT in as many stages as ranks, its embedding tied to its head: the
+    record holds each stage's own copy of the tied weight."""
+    from pipeline_workers import DEFAULT_CASE as PIPE_CASE
+    from pipeline_workers import train_pipe
+
+    overrides = {key: case[key] for key in ("dtype", "stage", "clip", "steps", "block")}
+    return train_pipe({**PIPE_CASE, **overrides, "tie": True, "gas": 1})
+
+
+PARALLEL_MODELS = {"tp": train_tensor_parallel, "pipe": train_tied_pipe}

@@ -1,7 +1,8 @@
-"""``adaptive_clipping`` and ``skip_step`` against an independent plain-PyTorch reference, on 1, 2 and 3 CPU ranks.
+"""``adaptive_clipping`` and ``skip_step`` against an independent plain-PyTorch reference, on 1 to 4 CPU ranks.
 
-One launch per world size runs all of that world's cases (remedies_workers.py): one rank in the suite, 2 and 3 ranks
-in the extended tier. The reference of each step is the
+One launch per world size runs all of that world's cases (remedies_workers.py): 1 and 2 ranks in the suite (the
+2-rank launch: tensor parallelism's replicas, ``group_by`` leaving parameters out, BF16_Optimizer's global norm),
+more at 2 ranks (a tied pipeline), 3 and 4 ranks (TP 2 x DP 2) in the extended tier. The reference of each step is the
 full gradient averaged over ranks and micro-batches (reference.py), from which this module computes AdaGC's factors
 and the skip decision itself (``adagc_factors``, ``skip_decisions``); the optimizer is SGD with lr 1, so the update a
 step applied is the gradient the optimizer received, compared bucket by bucket with the reference's clipped one.
@@ -13,10 +14,10 @@ import re
 import statistics
 import tempfile
 from functools import lru_cache
-from typing import Dict, List, Optional, Set
+from typing import Dict, List, Optional, Sequence, Set
 
 import pytest
-from remedies_workers import run_cases
+from remedies_workers import UNMATCHED, run_cases
 
 from megatron_integration.cpu_launch import launch
 from reference import TOLERANCE, assert_close_stats
@@ -44,6 +45,14 @@ def skipping(**case) -> dict:
     return {"steps": 8, "spike_step": 7, "report_loss": True, **case}
 
 
+GROUP_BY = {"adaptive_clipping": ADAPTIVE, "granularity": "group_by", "group_by": r"layers\.(\d+)\."}
+"""The layers' parameters in buckets of their own; the embeddings, the final norm and the head in none."""
+FAIL_AT = 3
+"""The first step after the warm-up: where a failure of the scaling leaves global clipping suspended."""
+TIED = "tied_modules.embed.embed.weight"
+"""The pipeline's tied embedding, held by the first and the last stage."""
+
+
 CASES = {  # by launch: its world size, and "x" for the extended tier
     "1": {
         "z2_fp32_adaptive_groups": adaptive(groups=True),
@@ -61,6 +70,15 @@ CASES = {  # by launch: its world size, and "x" for the extended tier
         "refused_with_optimizer_statistics": {"block": {**BOTH, "optimizer_statistics": ["update"]}},
         "z2_fp32_skip_spike": skipping(block={"skip_step": SKIP, "trigger": TRIGGER, "dump": {"path": DUMP}},
                                        dump=True),
+        # the loss scale grows on every second step: ZeRO divides that step's gradient by the grown scale
+        "z2_fp16_adaptive_scale_growth": adaptive(dtype="fp16", scale_window=2),
+        "z2_fp32_adaptive_scaling_fails": adaptive(steps=FAIL_AT + 1, fail_scaling_at=FAIL_AT),
+    },
+    "2": {  # the suite's multi-rank launch: the paths a remedy takes across ranks (a tensor-parallel case last:
+        # its grid stays DeepSpeed's model-parallel unit for the engines built after it in the process)
+        "z2_fp32_adaptive_group_by_partial": adaptive(block=GROUP_BY),
+        "z1_bf16_optimizer_adaptive": adaptive(**BF16_OPTIMIZER),
+        "tp2_zero1_adaptive": adaptive(model="tp", stage=1),
     },
     "1x": {  # a universal checkpoint (DeepSpeed's conversion, of Adam's state only), a resume without the optimizer's
         "z2_fp32_resume_universal": skipping(clip=0.5, resume_at=5, spike_step=6, block=BOTH, resume_from="universal",
@@ -74,7 +92,7 @@ CASES = {  # by launch: its world size, and "x" for the extended tier
         "z2_fp32_skip_spike_no_loss": skipping(report_loss=False, block={"skip_step": SKIP}),
         "z2_fp32_adaptive_gas2_groups": adaptive(gas=2, groups=True),
         "z1_fp16_adaptive_overflow": adaptive(stage=1, dtype="fp16", overflow_step=3, steps=6),
-        "z1_bf16_optimizer_adaptive": adaptive(**BF16_OPTIMIZER),
+        "pipe2_tied_zero1_adaptive": adaptive(model="pipe", stage=1),
     },
     "3x": {
         "z2_fp32_adaptive_gas2_uneven": adaptive(gas=2, layers=UNEVEN),
@@ -84,10 +102,18 @@ CASES = {  # by launch: its world size, and "x" for the extended tier
         "z3_fp32_both_spike_uneven": skipping(stage=3, clip=0.5, layers=UNEVEN,
                                               block={"skip_step": SKIP, "adaptive_clipping": ADAPTIVE}),
     },
+    "4x": {  # tensor x data parallelism: 2 x 2
+        "tp2_dp2_zero1_adaptive": adaptive(model="tp", stage=1),
+        "tp2_dp2_bf16_optimizer_adaptive": adaptive(model="tp", **BF16_OPTIMIZER),
+    },
 }
 ADAPTIVE_CASES = [(launch_id, name) for launch_id, cases in CASES.items() for name, case in cases.items()
                   if "adaptive_clipping" in case.get("block", {}) and case["block"]["adaptive_clipping"]["enabled"]
-                  and not name.startswith("refused") and not case.get("compare_off") and not case.get("adam")]
+                  and not name.startswith("refused") and not case.get("compare_off") and not case.get("adam")
+                  and "fail_scaling_at" not in case and case.get("model") != "pipe"]
+REPLICA_CASES = [(launch_id, name) for launch_id, cases in CASES.items() for name, case in cases.items()
+                 if case.get("model") in ("tp", "pipe")]
+BF16_OPTIMIZER_CASES = [(launch_id, name) for launch_id, name in ADAPTIVE_CASES if "bf16_optimizer" in name]
 SKIP_CASES = [(launch_id, name) for launch_id, cases in CASES.items() for name, case in cases.items()
               if "spike_step" in case and not case.get("compare_off")]
 
@@ -114,31 +140,44 @@ def ok(launch_id: str, name: str) -> List[dict]:
     return [record["on"] for record in records]
 
 
-def adagc_factors(references: List[Dict], clip: float, config: Dict, passed: Set[int]) -> List[Optional[Dict]]:
+def adagc_factors(references: List[Dict], clip: float, config: Dict, passed: Set[int],
+                  shrinks: Sequence[float]) -> List[Optional[Dict]]:
     """AdaGC (arXiv 2502.11034) from the full gradient of each step, written out here on its own: the factor each
-    bucket's gradient is multiplied by (the global clip coefficient, DeepSpeed's rule, in the warm-up), ``None``
-    on a step in ``passed`` (skipped or overflowed: the optimizer applied nothing, the state does not move)."""
+    bucket's gradient is multiplied by (the global clip coefficient, DeepSpeed's rule, in the warm-up, and for a
+    bucket that has had no norm yet), ``None`` on a step in ``passed`` (skipped or overflowed: the optimizer applied
+    nothing, the state does not move). ``shrinks``: what the optimizer multiplies each step's gradient by besides
+    (ZeRO in fp16 divides a step's gradient by the loss scale it grows to at that step: old over new scale); each
+    average takes in what was applied."""
     ema: Dict = {}
     applied = 0
     factors = []
-    for step, reference in enumerate(references, start=1):
+    for step, (reference, shrink) in enumerate(zip(references, shrinks), start=1):
         if step in passed:
             factors.append(None)
             continue
         norms = {key: stats["norm"] for key, stats in reference.items()}
+        total = math.sqrt(sum(norm**2 for norm in norms.values()))
+        coef = min(1.0, clip / (total * shrink + 1e-6)) if clip > 0 else 1.0
         if applied < config["warmup_steps"]:
-            total = math.sqrt(sum(norm**2 for norm in norms.values()))
-            coef = min(1.0, clip / (total + 1e-6)) if clip > 0 else 1.0
             step_factors = dict.fromkeys(norms, coef)
             for key, norm in norms.items():
-                ema[key] = min(ema.get(key, math.inf), norm * coef)
+                if norm > 0:
+                    ema[key] = min(ema.get(key, math.inf), norm * coef * shrink)
         else:
-            step_factors = {key: min(1.0, config["factor"] * ema[key] / norm) for key, norm in norms.items()}
+            step_factors = {key: min(1.0, config["factor"] * ema[key] / norm) if key in ema else coef
+                            for key, norm in norms.items()}
             for key, norm in norms.items():
-                ema[key] = config["beta"] * ema[key] + (1 - config["beta"]) * norm * step_factors[key]
+                if norm > 0:
+                    clipped = norm * step_factors[key] * shrink
+                    ema[key] = config["beta"] * ema[key] + (1 - config["beta"]) * clipped if key in ema else clipped
         applied += 1
         factors.append(step_factors)
     return factors
+
+
+def shrinks_of(record: Dict) -> List[float]:
+    """Each step's old over new loss scale where ZeRO unscales by the new one (fp16), else 1."""
+    return [before / after if after > before else 1.0 for before, after in record["loss_scales"]]
 
 
 def skip_decisions(losses: List[float], norms: List[float], config: Dict) -> List[bool]:
@@ -173,20 +212,23 @@ def passed_steps(launch_id: str, name: str) -> Set[int]:
 @pytest.mark.parametrize("launch_id, name", tiered(ADAPTIVE_CASES))
 def test_adaptive_clipping_applies_adagc(launch_id, name):
     """Step by step: pre-clip norms, the per-bucket factors (``adaptive_clip``), ``post_clip`` and the update the
-    optimizer applied, against AdaGC computed from the reference gradient."""
+    optimizer applied, against AdaGC computed from the reference gradient (the parameters a ``group_by`` pattern
+    leaves out: a bucket of their own, not reported)."""
     case = CASES[launch_id][name]
     config = {"warmup_steps": 100, "factor": 1.05, "beta": 0.98, **case["block"]["adaptive_clipping"]}
     dtype = case.get("dtype", "fp32")
     records = ok(launch_id, name)
     record = records[0]
     passed = passed_steps(launch_id, name)
-    expected = adagc_factors(record["reference"], case["clip"], config, passed)
+    shrinks = shrinks_of(record)
+    expected = adagc_factors(record["reference"], case["clip"], config, passed, shrinks)
     checked = clipped = 0
-    for index, (reference, factors) in enumerate(zip(record["reference"], expected)):
+    for index, (reference, factors, shrink) in enumerate(zip(record["reference"], expected, shrinks)):
         measured = record["measured"][index]
+        reported = {key: stats for key, stats in reference.items() if key != UNMATCHED}
         assert all(repr(other["measured"][index]) == repr(measured) for other in records)  # every rank's (NaN too)
         if index + 1 != case.get("overflow_step"):  # the forced overflow's statistics are NaN
-            assert_close_stats(measured["pre_clip"], reference, TOLERANCE[dtype])
+            assert_close_stats(measured["pre_clip"], reported, TOLERANCE[dtype])
         if factors is None:
             assert measured["post_clip"] is None and measured["adaptive_clip"] is None
             assert record["unchanged"][index]
@@ -194,18 +236,79 @@ def test_adaptive_clipping_applies_adagc(launch_id, name):
         warm = measured["adaptive_clip"] is None
         assert warm == (index < config["warmup_steps"] + len([s for s in passed if s <= index]))
         if not warm:
-            assert set(measured["adaptive_clip"]) == set(factors)
-            for key, factor in factors.items():
-                assert measured["adaptive_clip"][key] == pytest.approx(factor, rel=10 * TOLERANCE[dtype])
+            assert set(measured["adaptive_clip"]) == set(reported)
+            for key in reported:
+                assert measured["adaptive_clip"][key] == pytest.approx(factors[key], rel=10 * TOLERANCE[dtype])
             clipped += sum(factor < 1.0 for factor in factors.values())
-        want = {key: {stat: stats[stat] * factors[key] for stat in ("norm", "min", "max", "abs_max")}
+        want = {key: {stat: stats[stat] * factors[key] * shrink for stat in ("norm", "min", "max", "abs_max")}
                 for key, stats in reference.items()}
-        assert_close_stats(measured["post_clip"], want, 10 * TOLERANCE[dtype], stats=("norm", "min", "max"))
+        post_clip = {key: want[key] for key in reported}
+        assert_close_stats(measured["post_clip"], post_clip, 10 * TOLERANCE[dtype], stats=("norm", "min", "max"))
         if dtype == "fp32":  # low-precision weights round the update itself: its stats are post_clip's above
             assert_close_stats(record["applied"][index], want, APPLIED_TOLERANCE, stats=("norm", "min", "max"))
         checked += 1
     assert checked == case["steps"] - len(passed)
     assert clipped > 0  # the per-bucket rule did clip
+    if case.get("scale_window"):  # a growth step after the warm-up, whose halved norm the average takes in
+        assert any(shrink < 1 for shrink in shrinks[config["warmup_steps"]:-1])
+
+
+@pytest.mark.parametrize("launch_id, name", tiered(BF16_OPTIMIZER_CASES))
+def test_bf16_optimizer_global_norm_is_the_applied_one_on_every_rank(launch_id, name):
+    """BF16_Optimizer computes its global norm from every parameter's gradient, not from the rank's partition: after
+    the warm-up it is the norm of the gradient adaptive clipping left (``post_clip``), the same on every rank."""
+    config = {"warmup_steps": 100, **CASES[launch_id][name]["block"]["adaptive_clipping"]}
+    records = ok(launch_id, name)
+    assert len(records) == int(launch_id.rstrip("x"))
+    checked = 0
+    for index, measured in enumerate(records[0]["measured"]):
+        assert len({record["global_norm"][index] for record in records}) == 1, index
+        if index >= config["warmup_steps"]:
+            applied = math.sqrt(sum(stats["norm"]**2 for stats in measured["post_clip"].values()))
+            assert records[0]["global_norm"][index] == pytest.approx(applied, rel=1e-4)
+            checked += 1
+    assert checked == CASES[launch_id][name]["steps"] - config["warmup_steps"]
+
+
+@pytest.mark.parametrize("launch_id, name", tiered(REPLICA_CASES))
+def test_replicas_get_the_same_factor(launch_id, name):
+    """A parameter several ranks hold (replicated across the tensor-parallel ranks: layer norms, the row-parallel
+    bias, embedding, head; a pipeline-tied embedding on the first and the last stage) is scaled by its bucket's
+    factor on every rank that holds it: the copies stay bit-identical while adaptive clipping clips."""
+    records = ok(launch_id, name)
+    clipped = [factor for measured in records[0]["measured"] for factor in (measured["adaptive_clip"] or {}).values()
+               if factor < 1.0]
+    assert clipped, "adaptive clipping should clip some bucket"
+    if CASES[launch_id][name]["model"] == "pipe":
+        copies = [record["tied"][TIED] for record in records if TIED in record["tied"]]
+        assert len(copies) == 2  # the first and the last stage
+        assert copies[0].equal(copies[1])
+        return
+    replicated = records[0]["replicated"]
+    assert len(replicated) == 12  # per layer its norm's weight and bias, the row-parallel bias; embedding, head's two
+    for weight in replicated:
+        assert all(record["final"][weight].equal(records[0]["final"][weight]) for record in records), weight
+    tensor_parallel = 2
+    for rank, record in enumerate(records):  # the shards of a TP rank alike on its data-parallel ranks
+        same_shard = records[rank % tensor_parallel]["final"]
+        assert all(weight.equal(same_shard[key]) for key, weight in record["final"].items()), rank
+
+
+def test_a_failing_remedy_leaves_global_clipping_on():
+    """The scaling raising inside the step, after global clipping was suspended for it: the step is clipped
+    globally (DeepSpeed's rule), its result says so and claims no factor, and the statistics switch off at the
+    next step."""
+    case = CASES["1"]["z2_fp32_adaptive_scaling_fails"]
+    record = ok("1", "z2_fp32_adaptive_scaling_fails")[0]
+    reference = record["reference"][FAIL_AT - 1]
+    coef = min(1.0, case["clip"] / (global_norm(reference) + 1e-6))
+    assert coef < 1.0  # global clipping clips this step
+    want = {key: {stat: stats[stat] * coef for stat in ("norm", "min", "max", "abs_max")}
+            for key, stats in reference.items()}
+    assert_close_stats(record["applied"][FAIL_AT - 1], want, APPLIED_TOLERANCE, stats=("norm", "min", "max"))
+    measured = record["measured"][FAIL_AT - 1]
+    assert measured["adaptive_clip"] is None and measured["clip_coef"] == pytest.approx(coef, rel=1e-5)
+    assert record["measured"][FAIL_AT] is None
 
 
 @pytest.mark.parametrize("launch_id, name", tiered(SKIP_CASES))
@@ -344,3 +447,56 @@ def test_a_universal_checkpoint_is_read_from_its_folder(tmp_path):
     assert saved_state(None, str(tmp_path)) == state
     assert saved_state(None, str(tmp_path / "elsewhere")) is None
     assert saved_state([{"other": 1}, {CHECKPOINT_KEY: state}], None) == state
+
+
+def test_a_bucket_without_a_norm_in_the_warm_up_is_clipped_globally_until_it_has_one():
+    """An expert no token reached in the warm-up (norm 0 there): after it, while global clipping is off, its first
+    gradient is clipped by the global coefficient (not let through), and its average starts at what was applied;
+    against ``adagc_factors`` on the same norms."""
+    import torch
+
+    from deepspeed_patch.config import load_config
+    from deepspeed_patch.remedies import Remedies
+    from deepspeed_patch.statistics import NUM_COLUMNS, SUMSQ
+
+    clip = 1.0
+    config = {"warmup_steps": 2, "factor": 1.05, "beta": 0.5}
+    remedies = Remedies(load_config({"layer_grad_norms": {"adaptive_clipping": {"enabled": True, **config}}}),
+                        ["dense", "expert"], num_rows=2)
+    steps = [{"dense": 3.0, "expert": 0.0}, {"dense": 2.0, "expert": 0.0}, {"dense": 2.5, "expert": 4.0},
+             {"dense": 2.5, "expert": 4.0}]
+    references = [{key: {"norm": norm} for key, norm in norms.items()} for norms in steps]
+    expected = adagc_factors(references, clip, config, set(), [1.0] * len(steps))
+    checked = 0
+    for norms, want in zip(steps, expected):
+        table = torch.zeros(3, NUM_COLUMNS, dtype=torch.float64)
+        table[:2, SUMSQ] = torch.tensor([norms["dense"], norms["expert"]], dtype=torch.float64)**2
+        action = remedies.decide(table, 1.0, lambda norm: max((norm + 1e-6) / clip, 1.0))
+        coefficient = 1.0 if action.factors is not None else min(1.0, clip / (action.global_norm + 1e-6))
+        remedies.applied(coefficient)
+        if action.factors is not None:
+            assert action.factors == pytest.approx((want["dense"], want["expert"]), rel=1e-12)
+            checked += 1
+    assert checked == 2
+    assert expected[2]["expert"] == pytest.approx(clip / math.sqrt(2.5**2 + 4.0**2), rel=1e-5)  # clipped globally
+    assert expected[3]["expert"] < 1.0  # then by its own average
+
+
+def test_parameters_group_by_leaves_out_have_an_average_of_their_own():
+    """``group_by`` matching part of the parameters: the unreported row is a bucket of the remedies (one factor per
+    table row, so every span has one), and counts in the global norm."""
+    import torch
+
+    from deepspeed_patch.config import load_config
+    from deepspeed_patch.remedies import UNMATCHED, Remedies
+    from deepspeed_patch.statistics import NUM_COLUMNS, SUMSQ
+
+    config = load_config({"layer_grad_norms": {"adaptive_clipping": {"enabled": True, "warmup_steps": 1}}})
+    remedies = Remedies(config, ["0", "1"], num_rows=3)
+    assert remedies.adaptive.keys == ["0", "1", UNMATCHED]
+    table = torch.zeros(4, NUM_COLUMNS, dtype=torch.float64)
+    table[:3, SUMSQ] = torch.tensor([1.0, 4.0, 4.0], dtype=torch.float64)
+    action = remedies.decide(table, 1.0, lambda norm: 1.0)
+    assert action.global_norm == 3.0
+    remedies.applied(1.0)
+    assert len(remedies.decide(table, 1.0, lambda norm: 1.0).factors) == 3

@@ -27,10 +27,11 @@ one rank changes nothing the ranks do. A failure of the measurement itself goes 
 (``steps.FailureLatch``).
 """
 
+import dataclasses
 import functools
 import logging
 from dataclasses import dataclass
-from typing import Callable, List, Optional, Union
+from typing import Callable, List, Optional, Tuple, Union
 
 import torch
 
@@ -50,6 +51,8 @@ from ..trigger import FireSelector, History, TriggerState
 logger = logging.getLogger(__name__)
 
 BucketOf = Callable[[torch.nn.Parameter], Optional[int]]
+Span = Tuple[int, int, int]
+"""``(start, length, bucket row)`` of a flat gradient: one bucket's parameters laid out together."""
 
 
 @dataclass(frozen=True)
@@ -95,7 +98,8 @@ class LayerGradNormsAdapter:
         self.reporting = False
         """Whether the step under way is measured (reduced and published), not only recorded."""
         trigger = setup.config.trigger
-        self.remedies = Remedies.wanted(setup.config, self.layer_map.keys, setup.process_group)
+        self.remedies = Remedies.wanted(setup.config, self.layer_map.keys, self.layer_map.num_rows,
+                                        setup.process_group)
         """``adaptive_clipping`` and ``skip_step``, when either is on: then every step is measured, and reduced
         before the optimizer steps (``act``)."""
         self.capture_steps = trigger.capture_steps if trigger is not None else None
@@ -105,6 +109,8 @@ class LayerGradNormsAdapter:
         self.saved_clip_grad: Optional[float] = None
         """The optimizer's ``clip_grad`` while adaptive clipping replaces it for one step
         (``suspend_global_clipping``)."""
+        self.scaling: Optional[List[List[Tuple[int, int, float]]]] = None
+        """The step's adaptive factors laid on each partition's spans (``scaled_spans``), while they are to apply."""
         history = trigger.history if trigger is not None else 0
         self.recorder = FlightRecorder(history, self.layer_map.num_rows, device, self.kinds) if history else None
 
@@ -146,6 +152,10 @@ class LayerGradNormsAdapter:
         action = measurement.action if measurement is not None else None
         skipped = action is not None and action.skipped
         overflow = self.overflow() and not skipped  # a step skip_step skipped goes the overflow's way in DeepSpeed
+        self.scaling = None
+        if action is not None and not (skipped or overflow or measurement.failed):
+            with self.latch.failing_locally("updating the adaptive averages", measurement.step):
+                self.remedies.applied(self.applied_multiplier(measurement))
         if measurement is not None:
             self._close(measurement, overflow)
         if self.latch.broken:
@@ -200,7 +210,8 @@ class LayerGradNormsAdapter:
         the step now (its only reduction) and let the remedies decide, from that table, the same on every rank.
         A skipped step then goes the way DeepSpeed skips an overflowed one (``skip_optimizer_step``); adaptive
         factors replace global clipping for the step (``suspend_global_clipping``) and are applied to each
-        partition by the family's read point (``scale_buckets``)."""
+        partition by the family's read point (``scale_buckets``). Should deciding fail, nothing is suspended and
+        the step has no action: it is clipped globally, and no result claims factors."""
         step = measurement.step
         reduced = None
         with self.latch.failing_locally("reducing the step before the optimizer step", step):
@@ -209,26 +220,54 @@ class LayerGradNormsAdapter:
             return
         with self.latch.failing_locally("deciding the remedies", step):
             action = self.remedies.decide(reduced, measurement.gradient_scale, self.clip_divisor)
-            measurement.action = action
+            scaling = None if action.factors is None else [[(start, length, action.factors[bucket])
+                                                             for start, length, bucket in spans]
+                                                            for spans in self.scaled_spans]
+            measurement.action, self.scaling = action, scaling
             if action.skipped:
                 if rank_of_process() == 0:  # the same decision on every rank: one line
                     logger.warning("layer_grad_norms: skip_step skips step %d (%s)", step, action.skip_reason)
                 self.skip_optimizer_step()
-            elif action.factors is not None:
+            elif scaling is not None:
                 self.suspend_global_clipping()
 
     def scale_buckets(self, measurement: Measurement, index: int, flat_grad: torch.Tensor) -> None:
-        """Multiply flat partition ``index`` by each bucket's adaptive factor, in place, where the step has
-        them; before the optimizer divides it by the loss scale."""
-        factors = measurement.action.factors if measurement.action is not None else None
-        if factors is not None:
-            slices = self.chunkings[index].slices
-            scale_spans(flat_grad, slices.starts, slices.lengths, self.span_buckets[index], factors)
+        """Multiply flat gradient ``index`` (``scaled_spans``) by each bucket's adaptive factor, in place, where the
+        step has them; before the optimizer divides it by the loss scale. Should that fail, global clipping is
+        restored for the step, the result claims no factor (``drop_factors``) and the failure flags the step (the
+        statistics switch off at the next reduction); the caller then records the scale applied."""
+        if self.scaling is None:
+            return
+        with measurement.guarded("scaling the gradient by the adaptive factors"):
+            try:
+                scale_spans(flat_grad, self.scaling[index])
+            except Exception:
+                self.drop_factors(measurement)
+                raise
+
+    def drop_factors(self, measurement: Measurement) -> None:
+        """The step's adaptive factors are not (all) applied: global clipping is back for it, the result says so."""
+        self.scaling = None
+        self.resume_global_clipping()
+        if measurement.action is not None:
+            measurement.action = dataclasses.replace(measurement.action, factors=None)
 
     @functools.cached_property
-    def span_buckets(self) -> List[List[int]]:
-        """Each partition's spans' bucket rows, on the host (``chunkings`` holds them on the partition's device)."""
-        return [chunking.slices.buckets.tolist() for chunking in self.chunkings]
+    def scaled_spans(self) -> List[List[Span]]:
+        """Each flat gradient's spans that adaptive clipping multiplies (``spans_to_scale``)."""
+        return [self.spans_to_scale(index) for index in range(self.num_partitions)]
+
+    def spans_to_scale(self, index: int) -> List[Span]:
+        """The spans of flat gradient ``index`` (the one ``scale_buckets`` gets) of every parameter, by its bucket
+        (``LayerMap.bucket_of``): a copy that another rank counts (a tensor-parallel replica, a pipeline-tied
+        copy) included, so that every copy of a parameter gets the same factor (DESIGN.md 2b)."""
+        raise NotImplementedError
+
+    def applied_multiplier(self, measurement: Measurement) -> float:
+        """What the optimizer multiplied the step's gradient by, unscaled and after the adaptive factors: the global
+        clip coefficient of the step's global norm (1 while adaptive clipping suspends it). At the end of the step,
+        before global clipping is restored."""
+        return 1.0 / self.clip_divisor(measurement.action.global_norm)
 
     def clip_divisor(self, global_norm: float) -> float:
         """What the optimizer's global clipping divides a gradient of unscaled norm ``global_norm`` by."""

@@ -5,7 +5,9 @@
 """``BF16_Optimizer``: bf16 weights with fp32 gradient accumulation under ZeRO-1 (the BLOOM set-up).
 
 Its flat gradient partitions are complete, reduced and carry no loss scale when the step begins, so
-they are read then; once the step is done, its global norm gives the clip factor it applied.
+they are read then; once the step is done, its global norm gives the clip factor it applied. Each rank holds its
+group's whole flat gradient, reduced (the partition is a view of it), and ``step()`` computes the global norm, and
+clips, from every parameter's view of it: adaptive clipping scales all of it, on every rank.
 """
 
 import functools
@@ -19,7 +21,7 @@ from ..measurement import Measurement
 from ..optimizer_stats import optimizer_statistics
 from ..partition_slices import PartitionSlices, back_to_back_ranges, partition_spans, slices_of_spans
 from ..partition_stats import chunk_partition
-from .base import Setup
+from .base import Setup, Span
 from .optimizer import OptimizerAdapter
 
 
@@ -51,15 +53,21 @@ class BF16Adapter(OptimizerAdapter):
             measurement.observe_partition(index, flat_grad, self.chunkings[index])
 
     def act_at_begin(self, measurement: Measurement) -> None:
-        """With adaptive clipping, reduce the step now and scale each partition in place before ``step()`` computes
-        its global norm (which then is the norm after adaptive clipping) and clips (not, once adaptive clipping
+        """With adaptive clipping, reduce the step now and scale each group's whole flat gradient in place (not only
+        the partition: ``step()`` reads every parameter's gradient) before ``step()`` computes its global norm (which
+        then is the norm after adaptive clipping, the same on every rank) and clips (not, once adaptive clipping
         replaces it)."""
         if self.remedies is None:
             return
         self.act(measurement)
-        with measurement.guarded("scaling the gradient partitions"):
-            for index, flat_grad in enumerate(self.optimizer.fp32_groups_gradient_flat_partition):
-                self.scale_buckets(measurement, index, flat_grad)
+        for index, flat_grad in enumerate(self.optimizer.fp32_groups_gradients_flat):
+            self.scale_buckets(measurement, index, flat_grad)
+
+    def spans_to_scale(self, index: int) -> List[Span]:
+        """The group's whole flat gradient: its parameters back to back from 0."""
+        params = self.optimizer.bf16_groups[index]
+        return partition_spans(back_to_back_ranges(params, self.layer_map.bucket_of), 0,
+                               sum(param.numel() for param in params))
 
     def clip_divisor(self, global_norm: float) -> float:
         return bf16_clip_divisor(global_norm, clip_grad=self.optimizer.clip_grad)

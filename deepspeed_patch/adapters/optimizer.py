@@ -82,6 +82,16 @@ class ZeroPartitionsAdapter(OptimizerAdapter):
     def clip_divisor(self, global_norm: float) -> float:
         return zero_unscale_divisor(global_norm, clip_grad=self.optimizer.clip_grad, loss_scale=1.0)
 
+    def applied_multiplier(self, measurement: Measurement) -> float:
+        """``unscale_and_clip_grads`` divides by the loss scale as ``_update_scale`` left it: on a step the loss
+        scale grows at (fp16), by the grown one, so the gradient applied is the unscaled one times the old over
+        the new scale, and the clip coefficient is that of the norm so reduced."""
+        gradient_scale = measurement.gradient_scale
+        return gradient_scale / zero_unscale_divisor(measurement.action.global_norm * gradient_scale,
+                                                     clip_grad=self.optimizer.clip_grad,
+                                                     loss_scale=self.optimizer.loss_scale,
+                                                     zeroes_invalid_norm=False)
+
     def skip_optimizer_step(self) -> None:
         """``_update_scale``'s caller tests ``self.overflow`` right after it: set, the step goes DeepSpeed's own
         overflow path (gradients dropped, no parameter or moment change, the engine counts a skipped step and

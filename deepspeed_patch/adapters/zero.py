@@ -18,9 +18,9 @@ import torch
 from deepspeed import comm as dist
 
 from ..optimizer_stats import optimizer_statistics
-from ..partition_slices import PartitionSlices, partition_spans, slices_of_spans
+from ..partition_slices import partition_spans, slices_of_spans
 from ..partition_stats import Chunking, chunk_partition
-from .base import Setup
+from .base import BucketOf, Setup, Span
 from .optimizer import ZeroPartitionsAdapter, observe_chunks, param_group_of
 
 
@@ -29,9 +29,11 @@ class ZeroAdapter(ZeroPartitionsAdapter):
 
     def __init__(self, optimizer, setup: Setup) -> None:
         device = optimizer.single_partition_of_fp32_groups[0].device
+        self.zero_records_offsets = setup.capabilities.zero_records_offsets
         self.chunkings = [
-            chunk_partition(_group_slices(optimizer, index, setup), device)
-            for index in range(len(optimizer.bit16_groups))
+            chunk_partition(
+                slices_of_spans(_group_spans(optimizer, index, setup.bucket_of, self.zero_records_offsets), device),
+                device) for index in range(len(optimizer.bit16_groups))
         ]
         super().__init__(optimizer, setup, len(self.chunkings), device)
         self.optimizer_statistics = optimizer_statistics(optimizer.optimizer,
@@ -59,8 +61,11 @@ class ZeroAdapter(ZeroPartitionsAdapter):
         with measurement.guarded("reading the gradient partition"):
             flat_grad = grad_groups_flat[0]
             index = param_group_of(self.optimizer.single_partition_of_fp32_groups, flat_grad)
+            self.scale_buckets(measurement, index, flat_grad)  # first: the scale applied follows its outcome
             self.observe_flat(measurement, index, flat_grad, total_norm, self.capabilities.zero_zeroes_invalid_norm)
-            self.scale_buckets(measurement, index, flat_grad)
+
+    def spans_to_scale(self, index: int) -> List[Span]:
+        return _group_spans(self.optimizer, index, self.layer_map.bucket_of, self.zero_records_offsets)
 
     def observe_skipped(self, measurement, index: int, chunking: Chunking) -> None:
         """Group ``index``'s gradient on a skipped step: the offloaded fp32 partition, the flat partition a
@@ -77,20 +82,19 @@ class ZeroAdapter(ZeroPartitionsAdapter):
             observe_chunks(measurement, index, chunking, pieces)
 
 
-def _group_slices(optimizer, index: int, setup: Setup) -> PartitionSlices:
+def _group_spans(optimizer, index: int, bucket_of: BucketOf, records_offsets: bool) -> List[Span]:
     """The spans of parameter group ``index`` on this rank, from the optimizer's own layout bookkeeping: the parameter
-    order and offsets of the flat buffer (after round-robin reordering and alignment padding) and the
-    data-parallel partitions."""
+    order and offsets of the flat buffer (after round-robin reordering and alignment padding; ``records_offsets``:
+    the release records them, ``Capabilities.zero_records_offsets``) and the data-parallel partitions."""
     params = optimizer.round_robin_bit16_groups[index]
     # The meta copies keep the true sizes when offload has swapped the parameters' storage out.
     sizes = [meta.numel() for meta in optimizer.round_robin_bit16_meta[index]]
-    if setup.capabilities.zero_records_offsets:  # it may pad between parameters, and says where
+    if records_offsets:  # it may pad between parameters, and says where
         offsets = optimizer.round_robin_bit16_offsets[index]
     else:  # back to back, the padding at the end
         offsets = list(itertools.accumulate(sizes[:-1], initial=0))
     partitions = optimizer.parallel_partitioned_bit16_groups[index]
     rank = dist.get_rank(group=optimizer.real_dp_process_group[index])
     start = sum(part.numel() for part in partitions[:rank])
-    ranges = [(offset, size, setup.bucket_of(param)) for param, offset, size in zip(params, offsets, sizes)]
-    device = optimizer.single_partition_of_fp32_groups[index].device
-    return slices_of_spans(partition_spans(ranges, start, partitions[rank].numel()), device)
+    ranges = [(offset, size, bucket_of(param)) for param, offset, size in zip(params, offsets, sizes)]
+    return partition_spans(ranges, start, partitions[rank].numel())

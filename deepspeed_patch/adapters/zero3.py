@@ -25,9 +25,9 @@ from deepspeed import comm as dist
 
 from ..capabilities import Capabilities
 from ..optimizer_stats import optimizer_statistics
-from ..partition_slices import PartitionSlices, partition_spans, slices_of_spans
+from ..partition_slices import partition_spans, slices_of_spans
 from ..partition_stats import Chunking, chunk_partition
-from .base import BucketOf, Setup
+from .base import BucketOf, Setup, Span
 from .optimizer import ZeroPartitionsAdapter, observe_chunks
 
 
@@ -38,7 +38,7 @@ class Zero3Adapter(ZeroPartitionsAdapter):
         device = optimizer.fp32_partitioned_groups_flat[0].device
         rank = dist.get_rank(group=optimizer.dp_process_group)
         self.chunkings = [
-            chunk_partition(_sub_group_slices(params, rank, setup.bucket_of, device), device)
+            chunk_partition(slices_of_spans(_sub_group_spans(params, rank, setup.bucket_of), device), device)
             for params in optimizer.fp16_groups
         ]
         super().__init__(optimizer, setup, len(self.chunkings), device)
@@ -114,8 +114,12 @@ class Zero3Adapter(ZeroPartitionsAdapter):
             flat_grad = self.optimizer.fp32_partitioned_groups_flat[sub_group_id].grad
             # An invalid norm goes into the formula (clamped at 1) or, where the release checks it
             # (0.19.8), skips the step before this point: never a zeroed gradient.
+            self.scale_buckets(measurement, sub_group_id, flat_grad)  # first: the scale applied follows its outcome
             self.observe_flat(measurement, sub_group_id, flat_grad, total_norm, zeroes_invalid_norm=False)
-            self.scale_buckets(measurement, sub_group_id, flat_grad)
+
+    def spans_to_scale(self, index: int) -> List[Span]:
+        rank = dist.get_rank(group=self.optimizer.dp_process_group)
+        return _sub_group_spans(self.optimizer.fp16_groups[index], rank, self.layer_map.bucket_of)
 
     def observe_skipped(self, measurement, index: int, chunking: Chunking) -> None:
         """Sub-group ``index``'s gradient on a skipped step: the offloaded flat fp32 gradient, or the
@@ -127,7 +131,7 @@ class Zero3Adapter(ZeroPartitionsAdapter):
             observe_chunks(measurement, index, chunking, optimizer.averaged_gradients[index])
 
 
-def _sub_group_slices(params: List[torch.nn.Parameter], rank: int, bucket_of: BucketOf, device) -> PartitionSlices:
+def _sub_group_spans(params: List[torch.nn.Parameter], rank: int, bucket_of: BucketOf) -> List[Span]:
     """The spans of one sub-group's flat gradient on ``rank``: each parameter's ``partition_numel()``
     elements back to back, of which the first ``ds_numel - rank * partition_numel()`` (none to all) are real."""
     ranges, offset = [], 0
@@ -136,7 +140,7 @@ def _sub_group_slices(params: List[torch.nn.Parameter], rank: int, bucket_of: Bu
         real = min(size, max(0, param.ds_numel - rank * size))
         ranges.append((offset, real, bucket_of(param)))
         offset += size
-    return slices_of_spans(partition_spans(ranges, 0, offset), device)
+    return partition_spans(ranges, 0, offset)
 
 
 def _is_mics(optimizer) -> bool:

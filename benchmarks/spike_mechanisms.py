@@ -69,6 +69,9 @@ class Mechanism:
     embed_scale: float = 1.0
     """The embedding's output times this (``sqrt(hidden)`` is the scaled embedding Takase et al. recommend)."""
     init_std: float = 0.02
+    """The normal initialisation's std of every matrix but the embeddings'."""
+    embed_std: float = 0.02
+    """The embeddings' initial std (token and position)."""
 
 
 MECHANISMS: Dict[str, Mechanism] = {
@@ -78,7 +81,7 @@ MECHANISMS: Dict[str, Mechanism] = {
     "logit_growth": Mechanism("logit_growth", "Wortsman et al. 2023 (arXiv 2309.14322): attention logits without "
                               "QK-norm at a high lr", lr=1e-2, betas=(0.9, 0.98), weight_decay=0.1),
     "small_embedding": Mechanism("small_embedding", "Takase et al. (arXiv 2312.16903): a small embedding scale",
-                                 lr=3e-3, betas=(0.9, 0.98), weight_decay=1.0, embed_scale=1.0, init_std=0.002),
+                                 lr=3e-3, betas=(0.9, 0.98), weight_decay=1.0, embed_std=0.002),
 }
 
 
@@ -181,7 +184,8 @@ class ModularTransformer(nn.Module):
         self.head = nn.Linear(hidden, PRIME, bias=False)
         for name, param in self.named_parameters():
             if name.endswith("weight") and param.dim() == 2:
-                nn.init.normal_(param, std=mechanism.init_std)
+                embedding = name.split(".")[0] in ("embedding", "pos_embedding")
+                nn.init.normal_(param, std=mechanism.embed_std if embedding else mechanism.init_std)
             elif name.endswith("bias"):
                 nn.init.zeros_(param)
 

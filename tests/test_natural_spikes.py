@@ -7,7 +7,6 @@ The ground truth is checked against DeepSpeed's own state (``safe_get_full_optim
 import math
 import os
 import sys
-from dataclasses import replace
 from typing import Dict, List
 
 import pytest
@@ -85,10 +84,11 @@ def test_agreement_needs_the_signal_a_bucket_and_the_step():
 
 # ---------------------------------------------------------------- a real run (extended)
 
-EARLY = replace(MECHANISMS["slingshot"], name="slingshot_early", lr=3e-3)
-"""The slingshot at 3x its lr, which spikes within a few hundred steps (benchmarks/results/natural_spikes.md)."""
-STEPS = 420
+SLINGSHOT = MECHANISMS["slingshot"]
+STEPS = 470
 SEED = 0
+"""Seed 0 spikes first near step 448 here (benchmarks/results/natural_spikes.md): a grad-norm fire, then the loss's
+(two fires judged, on this machine); the run takes 4-6 minutes on 2 shared cores."""
 CHECKED_STEPS = (1, 50, STEPS)
 
 
@@ -116,7 +116,7 @@ def _run(outdir: str):
     deepspeed_patch.install()
     torch.set_num_threads(1)
     hooks = StateSnapshots()
-    record = train(RunSpec(EARLY, SEED, outdir, steps=STEPS), hooks)
+    record = train(RunSpec(SLINGSHOT, SEED, outdir, steps=STEPS), hooks)
     return record, hooks.seen
 
 
@@ -124,7 +124,7 @@ def _run(outdir: str):
 def early_run(tmp_path_factory):
     from megatron_integration.cpu_launch import launch
 
-    outdir = str(tmp_path_factory.mktemp("natural") / f"slingshot_early-{SEED}")
+    outdir = str(tmp_path_factory.mktemp("natural") / f"slingshot-{SEED}")
     record, seen = launch(_run, ns.WORLD_SIZE, outdir, timeout=1800)[0]
     return outdir, record, seen
 

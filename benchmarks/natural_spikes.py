@@ -153,19 +153,26 @@ def report_answers(dump: str) -> List[Dict[str, Any]]:
             for spike in spike_summaries(dump)]
 
 
-def agreement(claim: Optional[Dict[str, Any]], first: Optional[Dict[str, Any]]) -> Tuple[bool, str]:
-    """Whether the report's claim agrees with the truth's first departure, and why not."""
+def agreement(claim: Optional[Dict[str, Any]], first: Optional[Dict[str, Any]], fired_at: int) -> Tuple[bool, str]:
+    """Whether the report's claim agrees with the truth's first departure, and, where not, why (each way it
+    differs, named)."""
     if claim is None or first is None:
         return claim is None and first is None, ("" if claim is None and first is None else
                                                  "no answer" if claim is None else "the truth found no departure")
     reasons = []
-    if REPORT_SIGNAL.get(claim["signal"], claim["signal"]) != first["signal"]:
-        reasons.append("signal")
+    signal = REPORT_SIGNAL.get(claim["signal"], claim["signal"])
+    if signal != first["signal"]:
+        reasons.append(f"signal ({signal}, the truth's {first['signal']}"
+                       + (": a running average named ahead of the gradient)" if first["signal"] == "grad" and
+                          signal in ("exp_avg", "exp_avg_sq") else ")"))
     if not {str(layer) for layer in claim["layers"]} & set(first["buckets"]):
-        reasons.append("bucket")
-    if abs(claim["step"] - first["step"]) > STEP_TOLERANCE:
-        reasons.append("step")
-    return not reasons, ", ".join(reasons)
+        outside = not any(bucket.isdigit() for bucket in first["buckets"])
+        reasons.append("bucket" + (" (the truth's are outside the layers)" if outside else ""))
+    if fired_at - claim["step"] > LOOK_BACK:
+        reasons.append(f"step (dated {fired_at - claim['step']} steps before its fire, beyond the look-back)")
+    elif abs(claim["step"] - first["step"]) > STEP_TOLERANCE:
+        reasons.append(f"step ({claim['step']}, the truth's {first['step']})")
+    return not reasons, "; ".join(reasons)
 
 
 def evaluate_run(folder: str) -> List[Dict[str, Any]]:
@@ -175,7 +182,7 @@ def evaluate_run(folder: str) -> List[Dict[str, Any]]:
     rows = []
     for answer in report_answers(os.path.join(folder, "dump.jsonl")):
         expected = truth_answer(truth, answer["fired_at"])
-        agree, why = agreement(answer["claim"], expected["first"])
+        agree, why = agreement(answer["claim"], expected["first"], answer["fired_at"])
         rows.append({"mechanism": mechanism, "seed": int(seed), **answer, **expected, "agree": agree, "why": why})
     return rows
 

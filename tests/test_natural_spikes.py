@@ -73,13 +73,18 @@ def test_at_one_step_the_gradient_comes_before_the_moments_and_the_update():
     assert ns.truth_answer(truth, fired_at=100)["first"]["signal"] == "grad"
 
 
-def test_agreement_needs_the_signal_a_bucket_and_the_step():
+def test_agreement_needs_the_signal_a_bucket_and_the_step_and_names_each_difference():
     first = {"signal": "grad", "buckets": ["1", "head"], "factors": [5.0, 3.0], "step": 90}
     claim = {"signal": "pre_clip", "layers": [1], "step": 91}
-    assert ns.agreement(claim, first) == (True, "")
-    assert ns.agreement({**claim, "signal": "exp_avg"}, first) == (False, "signal")
-    assert ns.agreement({**claim, "layers": [0], "step": 80}, first) == (False, "bucket, step")
-    assert ns.agreement(None, first) == (False, "no answer")
+    assert ns.agreement(claim, first, fired_at=95) == (True, "")
+    assert ns.agreement({**claim, "signal": "exp_avg"}, first, fired_at=95) == (
+        False, "signal (exp_avg, the truth's grad: a running average named ahead of the gradient)")
+    assert ns.agreement({**claim, "layers": [0], "step": 85}, first, fired_at=95) == (
+        False, "bucket; step (85, the truth's 90)")
+    assert ns.agreement({**claim, "step": 40}, {**first, "buckets": ["head"]}, fired_at=95) == (
+        False, "bucket (the truth's are outside the layers); step (dated 55 steps before its fire, beyond the "
+        "look-back)")
+    assert ns.agreement(None, first, fired_at=95) == (False, "no answer")
 
 
 # ---------------------------------------------------------------- a real run (extended)

@@ -225,8 +225,8 @@ def fire_table(rows: List[Dict[str, Any]]) -> List[str]:
 
 def summary_table(rows: List[Dict[str, Any]], runs: Dict[str, List[Tuple[int, int]]]) -> List[str]:
     """Per mechanism: its runs (seed and steps), fires, agreement and lead time."""
-    lines = ["| mechanism | seeds (steps) | fires | with loss spike | agree | report dated > look-back before the fire | "
-             "lead time, median (range) |", "|---|---|---|---|---|---|---|"]
+    lines = ["| mechanism | seeds (steps) | fires | with loss spike | agree | report dated > look-back before the "
+             "fire | lead time, median (range) |", "|---|---|---|---|---|---|---|"]
     for mechanism, seeds in runs.items():
         shown = ", ".join(f"{seed} ({steps})" for seed, steps in seeds)
         mine = [row for row in rows if row["mechanism"] == mechanism]

@@ -253,6 +253,38 @@ def mechanism_table() -> List[str]:
     return lines
 
 
+QUIET_FROM = 300
+"""Quiet steps, where the rule's noise is measured: from this step, and not within ``QUIET_MARGIN`` of a loss jump."""
+QUIET_MARGIN = (20, 40)
+
+
+def quiet_factors(truth: List[Dict[str, Any]], signal: str) -> List[float]:
+    """Each bucket's norm of ``signal`` over its level (the median of the ``LEVEL_STEPS`` before), at the quiet
+    steps of a run: how far the rule's ``DEPARTURE`` is above the noise."""
+    near = {step for jump in loss_jumps([line["loss"] for line in truth])
+            for step in range(jump - QUIET_MARGIN[0], jump + QUIET_MARGIN[1])}
+    factors = []
+    for bucket in truth[0][signal]:
+        values = [line[signal][bucket] for line in truth]
+        factors += [values[index] / statistics.median(values[index - LEVEL_STEPS:index])
+                    for index in range(QUIET_FROM, len(values)) if index + 1 not in near]
+    return factors
+
+
+def noise_table(folders: Sequence[str]) -> List[str]:
+    """Per signal, over every run's quiet steps and buckets: the 99th percentile and the largest factor, and how
+    many bucket-steps were above ``DEPARTURE`` (false departures of the rule)."""
+    truths = [read_truth(os.path.join(folder, "truth.jsonl")) for folder in folders]
+    lines = [f"| signal | quiet bucket-steps | 99th percentile | largest | above {DEPARTURE:g}x |",
+             "|---|---|---|---|---|"]
+    for signal in SIGNALS:
+        factors = sorted(factor for truth in truths for factor in quiet_factors(truth, signal))
+        if factors:
+            lines.append(f"| {signal} | {len(factors)} | {factors[int(0.99 * len(factors))]:.2f} | "
+                         f"{factors[-1]:.2f} | {sum(factor > DEPARTURE for factor in factors)} |")
+    return lines
+
+
 def probe_table(path: str) -> List[str]:
     """The plain-PyTorch probes: which settings spiked (loss jumps, ``loss_jumps`` collapsed to episodes)."""
     if not os.path.exists(path):
@@ -283,7 +315,10 @@ def evaluate(root: str) -> str:
              f"truth's signal, one of its buckets, at a step within {STEP_TOLERANCE} of the truth's. Lead: the loss "
              "spike's step minus the first step any bucket's gradient left its level.", "",
              *summary_table(rows, runs), "", "## Every fire", "", *fire_table(rows), "", "## The mechanisms", "",
-             *mechanism_table()]
+             *mechanism_table(), "", "## The rule's noise", "",
+             f"Each signal's norm over its level at quiet steps (from step {QUIET_FROM}, not from "
+             f"{QUIET_MARGIN[0]} steps before a loss jump to {QUIET_MARGIN[1]} after), every bucket of every run:",
+             "", *noise_table(folders)]
     probes = probe_table(os.path.join(root, "probes.jsonl"))
     if probes:
         lines += ["", "## Probes (plain PyTorch, one process, 1 thread)", "", *probes]

@@ -176,15 +176,29 @@ def agreement(claim: Optional[Dict[str, Any]], first: Optional[Dict[str, Any]], 
 
 
 def evaluate_run(folder: str) -> List[Dict[str, Any]]:
-    """One row per fire of a run: the report's answer, the truth's, whether they agree, the lead time."""
+    """One row per fire of a run: the report's answer, the truth's, whether they agree, the lead time. A fire the
+    report says continues an earlier fire of the same loss spike is one incident: it is judged by the claim of the
+    fire it continues (``judged_by``), which the report's line carries on."""
     truth = read_truth(os.path.join(folder, "truth.jsonl"))
     mechanism, _, seed = os.path.basename(folder.rstrip("/")).rpartition("-")
-    rows = []
+    rows: List[Dict[str, Any]] = []
     for answer in report_answers(os.path.join(folder, "dump.jsonl")):
         expected = truth_answer(truth, answer["fired_at"])
-        agree, why = agreement(answer["claim"], expected["first"], answer["fired_at"])
-        rows.append({"mechanism": mechanism, "seed": int(seed), **answer, **expected, "agree": agree, "why": why})
+        judged_by = _incident_start(rows, answer["claim"], expected["loss_spike"]) or answer
+        agree, why = agreement(judged_by["claim"], expected["first"], judged_by["fired_at"])
+        rows.append({"mechanism": mechanism, "seed": int(seed), **answer, **expected, "agree": agree, "why": why,
+                     "judged_by": judged_by["fired_at"]})
     return rows
+
+
+def _incident_start(rows: List[Dict[str, Any]], claim: Optional[Dict[str, Any]],
+                    loss_spike: Optional[int]) -> Optional[Dict[str, Any]]:
+    """The row of the fire ``claim`` continues, where it had the same loss spike (and that fire's own start)."""
+    continues = (claim or {}).get("continues")
+    earlier = next((row for row in rows if row["fired_at"] == continues), None)
+    if earlier is None or loss_spike is None or earlier["loss_spike"] != loss_spike:
+        return None
+    return next(row for row in rows if row["fired_at"] == earlier["judged_by"])
 
 
 def run_folders(root: str) -> List[str]:
@@ -212,12 +226,17 @@ def _truth_cell(first: Optional[Dict[str, Any]]) -> str:
     return f"{first['signal']} of {buckets}{more} @{first['step']}"
 
 
+def _continues(row: Dict[str, Any]) -> str:
+    return "" if row["judged_by"] == row["fired_at"] else f" (continues {row['judged_by']}: judged by its claim)"
+
+
 def fire_table(rows: List[Dict[str, Any]]) -> List[str]:
     lines = ["| mechanism | seed | fire | reason | loss spike | report: signal of buckets @step | "
              "truth: signal of buckets @step | agree | lead |", "|---|---|---|---|---|---|---|---|---|"]
     for row in rows:
         lines.append(f"| {row['mechanism']} | {row['seed']} | {row['fired_at']} | {row['reason'] or ''} | "
-                     f"{row['loss_spike'] or '-'} | {_claim_cell(row['claim'])} | {_truth_cell(row['first'])} | "
+                     f"{row['loss_spike'] or '-'} | {_claim_cell(row['claim'])}{_continues(row)} | "
+                     f"{_truth_cell(row['first'])} | "
                      f"{'yes' if row['agree'] else 'no: ' + row['why']} | "
                      f"{'-' if row['lead'] is None else row['lead']} |")
     return lines

@@ -87,6 +87,21 @@ def test_agreement_needs_the_signal_a_bucket_and_the_step_and_names_each_differe
     assert ns.agreement(None, first, fired_at=95) == (False, "no answer")
 
 
+def test_a_fire_that_continues_an_earlier_one_of_the_same_loss_spike_is_judged_by_its_claim(monkeypatch, tmp_path):
+    truth = quiet_truth(140)
+    for step in range(100, 110):
+        truth[step - 1]["grad"]["0"] *= 5.0
+        truth[step - 1]["loss"] *= 10.0 if step > 101 else 1.0  # the loss jumps at 102
+    claim = {"signal": "pre_clip", "layers": [0], "step": 100, "continues": None}
+    answers = [{"fired_at": 100, "claim": claim}, {"fired_at": 117, "claim": {**claim, "step": 40, "continues": 100}},
+               {"fired_at": 130, "claim": {**claim, "continues": 117}}]
+    monkeypatch.setattr(ns, "read_truth", lambda path: truth)
+    monkeypatch.setattr(ns, "report_answers", lambda path: answers)
+    rows = ns.evaluate_run(str(tmp_path / "slingshot-3"))
+    assert [(row["judged_by"], row["agree"]) for row in rows] == [(100, True), (100, True), (130, False)]
+    assert rows[2]["loss_spike"] is None and rows[2]["why"] == "the truth found no departure"
+
+
 # ---------------------------------------------------------------- a real run (extended)
 
 SLINGSHOT = MECHANISMS["slingshot"]

@@ -151,6 +151,7 @@ def early_run(tmp_path_factory):
 
 @pytest.mark.extended
 def test_the_ground_truth_s_moments_are_deepspeed_s(early_run):
+    """At step 1 ``exp_avg`` is ``1 - beta1`` times the gradient: the truth's gradient is checked with it."""
     outdir, _, seen = early_run
     truth = ns.read_truth(os.path.join(outdir, "truth.jsonl"))
     checked = 0

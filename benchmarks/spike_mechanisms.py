@@ -8,9 +8,11 @@ named as the package's layer map expects: ``layers.N.`` for the transformer laye
 
 - ``slingshot``: Adam's slingshot (Thilak et al. 2022, arXiv 2206.04817): AdamW lr 1e-3, betas (0.9, 0.98), weight
   decay 1.0, batch 512, no clipping. It groks, and its loss jumps 5-180x several times after step ~700.
-- the other mechanisms of ``MECHANISMS``: settings tried for Adam's second-moment lag (Bai et al. 2025), attention
-  logits without QK-norm at a high lr (Wortsman et al. 2023, arXiv 2309.14322) and a small embedding scale
-  (Takase et al., arXiv 2312.16903); which of them spike here is in ``benchmarks/results/natural_spikes.md``.
+- ``small_embedding``: the embeddings initialised at std 0.002 (Takase et al., arXiv 2312.16903), lr 3e-3: spikes
+  from step ~350;
+- ``adam_lag``: Adam's second-moment lag (Bai et al. 2025): lr 3e-3, beta2 0.9999, eps 1e-12: spikes from ~780;
+- ``logit_growth``: attention logits without QK-norm at lr 1e-2 (Wortsman et al. 2023, arXiv 2309.14322): did not
+  spike in 800 steps here (``benchmarks/results/natural_spikes.md``, its probes).
 
 ``train`` runs one mechanism on every rank of a launch (``megatron_integration.cpu_launch.launch``): the global batch
 split over the ranks, the feature's block (``ds_config``: every layer, the four optimizer statistics, the grad-norm

@@ -245,11 +245,12 @@ def fire_table(rows: List[Dict[str, Any]]) -> List[str]:
 def summary_table(rows: List[Dict[str, Any]], runs: Dict[str, List[Tuple[int, int]]]) -> List[str]:
     """Per mechanism: its runs (seed and steps), fires, agreement and lead time."""
     lines = ["| mechanism | seeds (steps) | fires | with loss spike | agree | report dated > look-back before the "
-             "fire | lead time, median (range) |", "|---|---|---|---|---|---|---|"]
+             "fire | lead time per loss spike, median (range) |", "|---|---|---|---|---|---|---|"]
     for mechanism, seeds in runs.items():
         shown = ", ".join(f"{seed} ({steps})" for seed, steps in seeds)
         mine = [row for row in rows if row["mechanism"] == mechanism]
-        leads = [row["lead"] for row in mine if row["lead"] is not None]
+        incidents = {(row["seed"], row["loss_spike"]): row["lead"] for row in mine if row["lead"] is not None}
+        leads = list(incidents.values())  # one per loss spike, however many fires it had
         early = sum(1 for row in mine if row["claim"] and row["fired_at"] - row["claim"]["step"] > LOOK_BACK)
         lead = f"{statistics.median(leads):g} ({min(leads)}-{max(leads)})" if leads else "-"
         lines.append(f"| {mechanism} | {len(seeds)}: {shown} | {len(mine)} | "

@@ -7,10 +7,10 @@
 ``run`` trains each mechanism of ``spike_mechanisms`` at each seed under DeepSpeed ZeRO-2 on 2 CPU ranks, with every
 layer, the four optimizer statistics, the grad-norm and loss triggers and a 16-step flight recorder; each run
 writes ``DIR/<mechanism>-<seed>/``: the feature's JSONL dump, the ground truth (``truth.jsonl``: every bucket's
-float64 norm of the gradient, the update and Adam's moments, every step, read through DeepSpeed's
-``safe_get_full_*``, not the package) and the run's record. ``probe`` trains a mechanism (or a variant of it) in
-plain PyTorch on one process and appends which loss jumps it had to ``DIR/probes.jsonl``: the quick way to find
-settings that spike. ``evaluate`` reads the saved runs, runs the CURRENT ``report`` code on each dump
+float64 norm of the gradient, the update and Adam's moments, every step, computed beside DeepSpeed by
+``spike_mechanisms.GroundTruth``, not by the package) and the run's record. ``probe`` trains a mechanism (or a
+variant of it) in plain PyTorch on one process and appends which loss jumps it had to ``DIR/probes.jsonl``: the
+quick way to find settings that spike. ``evaluate`` reads the saved runs, runs the CURRENT ``report`` code on each dump
 (``megatron_integration.spike.spike_summaries``) and the ground-truth rule below on each truth, and tabulates
 every fire.
 
@@ -28,7 +28,9 @@ The ground-truth rule (``truth_answer``), for one fire of the trigger at step F:
 
 The lead time of a fire is S minus the first step in ``[S - LOOK_BACK, S]`` at which any bucket's gradient left its
 level: how early a per-bucket gradient watch would have warned. The report agrees with the truth where it names
-the same signal, a bucket among those the truth names, and a step within ``STEP_TOLERANCE`` of the truth's.
+the same signal, a bucket among those the truth names, and a step within ``STEP_TOLERANCE`` of the truth's; a fire
+the report says continues an earlier fire of the same loss spike is judged by that fire's claim (one incident).
+The rule's noise (how often a quiet step departs) is in the results' last table.
 """
 
 import argparse

@@ -461,8 +461,8 @@ def test_a_bucket_without_a_norm_in_the_warm_up_is_clipped_globally_until_it_has
 
     clip = 1.0
     config = {"warmup_steps": 2, "factor": 1.05, "beta": 0.5}
-    remedies = Remedies(load_config({"layer_grad_norms": {"adaptive_clipping": {"enabled": True, **config}}}),
-                        ["dense", "expert"], num_rows=2)
+    block = {"enabled": True, "adaptive_clipping": {"enabled": True, **config}}
+    remedies = Remedies(load_config({"layer_grad_norms": block}), ["dense", "expert"], num_rows=2)
     steps = [{"dense": 3.0, "expert": 0.0}, {"dense": 2.0, "expert": 0.0}, {"dense": 2.5, "expert": 4.0},
              {"dense": 2.5, "expert": 4.0}]
     references = [{key: {"norm": norm} for key, norm in norms.items()} for norms in steps]
@@ -491,7 +491,8 @@ def test_parameters_group_by_leaves_out_have_an_average_of_their_own():
     from deepspeed_patch.remedies import UNMATCHED, Remedies
     from deepspeed_patch.statistics import NUM_COLUMNS, SUMSQ
 
-    config = load_config({"layer_grad_norms": {"adaptive_clipping": {"enabled": True, "warmup_steps": 1}}})
+    block = {"enabled": True, "adaptive_clipping": {"enabled": True, "warmup_steps": 1}}
+    config = load_config({"layer_grad_norms": block})
     remedies = Remedies(config, ["0", "1"], num_rows=3)
     assert remedies.adaptive.keys == ["0", "1", UNMATCHED]
     table = torch.zeros(4, NUM_COLUMNS, dtype=torch.float64)

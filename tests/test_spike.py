@@ -482,8 +482,8 @@ def test_report_names_the_signal_and_layer_that_left_its_median_first(kinds_sour
     main(["report", source])
     text = unwrapped(capsys.readouterr().out)
     assert text[-1] == spike["answer"]
-    heading = ("which signal left its level first (above: gradient 2x, exp_avg 2x, exp_avg_sq 4x, update 1.5x, "
-               "update-to-weight ratio 1.5x; or non-finite), per layer:")
+    heading = ("which signal left its level first (above: gradient 2x, exp_avg 2x, exp_avg_sq 4x, update 2x, "
+               "update-to-weight ratio 2x; or non-finite), per layer:")
     first = attribution["first"]
     row = text[text.index(heading) + 1]
     assert row.startswith(f"{'layer ' + str(first['layer']):>18}: {answer.split(' of ')[0]} {first['way']} at step "

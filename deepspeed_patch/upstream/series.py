@@ -49,8 +49,9 @@ MAX_ADDED_LINES = 1000
 # Pull requests allowed past the cap, with their own limit. PR 01 is the whole ZeRO-1/2 feature on its own (config,
 # layer map, statistics table, adapter, engine API, monitor events, docs section, tests): about 2,000 added lines as
 # the package's modules are written (a quarter docstrings, a fifth blank lines and comments); moving every part it
-# does not need to PRs 02-04 leaves it there (issue 39).
-OVER_THE_CAP = {"01": 2100}
+# does not need to PRs 02-04 leaves it there (issue 39); every refusal named at once and the master switch (issues
+# 45, 46) took it past 2,100; issue 47 rewrites it in DeepSpeed's idiom.
+OVER_THE_CAP = {"01": 2150}
 FACTS_FILE = "master.json"  # the checkout the series was generated against: release, commit, capabilities facts
 
 PACKAGE_ONLY_MODULES = ("capabilities.py", "plain.py", "tags.py")

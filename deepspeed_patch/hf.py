@@ -90,9 +90,10 @@ class LayerGradNormsCallback(TrainerCallback):
         self._logs = Consumer("LayerGradNormsCallback's logging", TrainerLogs(self._values))
         handler = _calling_handler(self)
         if handler is None:
-            self._warn("order", "could not find the Trainer's callback list; callbacks listed before it (the "
-                       "report_to integrations) will not see the statistics, trainer.state.log_history will, and "
-                       "the console line may print them")
+            self._warn(
+                "order", "could not find the Trainer's callback list; callbacks listed before it (the "
+                "report_to integrations) will not see the statistics, trainer.state.log_history will, and "
+                "the console line may print them")
         else:
             self._move_first(handler)
             guard_readers(handler, self.console)
@@ -103,9 +104,10 @@ class LayerGradNormsCallback(TrainerCallback):
 
             self._plain = LayerGradNorms(model, **self.options)
         elif getattr(optimizer.optimizer, CONFIG_KEY, None) is None:
-            self._warn("block", f"the DeepSpeed config has no '{CONFIG_KEY}' block with \"enabled\": true (or the "
-                       f"optimizer, {type(optimizer.optimizer).__name__}, keeps no statistics), so nothing is "
-                       f"measured; add \"{CONFIG_KEY}\": {{\"enabled\": true}} to TrainingArguments(deepspeed=...)")
+            self._warn(
+                "block", f"the DeepSpeed config has no '{CONFIG_KEY}' block with \"enabled\": true (or the "
+                f"optimizer, {type(optimizer.optimizer).__name__}, keeps no statistics), so nothing is "
+                f"measured; add \"{CONFIG_KEY}\": {{\"enabled\": true}} to TrainingArguments(deepspeed=...)")
         else:
             self._optimizer = optimizer.optimizer
             self._check_interval(args, state)
@@ -124,9 +126,10 @@ class LayerGradNormsCallback(TrainerCallback):
         interval = getattr(getattr(getattr(self._optimizer, CONFIG_KEY), "schedule", None), "interval", 1)
         steps = int(state.logging_steps)  # TrainingArguments takes a float (a ratio below 1)
         if args.logging_strategy == IntervalStrategy.STEPS and steps % interval:
-            self._warn("interval", f"logging_steps={steps} is not a multiple of the '{CONFIG_KEY}' block's "
-                       f"interval={interval}: only the steps that are multiples of {math.lcm(steps, interval)} "
-                       "log the statistics; make logging_steps a multiple of the interval")
+            self._warn(
+                "interval", f"logging_steps={steps} is not a multiple of the '{CONFIG_KEY}' block's "
+                f"interval={interval}: only the steps that are multiples of {math.lcm(steps, interval)} "
+                "log the statistics; make logging_steps a multiple of the interval")
 
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
         """Without DeepSpeed: measure the (clipped) gradient of a step the Trainer will log."""
@@ -162,7 +165,10 @@ class LayerGradNormsCallback(TrainerCallback):
         if grad_norm is not None and math.isfinite(grad_norm):
             divisor = torch_clip_divisor(grad_norm, args.max_grad_norm)
             result["pre_clip"] = {
-                key: {name: value * divisor for name, value in stats.items() if name in self.statistics}
+                key: {
+                    name: value * divisor
+                    for name, value in stats.items() if name in self.statistics
+                }
                 for key, stats in clipped.items()
             }
         return flat_scalars(result, self.phases, self.statistics)

@@ -122,8 +122,10 @@ _PRE_CLIP_NORMS = f"{scalar_tag('pre_clip', 'norm')}/"
 def summary_of(values: Dict[str, Any]) -> Dict[str, str]:
     """The largest and the smallest bucket's pre-clip norm of a step's values, as one short entry; none without
     them. The line stays short whatever the model's depth: every value is in the logs."""
-    norms = {key.removeprefix(_PRE_CLIP_NORMS): value for key, value in values.items()
-             if key.startswith(_PRE_CLIP_NORMS)}
+    norms = {
+        key.removeprefix(_PRE_CLIP_NORMS): value
+        for key, value in values.items() if key.startswith(_PRE_CLIP_NORMS)
+    }
     if not norms:
         return {}
     largest, smallest = max(norms, key=norms.get), min(norms, key=norms.get)

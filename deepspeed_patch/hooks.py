@@ -122,12 +122,11 @@ CALL_SITES = (
     CallSite(*_ENGINE, "set_layer_grad_norms", METHOD, Method(set_layer_grad_norms)),
     *_optimizer(_ZERO,
                 ("unscale_and_clip_grads", START, AdapterCall(ZeroAdapter.unscale_and_clip_grads, _GROUPS_AND_NORM)),
-                ("_update_scale", START, AdapterCall(ZeroAdapter.update_scale, ("has_overflow", ))),
-                *_remedy_state()),
+                ("_update_scale", START, AdapterCall(ZeroAdapter.update_scale, ("has_overflow", ))), *_remedy_state()),
     *_optimizer(_ZERO3, ("unscale_and_clip_grads", START,
-                          AdapterCall(Zero3Adapter.unscale_and_clip_grads, ("sub_group_id", "total_norm"))),
-                ("_update_scale", START, AdapterCall(Zero3Adapter.update_scale, ("has_overflow", ))),
-                *_remedy_state("_rigid_state_dict")),
+                         AdapterCall(Zero3Adapter.unscale_and_clip_grads, ("sub_group_id", "total_norm"))),
+                ("_update_scale", START, AdapterCall(Zero3Adapter.update_scale,
+                                                     ("has_overflow", ))), *_remedy_state("_rigid_state_dict")),
     *_optimizer(_BF16, *_remedy_state()),  # BF16Adapter reads when the engine's step begins and ends
     *_optimizer(
         _FUSED,

@@ -49,8 +49,10 @@ class LayerGradNorms:
 
     def __init__(self, model: nn.Module, **options: Any) -> None:
         config = load_config({CONFIG_KEY: {"enabled": True, **options}})
-        refused = [f"{CONFIG_KEY}.{key}={options[key]!r}: {why}" for key, why in REFUSED.items()
-                   if key in options and _asks_for(getattr(config, key))]
+        refused = [
+            f"{CONFIG_KEY}.{key}={options[key]!r}: {why}" for key, why in REFUSED.items()
+            if key in options and _asks_for(getattr(config, key))
+        ]
         if refused:
             raise LayerGradNormsConfigError("; and ".join(refused))
         module = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model

@@ -62,7 +62,10 @@ class Action:
 class Remedies:
     """The remedies a ds_config turns on, for one optimizer's buckets."""
 
-    def __init__(self, config: LayerGradNormsConfig, keys: Sequence[Hashable], num_rows: int,
+    def __init__(self,
+                 config: LayerGradNormsConfig,
+                 keys: Sequence[Hashable],
+                 num_rows: int,
                  process_group: object = None) -> None:
         """``keys``: the buckets, the first rows of a table of ``num_rows`` gradient rows (one more: ``UNMATCHED``);
         ``process_group``: the ranks whose tables a step reduces (``skip_step`` agrees the loss over them)."""
@@ -77,7 +80,9 @@ class Remedies:
         """A checkpoint's state was loaded (``load_state_dict``), or the first step of a fresh run was taken."""
 
     @staticmethod
-    def wanted(config: LayerGradNormsConfig, keys: Sequence[Hashable], num_rows: int,
+    def wanted(config: LayerGradNormsConfig,
+               keys: Sequence[Hashable],
+               num_rows: int,
                process_group: object = None) -> Optional["Remedies"]:
         return Remedies(config, keys, num_rows, process_group) if config.acts() else None
 

@@ -221,8 +221,8 @@ class LayerGradNormsAdapter:
         with self.latch.failing_locally("deciding the remedies", step):
             action = self.remedies.decide(reduced, measurement.gradient_scale, self.clip_divisor)
             scaling = None if action.factors is None else [[(start, length, action.factors[bucket])
-                                                             for start, length, bucket in spans]
-                                                            for spans in self.scaled_spans]
+                                                            for start, length, bucket in spans]
+                                                           for spans in self.scaled_spans]
             measurement.action, self.scaling = action, scaling
             if action.skipped:
                 if rank_of_process() == 0:  # the same decision on every rank: one line

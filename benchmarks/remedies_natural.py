@@ -363,7 +363,22 @@ def summary(runs: List[Dict[str, Any]]) -> List[str]:
                   "| --- | --- | --- | --- | --- | --- | --- | --- |"]
         for arm in [name for name in ARMS if any(run["job"]["arm"] == name for run in mine)]:
             lines.append(arm_row(arm, [run for run in mine if run["job"]["arm"] == arm], mine))
+        lines += ["", "Per run: where the large spikes started; the global gradient norm (median, largest); "
+                  "the arm's clipping threshold; adaptive clipping's median smallest factor on the steps it clipped.",
+                  ""]
+        lines += [run_line(run) for run in mine]
     return lines
+
+
+def run_line(run: Dict[str, Any]) -> str:
+    metrics, job = run["metrics"], run["job"]
+    extra = f", gradient_clipping {run['gradient_clipping']:.3g}" if run["gradient_clipping"] else ""
+    if metrics.get("smallest_factor") is not None:
+        extra += f", smallest factor {metrics['smallest_factor']:.2f}"
+    spikes = metrics["spike_steps"] or "none"
+    return (f"- {job['arm']}, seed {job['seed']}, {len(run['loss'])} steps: spikes at {spikes}; "
+            f"norm {metrics['median_grad_norm']:.3g} / {metrics['max_grad_norm']:.3g}{extra}; "
+            f"{run['seconds']:.0f} s")
 
 
 def arm_row(arm: str, runs: List[Dict[str, Any]], mechanism_runs: List[Dict[str, Any]]) -> str:
@@ -414,8 +429,11 @@ def acted_steps(run: Dict[str, Any], dump: str) -> Optional[int]:
     block = arm.get("block", {})
     if not block:
         return None
-    clipped = adaptive_activity(dump)["clipped_steps"] if "adaptive_clipping" in block else 0
-    return clipped + metrics["skipped"]
+    if "adaptive_clipping" not in block:
+        return metrics["skipped"]
+    activity = adaptive_activity(dump)
+    metrics["smallest_factor"] = activity["median_smallest_factor"]
+    return activity["clipped_steps"] + metrics["skipped"]
 
 
 def jobs(mechanisms: Sequence[str], arms: Sequence[str], seeds: Sequence[int]) -> List[Job]:

@@ -17,8 +17,8 @@ split over the ranks, the feature's block (``ds_config``: every layer, the four 
 and loss triggers, a 16-step flight recorder, the JSONL dump) plus any extra ``ds_config`` keys (a remedy arm's
 ``gradient_clipping``, ``adaptive_clipping``, ``skip_step``) and per-step hooks (``StepHooks``: an injected gradient
 outlier). With ``truth``, it also logs the ground truth (``GroundTruth``): every bucket's float64 norms of the
-gradient, the update and Adam's moments, every step, read through DeepSpeed's own ``safe_get_full_*`` API, not
-the package's code.
+gradient, the update and Adam's moments, every step, computed beside DeepSpeed (a gradient hook, one all-reduce,
+Adam's recurrences in float64), not by the package's code.
 """
 
 import json
@@ -271,38 +271,60 @@ def bucket_norms(tensors: Dict[str, torch.Tensor]) -> Dict[str, float]:
 
 
 class GroundTruth:
-    """Every bucket's float64 norm of each signal, every step, through DeepSpeed's own API: the full gradient
-    (``safe_get_full_grad``, between backward and step: the pre-clip gradient, averaged over the ranks), and after
-    the step the fp32 weights (``safe_get_full_fp32_param``), the update (after minus before, weight decay
-    included) and Adam's moments (``safe_get_full_optimizer_state``). Collective: every rank calls it; rank 0
-    writes one JSON line per step to ``path``."""
+    """Every bucket's float64 norm of each signal, every step, computed beside DeepSpeed, not by the package: the
+    gradient of each parameter kept by a tensor hook during backward (this rank's, before DeepSpeed reduces it),
+    averaged over the ranks in one all-reduce (the pre-clip gradient DeepSpeed steps with); Adam's moments
+    recomputed from it in float64 by Adam's recurrences (a plain-PyTorch reference of the moments: exact where
+    every step is applied, i.e. without clipping or skipped steps); the update as the model's weights after the
+    step minus before (weight decay included). Collective: every rank calls ``before_step``; rank 0 writes one
+    JSON line per step to ``path``."""
 
-    def __init__(self, engine, path: Optional[str]) -> None:
+    def __init__(self, engine, path: Optional[str], betas: Tuple[float, float]) -> None:
         self.named = [(name, param) for name, param in engine.module.named_parameters() if param.requires_grad]
+        self.betas = betas
         self.out = open(path, "w", encoding="utf-8") if path else None
+        self.grads: Dict[str, torch.Tensor] = {}
+        self.handles = [param.register_hook(self._keeper(name)) for name, param in self.named]
+        self.moments = {kind: {name: torch.zeros(param.shape, dtype=torch.float64) for name, param in self.named}
+                        for kind in ("exp_avg", "exp_avg_sq")}
         self.line: Dict[str, Any] = {}
         self.before: Dict[str, torch.Tensor] = {}
 
-    def before_step(self, step: int, loss: float) -> None:
-        from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_grad
+    def _keeper(self, name: str):
+        def keep(grad: torch.Tensor) -> None:
+            self.grads[name] = grad.detach().double() + self.grads.get(name, 0.0)
 
-        grads = {name: safe_get_full_grad(param) for name, param in self.named}
-        self.before = {name: safe_get_full_fp32_param(param).double() for name, param in self.named}
-        self.line = {"step": step, "loss": loss, "grad": bucket_norms(grads)}
+        return keep
+
+    def before_step(self, step: int, loss: float) -> None:
+        """The step's gradient, averaged over the ranks, and the moments it makes (between backward and step)."""
+        from deepspeed import comm as dist
+
+        flat = torch.cat([self.grads[name].flatten() for name, _ in self.named])
+        dist.all_reduce(flat)
+        flat /= dist.get_world_size()
+        grads = {name: part.view(param.shape) for (name, param), part in
+                 zip(self.named, flat.split([param.numel() for _, param in self.named]))}
+        self.grads.clear()
+        beta1, beta2 = self.betas
+        for name, grad in grads.items():
+            self.moments["exp_avg"][name].mul_(beta1).add_(grad, alpha=1 - beta1)
+            self.moments["exp_avg_sq"][name].mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+        self.before = {name: param.detach().double().clone() for name, param in self.named}
+        self.line = {"step": step, "loss": loss, "grad": bucket_norms(grads),
+                     **{kind: bucket_norms(state) for kind, state in self.moments.items()}}
 
     def after_step(self) -> None:
-        from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
-
-        after = {name: safe_get_full_fp32_param(param).double() for name, param in self.named}
+        """The weights and the update; the step's line written."""
+        after = {name: param.detach().double() for name, param in self.named}
         self.line["param"] = bucket_norms(after)
         self.line["update"] = bucket_norms({name: after[name] - self.before[name] for name in after})
-        for kind in ("exp_avg", "exp_avg_sq"):
-            self.line[kind] = bucket_norms({name: safe_get_full_optimizer_state(param, kind)
-                                            for name, param in self.named})
         if self.out is not None:
             self.out.write(json.dumps(self.line) + "\n")
 
     def close(self) -> None:
+        for handle in self.handles:
+            handle.remove()
         if self.out is not None:
             self.out.close()
 
@@ -320,7 +342,7 @@ class RunSpec:
     truth: bool = True
     tensorboard: bool = False
     feature: bool = True
-    eval_every: int = 10
+    eval_every: int = 50
     trigger: Optional[Dict[str, Any]] = None
     block_extra: Dict[str, Any] = field(default_factory=dict)
     config_extra: Dict[str, Any] = field(default_factory=dict)
@@ -354,8 +376,9 @@ def train(spec: RunSpec, hooks: Optional[StepHooks] = None) -> Dict[str, Any]:
     block = feature_block(dump, spec.trigger, **spec.block_extra) if spec.feature else None
     engine, *_ = deepspeed.initialize(model=model, optimizer=build_optimizer(mechanism, model),
                                       config=ds_config(mechanism, world_size, block, **spec.config_extra))
-    truth = GroundTruth(engine, os.path.join(spec.outdir, "truth.jsonl") if rank == 0 else None) \
-        if spec.truth else None
+    truth = None
+    if spec.truth:
+        truth = GroundTruth(engine, os.path.join(spec.outdir, "truth.jsonl") if rank == 0 else None, mechanism.betas)
     writer = tensorboard_writer(spec, rank, world_size)
     args = _log_args()
     batches = Batches(data, mechanism, spec.seed)

@@ -219,9 +219,10 @@ class Job:
 
 
 def tuned_threshold(plan: Plan, mechanism: str, seed: int) -> float:
-    """``global_tuned``'s ``gradient_clipping``: the median global gradient norm of the seed's ``none`` run (made
-    before it: ``jobs`` puts ``none`` first)."""
-    record = read_run(plan, Job(mechanism, BASELINE, seed))
+    """``global_tuned``'s ``gradient_clipping``: the median global gradient norm of the seed's ``none`` run of the
+    natural mechanism, without injections (one threshold for a seed, whatever is injected: made before it, as
+    ``jobs`` puts ``none`` first and the natural mechanism's runs come first on the command line)."""
+    record = read_run(plan, Job(MECHANISMS[mechanism].natural, BASELINE, seed))
     return statistics.median(norm for norm in record["grad_norm"] if math.isfinite(norm))
 
 
@@ -359,8 +360,8 @@ def summary(runs: List[Dict[str, Any]]) -> List[str]:
         faults = ", ".join(f"{fault['kind']}:{fault['step']}:{fault['size']:g}" for fault in mine[0]["faults"])
         lines += ["", f"## {mechanism}" + (f" (injected: {faults})" if faults else ""), "",
                   "| arm | seeds | large spikes | steps to 0.99 held-out accuracy | final loss | final accuracy | "
-                  "acted on (steps) | step time / none |",
-                  "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+                  "acted on (steps) | loss after injection / without | step time / none |",
+                  "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
         for arm in [name for name in ARMS if any(run["job"]["arm"] == name for run in mine)]:
             lines.append(arm_row(arm, [run for run in mine if run["job"]["arm"] == arm], mine))
         lines += ["", "Per run: where the large spikes started; the global gradient norm (median, largest); "
@@ -370,11 +371,24 @@ def summary(runs: List[Dict[str, Any]]) -> List[str]:
     return lines
 
 
+def injected_cost(run: Dict[str, Any], clean: Optional[Dict[str, Any]]) -> Optional[float]:
+    """What the injections cost a run: its mean training loss from the first injected step to its end, over that of
+    the same arm and seed without them (``clean``: the natural mechanism's run, the same batches); ``None`` without
+    injections or without that run."""
+    if not run["faults"] or clean is None or len(clean["loss"]) < len(run["loss"]):
+        return None
+    first = min(fault["step"] for fault in run["faults"]) - 1
+    end = len(run["loss"])
+    return statistics.fmean(run["loss"][first:end]) / statistics.fmean(clean["loss"][first:end])
+
+
 def run_line(run: Dict[str, Any]) -> str:
     metrics, job = run["metrics"], run["job"]
     extra = f", gradient_clipping {run['gradient_clipping']:.3g}" if run["gradient_clipping"] else ""
     if metrics.get("smallest_factor") is not None:
         extra += f", smallest factor {metrics['smallest_factor']:.2f}"
+    if metrics.get("injected_cost") is not None:
+        extra += f", loss after the first injection {metrics['injected_cost']:.2f}x the run without injections"
     spikes = metrics["spike_steps"] or "none"
     return (f"- {job['arm']}, seed {job['seed']}, {len(run['loss'])} steps: spikes at {spikes}; "
             f"norm {metrics['median_grad_norm']:.3g} / {metrics['max_grad_norm']:.3g}{extra}; "
@@ -384,11 +398,13 @@ def run_line(run: Dict[str, Any]) -> str:
 def arm_row(arm: str, runs: List[Dict[str, Any]], mechanism_runs: List[Dict[str, Any]]) -> str:
     metrics = [run["metrics"] for run in runs]
     acted = [m.get("acted") for m in metrics]
+    costs = [m.get("injected_cost") for m in metrics]
     spikes = [m["spikes"] for m in metrics]
     return (f"| {arm} | {len(runs)} | {cell(spikes, 'd')} (total {sum(spikes)}) | "
             f"{cell([m['steps_to_target'] for m in metrics], 'd')} | {cell([m['final_loss'] for m in metrics])} | "
             f"{cell([m['final_accuracy'] for m in metrics], '.3f')} | "
             f"{cell(acted, 'd') if any(a is not None for a in acted) else '-'} | "
+            f"{cell(costs, '.2f') if any(c is not None for c in costs) else '-'} | "
             f"{step_time_ratio(runs, mechanism_runs)} |")
 
 
@@ -416,6 +432,10 @@ def collect(plan: Plan) -> List[Dict[str, Any]]:
             run["metrics"] = run_metrics(run)
             run["metrics"]["acted"] = acted_steps(run, os.path.join(plan.outdir, mechanism, name, "dump.jsonl"))
             runs.append(run)
+    natural = {(run["job"]["arm"], run["job"]["seed"]): run for run in runs
+               if not run["faults"] and run["job"]["mechanism"] in NATURAL}
+    for run in runs:
+        run["metrics"]["injected_cost"] = injected_cost(run, natural.get((run["job"]["arm"], run["job"]["seed"])))
     return runs
 
 

@@ -38,7 +38,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Dict, List, Optional, Sequence
 
 import torch
-from common import write_results
+from common import machine, write_results
 from spike_mechanisms import MECHANISMS as NATURAL
 from spike_mechanisms import RunSpec, StepHooks, train
 from spike_prone import Fault
@@ -486,8 +486,18 @@ def main() -> None:
         todo = [job for job in jobs(args.mechanisms, args.arms, args.seeds)
                 if not (args.skip_done and os.path.exists(os.path.join(run_dir(plan, job), "run.json")))]
         launch(train_jobs, 1, plan, todo, timeout=6 * 3600)
-    lines = [f"# Remedies on natural spikes, a gradient outlier and injected faults ({len(collect(plan))} runs)"]
-    lines += summary(collect(plan))
+    runs = collect(plan)
+    lines = [f"# Remedies on natural spikes, a gradient outlier and injected faults ({len(runs)} runs)", "",
+             f"`python benchmarks/remedies_natural.py --summarize` ({machine()}). ZeRO-2 on one CPU rank; the arms, "
+             "the set-up, what was cut and the reading: [docs/remedies.md](../../docs/remedies.md), \"Measured "
+             "result\". Cells: median (range) over seeds. Large spike: a loss above "
+             f"{SPIKE_FACTOR:g}x, or {SPIKE_MARGIN:g} above, the median of the previous {SPIKE_WINDOW} steps "
+             f"(consecutive steps: one spike). Final loss: the mean of the last {FINAL_SPAN} steps. Acted on: steps "
+             "skipped, or clipped (adaptive clipping: some bucket's factor below 1; ZClip, global clipping: the "
+             "global norm above the limit). Loss after injection / without: the mean loss from the first injected "
+             "step to the end over the same arm's natural run's. Step time / none: median step times of one run "
+             "each, under the shared machine's load of the moment (it varied 2-3x): rough."]
+    lines += summary(runs)
     write_results("remedies_natural", lines)
     print("\n".join(lines))
 

@@ -345,6 +345,7 @@ def cell(values: Sequence[Optional[float]], digits: str = ".3g") -> str:
         return "-"
     if not reached:
         return "never"
+    digits = "g" if digits == "d" else digits  # a median of two counts may be a half
     shown = f"{statistics.median(reached):{digits}}"
     if len(values) > 1:
         shown += f" ({min(reached):{digits}}-{max(reached):{digits}})"

@@ -24,6 +24,15 @@ Measured per run (``run_metrics``): large loss spikes (``large_spikes``), the st
 reaches 0.99, the final loss, the steps the remedies acted on, and the median step time over the ``none`` arm's of
 the same seed. The runs' records go to ``runs/remedies_natural/`` (gitignored); the table to
 ``benchmarks/results/remedies_natural.md``.
+
+The committed table came from (seed 0; seed 1 for ``none`` and ``adaptive_layer``; docs/remedies.md says why):
+
+    remedies_natural.py --skip-done --mechanisms slingshot --seeds 0 --steps 1500 \
+        --arms none global_1 global_tuned adaptive_layer adaptive_param skip zclip
+    remedies_natural.py --skip-done --mechanisms outlier --seeds 0 --steps 350 \
+        --arms none global_tuned adaptive_layer adaptive_param skip zclip
+    remedies_natural.py --skip-done --mechanisms faults --seeds 0 --steps 350 --arms none adaptive_layer skip
+    remedies_natural.py --skip-done --mechanisms slingshot --seeds 1 --steps 1500 --arms none adaptive_layer
 """
 
 import argparse
@@ -94,8 +103,8 @@ class Mechanism:
 
 MECHANISMS = {
     "slingshot": Mechanism("slingshot"),
-    "outlier": Mechanism("slingshot", ["grad:400:100"]),
-    "faults": Mechanism("slingshot", ["data:400:5", "lr:600:20"]),
+    "outlier": Mechanism("slingshot", ["grad:200:100"]),
+    "faults": Mechanism("slingshot", ["data:200:5", "lr:275:20"]),
 }
 
 

@@ -71,11 +71,13 @@ class Fault:
     step: int
     size: float
 
+    KINDS = ("data", "lr")
+
     @classmethod
     def parse(cls, text: str) -> "Fault":
         kind, step, size = text.split(":")
-        if kind not in ("data", "lr"):
-            raise argparse.ArgumentTypeError(f"--fault {text}: kind {kind!r} is not 'data' or 'lr'")
+        if kind not in cls.KINDS:
+            raise argparse.ArgumentTypeError(f"--fault {text}: kind {kind!r} is not one of {cls.KINDS}")
         return cls(kind, int(step), float(size))
 
     def steps(self) -> range:

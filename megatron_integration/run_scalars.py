@@ -6,8 +6,8 @@ Each writer names them its own way, and a log holds them only where its writer l
 - Megatron's TensorBoard (and the demo's): ``lm loss`` and ``grad-norm`` (its `` vs samples`` copies left out);
 - the Hugging Face Trainer: ``loss`` and ``grad_norm`` in ``trainer_state.json``'s ``log_history``,
   ``train/loss`` and ``train/grad_norm`` in its TensorBoard;
-- DeepSpeed's monitor: ``Train/Samples/train_loss`` (against the sample count, as its per-layer scalars), no
-  global norm;
+- DeepSpeed's monitor (TensorBoard or CSV): ``Train/Samples/train_loss``, written by its pipeline engine alone,
+  against the sample count as its per-layer scalars; no global norm;
 - the JSONL dump: neither (its lines are the per-layer results).
 
 Where a log holds several names of one quantity (the Trainer's ``loss`` and its TensorBoard's ``train/loss``), the

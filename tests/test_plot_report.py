@@ -539,6 +539,10 @@ def write_run_scalars(path: str, source: str) -> str:
             json.dump({"log_history": history + [{"train_loss": 99.0, "step": STEPS}]}, state)
         return os.path.join(path, "trainer_state.json")
     source_path = write_source(path, known_results(), "one run per bucket" if source == "Megatron" else source)
+    if source == "CSV":  # DeepSpeed's pipeline engine's loss, beside the statistics
+        with open(os.path.join(path, "Train_Samples_train_loss.csv"), "w") as rows:
+            rows.write("step,train_loss\n" + "".join(f"{step},{known_loss(step)}\n" for step in steps))
+        return source_path
     tags = {"Megatron": ("lm loss", "grad-norm"), "DeepSpeed monitor": ("Train/Samples/train_loss", None)}[source]
     with SummaryWriter(path) as writer:
         for step in steps:
@@ -557,7 +561,7 @@ def run_scalar_lines(figure) -> Dict[str, Tuple[List[int], List[float]]]:
             for axis in figure.axes for line in axis.get_lines() if line.get_gid() in (LOSS_GID, GLOBAL_NORM_GID)}
 
 
-@pytest.mark.parametrize("source", ["Megatron", "trainer_state.json", "DeepSpeed monitor"])
+@pytest.mark.parametrize("source", ["Megatron", "trainer_state.json", "DeepSpeed monitor", "CSV"])
 def test_plot_draws_the_logged_loss_and_global_norm_under_the_norms(tmp_path, source):
     from megatron_integration.plot import plot_run
 
@@ -568,7 +572,7 @@ def test_plot_draws_the_logged_loss_and_global_norm_under_the_norms(tmp_path, so
     lines = run_scalar_lines(figure)
     steps = list(range(1, STEPS + 1))
     assert lines["loss"][0] == steps and lines["loss"][1] == pytest.approx([known_loss(step) for step in steps])
-    if source == "DeepSpeed monitor":  # its monitor logs no global norm
+    if source in ("DeepSpeed monitor", "CSV"):  # its monitor logs no global norm
         assert "global-norm" not in lines
         return
     assert lines["global-norm"][0] == steps

@@ -15,7 +15,7 @@ first of ``LOSS_TAGS`` or ``GLOBAL_NORM_TAGS`` found is read.
 """
 
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Sequence, Tuple
 
 from .log_sources import is_dump, scalar_series
 from .tensorboard_reader import latest_per_step
@@ -51,8 +51,8 @@ def read_run_scalars(source: str) -> RunScalars:
 
 
 def _first_found(by_tag: Dict[str, Points], tags: Sequence[str]) -> Points:
-    found: Optional[str] = next((tag for tag in tags if by_tag.get(tag)), None)
-    return by_tag[found] if found is not None else []
+    """The series of the first of ``tags`` the log holds; empty where it holds none."""
+    return next((by_tag[tag] for tag in tags if by_tag.get(tag)), [])
 
 
 LOSS_GID, GLOBAL_NORM_GID = "loss", "global-norm"

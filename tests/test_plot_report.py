@@ -538,6 +538,14 @@ def write_run_scalars(path: str, source: str) -> str:
         with open(os.path.join(path, "trainer_state.json"), "w") as state:
             json.dump({"log_history": history + [{"train_loss": 99.0, "step": STEPS}]}, state)
         return os.path.join(path, "trainer_state.json")
+    if source == "Trainer TensorBoard":  # report_to=["tensorboard"]: every number of the logs under train/
+        with SummaryWriter(path) as writer:
+            for step, stats in zip(steps, known_results()):
+                for tag, value in {**flat_scalars(stats), "loss": known_loss(step),
+                                   "grad_norm": known_global_norm(step)}.items():
+                    writer.add_scalar(f"train/{tag}", value, step)
+            writer.add_scalar("train/train_loss", 99.0, STEPS)
+        return path
     source_path = write_source(path, known_results(), "one run per bucket" if source == "Megatron" else source)
     if source == "CSV":  # DeepSpeed's pipeline engine's loss, beside the statistics
         with open(os.path.join(path, "Train_Samples_train_loss.csv"), "w") as rows:
@@ -561,7 +569,8 @@ def run_scalar_lines(figure) -> Dict[str, Tuple[List[int], List[float]]]:
             for axis in figure.axes for line in axis.get_lines() if line.get_gid() in (LOSS_GID, GLOBAL_NORM_GID)}
 
 
-@pytest.mark.parametrize("source", ["Megatron", "trainer_state.json", "DeepSpeed monitor", "CSV"])
+@pytest.mark.parametrize("source", ["Megatron", "trainer_state.json", "Trainer TensorBoard", "DeepSpeed monitor",
+                                    "CSV"])
 def test_plot_draws_the_logged_loss_and_global_norm_under_the_norms(tmp_path, source):
     from megatron_integration.plot import plot_run
 

@@ -44,6 +44,7 @@ from .log_sources import dump_files
 from .plot import plot_layer_norms, plot_spike_history
 from .remedy_report import RemedyLog, read_remedies, remedy_section
 from .report import format_report, summarize
+from .run_scalars import GLOBAL_NORM_TAGS, LOSS_TAGS, read_run_scalars
 from .spike import localise_all, spiked_layers
 from .tensorboard_reader import read_layer_series
 from .tiny_gpt import TinyGPT, TinyGPTConfig, synthetic_batch
@@ -180,6 +181,8 @@ def train_rank(options: DemoOptions) -> None:
         with learning_rate_times(engine.optimizer, LR_SPIKE if step == options.lr_spike else 1.0):
             engine.step()
         args.consumed_train_samples += options.micro_batch * world_size
+        if writer is not None:
+            write_run_scalars(writer, step, loss.item(), engine.get_global_grad_norm())
         field = log_layer_grad_norms(engine, step, writer, args)
         progress.update()
         progress.set_postfix(loss=f"{loss.item():.3f}")
@@ -189,6 +192,14 @@ def train_rank(options: DemoOptions) -> None:
     if writer is not None:
         writer.close()
     engine.destroy()
+
+
+def write_run_scalars(writer, step: int, loss: float, global_norm) -> None:
+    """The step's loss (the writing rank's) and global gradient norm (``None``: none computed), as Megatron names
+    them in its TensorBoard (``lm loss``, ``grad-norm``): ``plot`` draws them under the per-layer norms."""
+    writer.add_scalar(LOSS_TAGS[0], loss, step)
+    if global_norm is not None:
+        writer.add_scalar(GLOBAL_NORM_TAGS[0], float(global_norm), step)
 
 
 def run_demo(options: DemoOptions) -> str:
@@ -214,7 +225,7 @@ def run_demo(options: DemoOptions) -> str:
     summary["spikes"] = spikes
     summary.update(remedy_section(remedies))
     figure = os.path.join(options.out, "layer_grad_norms.png")
-    plot_layer_norms(series, figure, spiked_layers(summary["spikes"]), remedies)
+    plot_layer_norms(series, figure, spiked_layers(summary["spikes"]), remedies, read_run_scalars(tensorboard_dir))
     dumped = options.recording or options.remedy is not None
     paths = f"dump: {dump}\nfigure: {figure}\n" if dumped else f"figure: {figure}\n"
     if fires:

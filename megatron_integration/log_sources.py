@@ -5,7 +5,8 @@
   Trainer's integration (``train/layer-grad-norms/...``, under ``OUTPUT_DIR/runs/...``); a tag is read
   whatever prefix a writer puts before ``layer-grad-norms/``;
 - DeepSpeed's CSV monitor: files ``Train_Samples_layer-grad-norms_pre-clip_layer00.csv`` (the tag with
-  ``/`` made ``_``; ``..._update_layer00.csv`` for an optimizer kind), one, or a directory holding them;
+  ``/`` made ``_``; ``..._update_layer00.csv`` for an optimizer kind), one, or a directory holding them (and
+  the pipeline engine's loss, ``Train_Samples_train_loss.csv``);
 - the Hugging Face Trainer's ``trainer_state.json`` (its ``log_history``), given as the file, or found in
   the output directory or its newest ``checkpoint-N/`` when the directory holds no per-layer scalars;
 - the JSONL dump (``layer_grad_norms.dump``), with its rotated files (``dump.jsonl.1``, ...: read oldest
@@ -45,6 +46,8 @@ _WRITTEN_PATTERN = "(" + "|".join(re.escape(phase_label(phase)) for phase in WRI
 _CSV_NAME = re.compile(rf"(?:^|_){TAG_ROOT}_(?:{_WRITTEN_PATTERN}|values_([a-z0-9]+)_{PHASE_PATTERN})_(.+)$")
 _CSV_SKIPPED = re.compile(rf"(?:^|_){re.escape(SKIPPED_TAG.replace('/', '_'))}$")
 """The file of ``skip_step``'s scalar, a step's rather than a bucket's."""
+_CSV_LOSS = "Train_Samples_train_loss"
+"""The CSV monitor's file of the pipeline engine's loss (``Train/Samples/train_loss``), for ``plot``'s panel of it."""
 _EVENTS_FILE = "tfevents"
 _SNIFF_BYTES = 4096
 _MAX_LINE = 1 << 24
@@ -153,7 +156,9 @@ def scalar_series(path: str) -> Iterator[Series]:
 
 def _directory_series(path: str) -> Iterator[Series]:
     found = list(tensorboard_scalars(path))
-    for name in sorted(glob.glob(os.path.join(path, "**", f"*{TAG_ROOT}_*.csv"), recursive=True)):
+    names = [name for pattern in (f"*{TAG_ROOT}_*.csv", f"*{_CSV_LOSS}.csv")
+             for name in glob.glob(os.path.join(path, "**", pattern), recursive=True)]
+    for name in sorted(names):
         found.extend(_csv_series(name, os.path.relpath(os.path.dirname(name), path)))
     runs = training_runs(found)
     if len(runs) > 1:
@@ -220,20 +225,10 @@ def tensorboard_scalars(logdir: str) -> Iterator[Series]:
 
 
 def _csv_series(path: str, run: str) -> Iterator[Series]:
-    """One file of DeepSpeed's CSV monitor: rows ``step,value`` under a header (repeated by a restart); its tag
-    with the writer's prefix the file name carries (``Train/Samples/``)."""
-    name = os.path.splitext(os.path.basename(path))[0]
-    match = _CSV_NAME.search(name)
-    skipped = None if match is not None else _CSV_SKIPPED.search(name)
-    if match is not None:
-        norm_phase, statistic, values_phase, bucket = match.groups()
-        tag = f"{scalar_tag(norm_phase or values_phase, statistic or 'norm')}/{bucket}"
-    elif skipped is not None:
-        tag = SKIPPED_TAG
-    else:
+    """One file of DeepSpeed's CSV monitor: rows ``step,value`` under a header (repeated by a restart)."""
+    tag = _csv_tag(os.path.splitext(os.path.basename(path))[0])
+    if tag is None:
         return
-    writer = name[:(match or skipped).start()].replace("_", "/")  # Train_Samples_... : DeepSpeed's Train/Samples/
-    tag = f"{writer}/" * bool(writer) + tag
     points = []
     with open(path, newline="", encoding="utf-8") as rows:
         for row in csv.reader(rows):
@@ -242,6 +237,24 @@ def _csv_series(path: str, run: str) -> Iterator[Series]:
             except (ValueError, IndexError):
                 continue
     yield run, tag, points
+
+
+def _csv_tag(name: str) -> Optional[str]:
+    """The tag of the CSV monitor's file ``name`` (without ``.csv``), with the writer's prefix the name carries
+    (``Train/Samples/``); ``None`` for a file not read here."""
+    if name == _CSV_LOSS:
+        return "Train/Samples/train_loss"
+    match = _CSV_NAME.search(name)
+    skipped = None if match is not None else _CSV_SKIPPED.search(name)
+    if match is not None:
+        norm_phase, statistic, values_phase, bucket = match.groups()
+        tag = f"{scalar_tag(norm_phase or values_phase, statistic or 'norm')}/{bucket}"
+    elif skipped is not None:
+        tag = SKIPPED_TAG
+    else:
+        return None
+    writer = name[:(match or skipped).start()].replace("_", "/")  # Train_Samples_... : DeepSpeed's Train/Samples/
+    return f"{writer}/" * bool(writer) + tag
 
 
 def _newest_trainer_state(directory: str) -> Optional[str]:

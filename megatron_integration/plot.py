@@ -8,7 +8,8 @@ against step, as a heatmap. In a model of several layer stacks (an encoder's and
 stack gets its five lines, in a line style of its own, and its band of the depth profile. Lines take their colour
 from their depth (``depth_colour``); one layer per figure, the one that rose most at the first fire, is highlighted
 (``HIGHLIGHT``); legends sit under the panels, off the data. Where a remedy was on (``remedy_report``), each
-skipped step is a dotted vertical line on the norms, and a fourth panel draws adaptive clipping's factors.
+skipped step is a dotted vertical line on the norms, and a fourth panel draws adaptive clipping's factors. Where the
+log holds the loss or the global gradient norm (``run_scalars``), a panel under the norms draws them on the same steps.
 
 ``plot --history``: the flight recorder's steps of each fire (``plot_spike_history``), every layer: the gradient,
 the update-to-weight ratio where the log holds it, and each layer's rise.
@@ -22,6 +23,7 @@ from deepspeed_patch.tags import UPDATE_TO_WEIGHT, LayerId, layer_position
 
 from .fires import Fire, read_fires
 from .remedy_report import RemedyLog, draw_factors, draw_skipped, read_remedies
+from .run_scalars import RunScalars, draw_run_scalars, read_run_scalars
 from .spike import figure_words, localise_all, spiked_layers
 from .tensorboard_reader import LayerSeries, layer_title, read_layer_series
 
@@ -35,6 +37,8 @@ DEPTH_RANGE = 0.9
 """The part of the map used: its palest end is hard to see on white."""
 LEGEND_BELOW = {"loc": "upper center", "bbox_to_anchor": (0.5, -0.14), "ncol": 3, "fontsize": "small"}
 """A line panel's legend, under its axis: never over the data."""
+SCALARS_HEIGHT = 2.6
+"""The height in inches of the loss and global norm's panel, under the norms (theirs: 5.4)."""
 
 
 def depth_colour(position: int, count: int):
@@ -62,22 +66,17 @@ def line_label(series: LayerSeries, layer: LayerId, steps: int) -> str:
 
 
 def plot_layer_norms(series: LayerSeries, out: str, spiked: Iterable[LayerId] = (),
-                     remedies: Optional[RemedyLog] = None):
+                     remedies: Optional[RemedyLog] = None, scalars: Optional[RunScalars] = None):
     """Draw the figure into ``out`` (PNG or SVG, from its extension), with the ``spiked`` layers (those that
-    rose most at a fire, ``spike.localise``) among the lines, the first of them highlighted, and what the
-    ``remedies`` did: skipped steps marked on the norms, adaptive clipping's factors in a fourth panel; returns the
+    rose most at a fire, ``spike.localise``) among the lines, the first of them highlighted, what the
+    ``remedies`` did: skipped steps marked on the norms, adaptive clipping's factors in a fourth panel, and the
+    run's loss and global norm (``scalars``, where the log holds them) in a panel under the norms; returns the
     matplotlib Figure."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    from matplotlib import pyplot as plt
-
     stacks, spiked = series.stacks(), list(spiked)
     highlight = spiked[0] if spiked else None
     steps = len({step for layer in series.layers() for step, _ in series.series("pre-clip", "norm", layer)})
-    remedies = remedies or RemedyLog()
-    panels = 4 if remedies.factors else 3
-    figure, axes = plt.subplots(1, panels, figsize=(16 * panels / 3, 5.4), layout="constrained")
+    remedies, scalars = remedies or RemedyLog(), scalars or RunScalars()
+    figure, axes = _panels(4 if remedies.factors else 3, bool(scalars))
     pre_axis, post_axis, depth_axis = axes[:3]
     for axis, phase in ((pre_axis, "pre-clip"), (post_axis, "post-clip")):
         for position, stack in enumerate(stacks):
@@ -97,9 +96,31 @@ def plot_layer_norms(series: LayerSeries, out: str, spiked: Iterable[LayerId] = 
     handles, labels = pre_axis.get_legend_handles_labels()  # the same lines in both panels: one legend, below
     figure.legend(handles, labels, loc="outside lower center", ncol=min(len(labels), 6), fontsize="small")
     _depth_profile(depth_axis, series, figure)
-    if panels == 4:
+    if remedies.factors:
         draw_factors(axes[3], remedies)
+    if scalars:
+        draw_run_scalars(axes[-1], scalars)
     return _saved(figure, out)
+
+
+def _panels(columns: int, scalars: bool):
+    """The figure and its axes: ``columns`` panels side by side, and where the log has its ``scalars`` (the loss,
+    the global norm) one more under the pre- and post-clip norms, sharing their step axis, last in the list."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib import pyplot as plt
+
+    width = 16 * columns / 3
+    if not scalars:
+        figure, axes = plt.subplots(1, columns, figsize=(width, 5.4), layout="constrained")
+        return figure, list(axes)
+    top = [f"panel{column}" for column in range(columns)]
+    figure, named = plt.subplot_mosaic([top, ["scalars", "scalars"] + ["."] * (columns - 2)],
+                                       figsize=(width, 5.4 + SCALARS_HEIGHT), height_ratios=(5.4, SCALARS_HEIGHT),
+                                       layout="constrained")
+    named["scalars"].sharex(named["panel0"])
+    return figure, [named[name] for name in top] + [named["scalars"]]
 
 
 def _saved(figure, out: str):
@@ -119,7 +140,7 @@ def plot_run(source: str, out: str, layers: str = "all"):
     series = read_layer_series(source).selected(layers)
     spikes = localise_all(read_fires(source))
     return plot_layer_norms(series, out, [layer for layer in spiked_layers(spikes) if layer in series.layers()],
-                            read_remedies(source))
+                            read_remedies(source), read_run_scalars(source))
 
 
 def _depth_profile(axis, series: LayerSeries, figure) -> None:

@@ -55,6 +55,8 @@ def test_demo_end_to_end(tmp_path, capsys):
     for axis in figure.axes[:2]:  # pre- and post-clip: the default five and the spiked layer
         labels = [line.get_label() for line in axis.get_lines()]
         assert labels == ["layer 0", "layer 1", "layer 2", "layer 3", "layer 4", "layer 5"], labels
+    drawn = {line.get_gid(): list(line.get_xdata()) for axis in figure.axes for line in axis.get_lines()}
+    assert drawn["loss"] == drawn["global-norm"] == list(range(1, 9))  # the demo logs them as Megatron does
 
 
 @pytest.mark.extended

@@ -518,3 +518,84 @@ def test_a_long_read_is_announced_on_stderr_and_a_short_one_is_not(monkeypatch, 
     with cli.reading_notice("layer-grad-norms report: reading runs/x"):
         time.sleep(0.5)
     assert capsys.readouterr().err == "layer-grad-norms report: reading runs/x (0 s so far)\n"
+
+
+def known_loss(step: int) -> float:
+    return 5.0 - 0.1 * step
+
+
+def known_global_norm(step: int) -> float:
+    return 3.0 * (1 + 0.01 * step)
+
+
+def write_run_scalars(path: str, source: str) -> str:
+    """A run's per-layer statistics (``known_results``) with its loss and global norm as ``source``'s writer names
+    them (beside copies that are not them: Megatron's ``vs samples``, the Trainer's closing ``train_loss``)."""
+    steps = range(1, STEPS + 1)
+    if source == "trainer_state.json":
+        history = [{"loss": known_loss(step), "grad_norm": known_global_norm(step), "step": step,
+                    **flat_scalars(stats)} for step, stats in zip(steps, known_results())]
+        with open(os.path.join(path, "trainer_state.json"), "w") as state:
+            json.dump({"log_history": history + [{"train_loss": 99.0, "step": STEPS}]}, state)
+        return os.path.join(path, "trainer_state.json")
+    if source == "Trainer TensorBoard":  # report_to=["tensorboard"]: every number of the logs under train/
+        with SummaryWriter(path) as writer:
+            for step, stats in zip(steps, known_results()):
+                for tag, value in {**flat_scalars(stats), "loss": known_loss(step),
+                                   "grad_norm": known_global_norm(step)}.items():
+                    writer.add_scalar(f"train/{tag}", value, step)
+            writer.add_scalar("train/train_loss", 99.0, STEPS)
+        return path
+    source_path = write_source(path, known_results(), "one run per bucket" if source == "Megatron" else source)
+    if source == "CSV":  # DeepSpeed's pipeline engine's loss, beside the statistics
+        with open(os.path.join(path, "Train_Samples_train_loss.csv"), "w") as rows:
+            rows.write("step,train_loss\n" + "".join(f"{step},{known_loss(step)}\n" for step in steps))
+        return source_path
+    tags = {"Megatron": ("lm loss", "grad-norm"), "DeepSpeed monitor": ("Train/Samples/train_loss", None)}[source]
+    with SummaryWriter(path) as writer:
+        for step in steps:
+            writer.add_scalar(tags[0], known_loss(step), step)
+            writer.add_scalar(f"{tags[0]} vs samples", 99.0, 4 * step)
+            if tags[1]:
+                writer.add_scalar(tags[1], known_global_norm(step), step)
+    return source_path
+
+
+def run_scalar_lines(figure) -> Dict[str, Tuple[List[int], List[float]]]:
+    """The steps and values of the loss and global norm's panel, by their lines' gid, read back from the figure."""
+    from megatron_integration.run_scalars import GLOBAL_NORM_GID, LOSS_GID
+
+    return {line.get_gid(): ([int(step) for step in line.get_xdata()], [float(value) for value in line.get_ydata()])
+            for axis in figure.axes for line in axis.get_lines() if line.get_gid() in (LOSS_GID, GLOBAL_NORM_GID)}
+
+
+@pytest.mark.parametrize("source", ["Megatron", "trainer_state.json", "Trainer TensorBoard", "DeepSpeed monitor",
+                                    "CSV"])
+def test_plot_draws_the_logged_loss_and_global_norm_under_the_norms(tmp_path, source):
+    from megatron_integration.plot import plot_run
+
+    figure = plot_run(write_run_scalars(str(tmp_path), source), str(tmp_path / "f.png"))
+    pre_axis, panel = figure.axes[0], figure.axes[3]
+    assert panel.get_title() == "loss and global gradient norm"
+    assert panel.get_shared_x_axes().joined(panel, pre_axis)
+    lines = run_scalar_lines(figure)
+    steps = list(range(1, STEPS + 1))
+    assert lines["loss"][0] == steps and lines["loss"][1] == pytest.approx([known_loss(step) for step in steps])
+    if source in ("DeepSpeed monitor", "CSV"):  # its monitor logs no global norm
+        assert "global-norm" not in lines
+        return
+    assert lines["global-norm"][0] == steps
+    assert lines["global-norm"][1] == pytest.approx([known_global_norm(step) for step in steps])
+    norm_axis = next(axis for axis in figure.axes if "global-norm" in [line.get_gid() for line in axis.get_lines()])
+    assert norm_axis is not panel and norm_axis.get_yscale() == "log"  # the right axis, on a log scale
+
+
+@pytest.mark.parametrize("source", ["dump", "CSV"])
+def test_a_log_without_the_loss_or_global_norm_draws_no_such_panel(tmp_path, source):
+    from megatron_integration.plot import plot_run
+
+    figure = plot_run(write_source(str(tmp_path), known_results(), source), str(tmp_path / "f.png"))
+    assert [axis.get_title() for axis in figure.axes] == ["per-layer gradient norm, pre-clip",
+                                                          "per-layer gradient norm, post-clip",
+                                                          "depth profile: log10 pre-clip norm", ""]  # its colour bar
+    assert run_scalar_lines(figure) == {}

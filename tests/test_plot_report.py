@@ -309,11 +309,15 @@ def write_source(path: str, results: List[Dict], source: str) -> str:
                 for tag, value in flat_scalars(stats).items():
                     writer.add_scalar(f"Train/Samples/{tag}", value, stats["step"])
         return path
-    if source == "CSV":
-        for tag in flat_scalars(results[0]):
-            with open(os.path.join(path, f"Train_Samples_{tag.replace('/', '_')}.csv"), "w") as rows:
-                rows.write("step,value\n" + "".join(f"{stats['step']},{flat_scalars(stats)[tag]}\n"
-                                                    for stats in results))
+    if source == "CSV":  # a file per tag, the tag's "/" made "_"; a tag only some steps have, on those steps
+        series: Dict[str, List[str]] = {}
+        for stats in results:
+            for tag, value in flat_scalars(stats).items():
+                name = f"Train_Samples_{tag.replace('/', '_')}.csv"
+                series.setdefault(name, []).append(f"{stats['step']},{value}\n")
+        for name, rows in series.items():
+            with open(os.path.join(path, name), "w") as out:
+                out.write("step,value\n" + "".join(rows))
         return path
     with open(os.path.join(path, "trainer_state.json"), "w") as state:
         json.dump({"log_history": [{"loss": 1.0, "step": stats["step"], **flat_scalars(stats)} for stats in results]},

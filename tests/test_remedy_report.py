@@ -3,18 +3,14 @@ writer writes them (the JSONL dump, the Megatron hook's runs, DeepSpeed's monito
 the real demo with ``--remedy`` (``demo`` through the CLI) in the extended tier."""
 
 import json
-import os
 from typing import Dict, List, Optional
 
 import pytest
-from torch.utils.tensorboard import SummaryWriter
+from test_plot_report import write_source
 
-from deepspeed_patch.jsonl_dump import JsonlDump
-from deepspeed_patch.tags import flat_scalars
 from megatron_integration.cli import main
 from megatron_integration.plot import plot_run
 from megatron_integration.remedy_report import SKIPPED_GID
-from megatron_integration.training_log import write_tensorboard
 
 STEPS = 12
 WARMUP = 3
@@ -39,37 +35,6 @@ def known_result(step: int) -> Dict:
     return {"step": step, "overflow": False, "clip_coef": None if skipped else 1.0, "pre_clip": norms,
             "post_clip": None if skipped else norms, "skipped": skipped, "skip_reason": SKIPPED.get(step),
             "adaptive_clip": factors}
-
-
-def write_source(path: str, results: List[Dict], source: str) -> str:
-    """``results`` as ``source`` holds them, under ``path``; returns the path a user gives ``report``."""
-    if source == "dump":
-        dump = JsonlDump(os.path.join(path, "dump.jsonl"), max_bytes=10**6, backups=0)
-        for stats in results:
-            dump.write(stats)
-        return os.path.join(path, "dump.jsonl")
-    if source == "CSV":  # DeepSpeed's CSV monitor: a file per tag, the tag's "/" made "_"
-        series: Dict[str, List[str]] = {}
-        for stats in results:
-            for tag, value in flat_scalars(stats).items():
-                name = f"Train_Samples_{tag.replace('/', '_')}.csv"
-                series.setdefault(name, []).append(f"{stats['step']},{value}\n")
-        for name, rows in series.items():
-            with open(os.path.join(path, name), "w") as out:
-                out.write("step,value\n" + "".join(rows))
-        return path
-    if source == "trainer_state":
-        with open(os.path.join(path, "trainer_state.json"), "w") as state:
-            json.dump({"log_history": [{"step": stats["step"], **flat_scalars(stats)} for stats in results]}, state)
-        return os.path.join(path, "trainer_state.json")
-    with SummaryWriter(path) as writer:
-        for stats in results:
-            if source == "one run per bucket":
-                write_tensorboard(writer, stats)
-            else:
-                for tag, value in flat_scalars(stats).items():
-                    writer.add_scalar(f"Train/Samples/{tag}", value, stats["step"])
-    return path
 
 
 @pytest.fixture(params=SOURCES)

@@ -454,7 +454,10 @@ SERIES = (
         cuts=(
             Cut("config.py",
                 drop=("AdaptiveClippingConfig", "SkipStepConfig", "LayerGradNormsConfig.adaptive_clipping",
-                      "LayerGradNormsConfig.skip_step", "LayerGradNormsConfig.acts")),
+                      "LayerGradNormsConfig.skip_step", "LayerGradNormsConfig.acts", "REMEDIES", "master_switch"),
+                replace=(("load_config", "return master_switch(config)", "return config"), ),
+                docstrings=(("LayerGradNormsConfig", ": the remedies are off\n    whatever their sub-blocks "
+                             "say (``master_switch``); a", ";\n    a"), )),
             Cut("statistics.py",
                 replace=(("bucket_results", ",\n                   factors: Optional[Sequence[float]] = None)", ")"),
                          ("bucket_results", "scale if factors is None else scale * factors[position[key]]", "scale")),

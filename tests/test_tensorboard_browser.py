@@ -18,12 +18,14 @@ from browser import CHROMIUM, get_json, screenshot_time_series, tensorboard
 from deepspeed_patch.tags import OUTSIDE_LAYERS_ROOT, TAG_ROOT, run_name, scalar_tag
 from megatron_integration.cpu_launch import launch
 from megatron_integration.demo import DemoOptions, train_rank
+from megatron_integration.run_scalars import GLOBAL_NORM_TAGS, LOSS_TAGS
 
 NUM_LAYERS, STEPS = 12, 12
 SELECTED = [0, 1, 6, 10, 11]  # the demo's default: 0, 1, mid, -2, -1
 OUTSIDE = ["embed", "pos_embed", "final_layernorm", "head"]  # the tiny GPT's buckets outside its layers
 CARDS = [scalar_tag(phase, statistic) for phase in ("pre_clip", "post_clip") for statistic in ("norm", "min", "max")]
 NORM_CARDS = {scalar_tag("post_clip", "norm"): len(SELECTED), scalar_tag("pre_clip", "norm"): len(SELECTED)}
+RUN_SCALAR_CARDS = [LOSS_TAGS[0], GLOBAL_NORM_TAGS[0]]  # the demo's ``lm loss`` and ``grad-norm``, as Megatron's
 
 REQUIRE_CHROMIUM = "REQUIRE_CHROMIUM"
 """Set (to anything but empty) where the browser test must run: CI, which installs Chromium."""
@@ -59,7 +61,8 @@ def test_one_card_per_statistic_and_phase_one_run_per_selected_layer(served):
                      for statistic in ("norm", "min", "max")]
     assert {tag: sorted(runs_of_card[tag]) for tag in outside_cards} == {tag: sorted(outside_runs)
                                                                          for tag in outside_cards}
-    assert len(runs_of_card) == len(CARDS) + len(outside_cards)
+    assert {tag: runs_of_card[tag] for tag in RUN_SCALAR_CARDS} == {tag: ["."] for tag in RUN_SCALAR_CARDS}
+    assert len(runs_of_card) == len(CARDS) + len(outside_cards) + len(RUN_SCALAR_CARDS)
 
 
 def test_custom_scalars_charts_gather_the_layer_runs(served):
@@ -83,8 +86,10 @@ def test_time_series_tab_opens_on_the_norms_one_coloured_named_line_per_layer(se
 
     screenshot = tmp_path / "time_series.png"
     cards = screenshot_time_series(served, str(screenshot), NORM_CARDS)
-    assert [card["tag"] for card in cards[:2]] == list(NORM_CARDS)  # the first cards of the tab
-    for card in cards[:2]:
+    norm_cards = [card for card in cards if card["tag"] in NORM_CARDS]
+    assert [card["tag"] for card in norm_cards] == list(NORM_CARDS)  # in view, after Megatron's ``grad-norm``
+    assert all(card["in_view"] for card in norm_cards)
+    for card in norm_cards:
         assert [row["run"] for row in card["legend"]] == [run_name(layer) for layer in SELECTED]
         colours = [row["colour"] for row in card["legend"]]
         assert len(set(colours)) == len(SELECTED)  # one colour per layer
@@ -92,6 +97,6 @@ def test_time_series_tab_opens_on_the_norms_one_coloured_named_line_per_layer(se
     image = Image.open(screenshot).convert("RGB")
     assert image.size == (1200, 1000)
     pixels = image.getcolors(image.size[0] * image.size[1])
-    for colour in cards[1]["lines"]:
+    for colour in norm_cards[1]["lines"]:
         rgb = tuple(int(part) for part in colour[4:-1].split(","))
         assert sum(count for count, pixel in pixels if pixel == rgb) > 300, colour  # drawn, not only listed

@@ -22,14 +22,14 @@ Both windows are in the checkpoint (``state_dict``), as OLMo-core keeps its own:
 first step.
 """
 
-import math
 import statistics
 from collections import deque
-from typing import Optional, Union
+from typing import Optional, Tuple, Union
 
 import torch
 
 from .config import SkipStepConfig
+from .spike_rule import judge_outlier
 from .trigger import agreed_loss, reported_loss
 
 MIN_JUDGED = 20
@@ -74,14 +74,10 @@ class SkipStep:
         self.norms.extend(state["norms"])
 
     def _outlier(self, name: str, value: Optional[float], window: deque) -> Optional[str]:
-        if value is None:
-            return None
-        if not math.isfinite(value):
-            return f"{name} {value}"
-        reason = None
-        if len(window) >= self.least:
-            mean, std = statistics.fmean(window), statistics.stdev(window)
-            if value > mean + self.sigma * std:
-                reason = f"{name} {value:.4g} > mean {mean:.4g} + {self.sigma:g} x std {std:.4g}"
-        window.append(value)
-        return reason
+        """Why ``value`` lies above ``sigma`` standard deviations over the mean of ``window``, or ``None``."""
+
+        def above_mean(values: deque) -> Tuple[float, str]:
+            mean, std = statistics.fmean(values), statistics.stdev(values)
+            return mean + self.sigma * std, f"mean {mean:.4g} + {self.sigma:g} x std {std:.4g}"
+
+        return judge_outlier(name, value, window, self.least, above_mean)

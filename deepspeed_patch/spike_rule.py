@@ -14,7 +14,7 @@ the agreed loss, the overflow flag), so every rank fires at the same step withou
 import math
 import statistics
 from collections import deque
-from typing import Any, Dict, Optional
+from typing import Any, Callable, Dict, Optional, Tuple
 
 WARM_UP = 5
 """Global norms the trigger needs before it judges a spike (fewer if its window is shorter): a median of
@@ -93,18 +93,31 @@ class SpikeTrigger:
         return self.on_overflow and not searching and step - self.skipped_since + 1 >= self.overflow_steps
 
 
-def _spike(name: str, value: Optional[float], factor: float, recent: deque) -> Optional[str]:
-    """Why ``value`` is a spike against the median of ``recent`` (judged after the warm-up), or ``None``;
-    ``value`` then joins ``recent``. ``None`` (nothing reported) is skipped; a non-finite value fires at
-    once and stays out of the window."""
+def judge_outlier(name: str, value: Optional[float], recent: deque, least: int,
+                  bound: Callable[[deque], Tuple[float, str]]) -> Optional[str]:
+    """Why ``value`` is an outlier, or ``None``: the rule of the spike trigger and of ``skip_step``, which differ only
+    in ``bound(recent)``, the limit over the values before it and how to say it (a multiple of their median, or
+    their mean plus some standard deviations). ``value`` is judged once ``recent`` holds ``least`` values, then joins
+    them. ``None`` (nothing reported) is skipped; a non-finite value is an outlier at once and stays out of
+    ``recent``."""
     if value is None:
         return None
     if not math.isfinite(value):
         return f"{name} {value}"
     reason = None
-    if len(recent) >= min(recent.maxlen, WARM_UP):
-        median = statistics.median(recent)
-        if value > factor * median:
-            reason = f"{name} {value:.4g} > {factor} x median {median:.4g}"
+    if len(recent) >= least:
+        limit, said = bound(recent)
+        if value > limit:
+            reason = f"{name} {value:.4g} > {said}"
     recent.append(value)
     return reason
+
+
+def _spike(name: str, value: Optional[float], factor: float, recent: deque) -> Optional[str]:
+    """Why ``value`` is a spike above ``factor`` times the median of ``recent`` (judged after the warm-up)."""
+
+    def times_median(values: deque) -> Tuple[float, str]:
+        median = statistics.median(values)
+        return factor * median, f"{factor} x median {median:.4g}"
+
+    return judge_outlier(name, value, recent, min(recent.maxlen, WARM_UP), times_median)

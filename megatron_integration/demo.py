@@ -173,7 +173,8 @@ def train_rank(options: DemoOptions) -> None:
     # A thread lock: tqdm's default, a multiprocessing lock, is left registered with the resource tracker when the
     # launcher stops this rank (Ctrl-C), which then warns of a leaked semaphore at exit.
     tqdm.set_lock(threading.RLock())
-    progress = tqdm(total=options.steps, desc="demo", unit="step", disable=not last_rank)
+    # Drawn by the last rank, on a terminal only (``disable=None``): redirected, the log lines are the progress.
+    progress = tqdm(total=options.steps, desc="demo", unit="step", disable=None if last_rank else True)
     for step in range(1, options.steps + 1):
         loss = engine(synthetic_batch(model_config, options.micro_batch, seed=step * world_size + rank))
         engine.backward(loss + injected_spike(engine, options, step))

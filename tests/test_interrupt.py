@@ -1,16 +1,22 @@
 """Ctrl-C on ``layer-grad-norms demo`` once its ranks train: one line, exit status 130, and no rank left.
 
-The demo runs in a session of its own, as in a terminal. A terminal's Ctrl-C sends SIGINT to the whole foreground
+The demo runs in a session of its own, its output on a pseudo-terminal, as in a terminal (its progress bar is drawn
+on a terminal only). A terminal's Ctrl-C sends SIGINT to the whole foreground
 process group (``terminal``); ``launcher`` sends it to the launcher alone, as ``kill -INT`` does. The ranks ignore
 SIGINT (``cpu_launch.launch``), so in both cases the launcher stops them, and each rank must be gone when it exits.
 The seconds from the signal to the launcher's exit are printed (``-s``), not judged: the machine is shared.
 """
 
+import fcntl
 import os
+import pty
 import re
+import select
 import signal
+import struct
 import subprocess
 import sys
+import termios
 import time
 
 import psutil
@@ -22,16 +28,36 @@ TRAINING = re.compile(rf"demo:.*\b[1-9]\d*/{STEPS}\b")
 """tqdm's progress line once the last rank has finished a step."""
 
 
-def read_until_training(process: subprocess.Popen, timeout: float = 300) -> str:
+def read_available(terminal: int, wait: float = 0.2) -> str:
+    """What the pseudo-terminal ``terminal`` holds now, waiting up to ``wait`` seconds for the first of it."""
+    chunks = []
+    while select.select([terminal], [], [], wait)[0]:
+        try:
+            chunk = os.read(terminal, 65536)
+        except OSError:  # EIO: every process holding the terminal has closed it
+            break
+        if not chunk:
+            break
+        chunks.append(chunk)
+        wait = 0
+    return b"".join(chunks).decode(errors="replace")
+
+
+def read_until_training(process: subprocess.Popen, terminal: int, timeout: float = 300) -> str:
     """The launcher's output up to its first progress line with a finished step."""
-    os.set_blocking(process.stdout.fileno(), False)
     output, deadline = "", time.monotonic() + timeout
     while not TRAINING.search(output):
         assert process.poll() is None and time.monotonic() < deadline, output[-3000:]
-        time.sleep(0.2)
-        output += (process.stdout.read() or b"").decode(errors="replace")
-    os.set_blocking(process.stdout.fileno(), True)
+        output += read_available(terminal)
     return output
+
+
+def read_until_exit(process: subprocess.Popen, terminal: int, timeout: float = 60) -> str:
+    """The launcher's output to its exit, and what its ranks wrote before they closed the terminal."""
+    output, deadline = "", time.monotonic() + timeout
+    while process.poll() is None and time.monotonic() < deadline:
+        output += read_available(terminal)
+    return output + read_available(terminal, wait=1.0)
 
 
 @pytest.mark.extended
@@ -39,22 +65,26 @@ def read_until_training(process: subprocess.Popen, timeout: float = 300) -> str:
 def test_ctrl_c_prints_one_line_and_stops_every_rank(target, tmp_path):
     command = [sys.executable, "-m", "megatron_integration.cli", "demo", "--steps", str(STEPS), "--num-layers", "2",
                "--hidden", "16", "--out", str(tmp_path)]
-    process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    terminal, attached = pty.openpty()
+    fcntl.ioctl(attached, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 80, 0, 0))  # a terminal's size: tqdm's width
+    process = subprocess.Popen(command, cwd=ROOT, stdin=subprocess.DEVNULL, stdout=attached, stderr=attached,
                                start_new_session=True)
+    os.close(attached)
     try:
-        read_until_training(process)
+        read_until_training(process, terminal)
         ranks = [child for child in psutil.Process(process.pid).children(recursive=True)
                  if "resource_tracker" not in " ".join(child.cmdline())]
         assert len(ranks) == 2, [child.cmdline() for child in ranks]
         sent = time.monotonic()
         (os.killpg if target == "terminal" else os.kill)(process.pid, signal.SIGINT)
-        after = process.stdout.read().decode(errors="replace")  # to the launcher's exit
+        after = read_until_exit(process, terminal)
         status = process.wait(timeout=60)
         print(f"{target}: the launcher exited {time.monotonic() - sent:.2f} s after SIGINT")
     finally:
         if process.poll() is None:
             os.killpg(process.pid, signal.SIGKILL)
             process.wait()
+        os.close(terminal)
     assert status == 130
     assert [rank.pid for rank in ranks if rank.is_running() and rank.status() != psutil.STATUS_ZOMBIE] == []
     # What follows the progress bar (tqdm redraws it with carriage returns): the one line.

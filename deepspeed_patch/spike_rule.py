@@ -95,22 +95,16 @@ class SpikeTrigger:
 
 def judge_outlier(name: str, value: Optional[float], recent: deque, least: int,
                   bound: Callable[[deque], Tuple[float, str]]) -> Optional[str]:
-    """Why ``value`` is an outlier, or ``None``: the rule of the spike trigger and of ``skip_step``, which differ only
-    in ``bound(recent)``, the limit over the values before it and how to say it (a multiple of their median, or
-    their mean plus some standard deviations). ``value`` is judged once ``recent`` holds ``least`` values, then joins
-    them. ``None`` (nothing reported) is skipped; a non-finite value is an outlier at once and stays out of
-    ``recent``."""
+    """Why ``value`` is an outlier, or ``None``: the rule of the spike trigger and of ``skip_step``, which differ in
+    ``bound(recent)`` alone (the limit and how to say it), judged once ``recent`` holds ``least`` values. ``value``
+    then joins ``recent``; ``None`` is skipped; a non-finite value is an outlier at once and stays out."""
     if value is None:
         return None
     if not math.isfinite(value):
         return f"{name} {value}"
-    reason = None
-    if len(recent) >= least:
-        limit, said = bound(recent)
-        if value > limit:
-            reason = f"{name} {value:.4g} > {said}"
+    limit, said = bound(recent) if len(recent) >= least else (math.inf, "")
     recent.append(value)
-    return reason
+    return f"{name} {value:.4g} > {said}" if value > limit else None
 
 
 def _spike(name: str, value: Optional[float], factor: float, recent: deque) -> Optional[str]:

@@ -106,9 +106,6 @@ class LayerGradNormsAdapter:
         self.wants_loss = (trigger is not None and trigger.loss_factor is not None) or setup.config.skip_step.enabled
         """Whether ``report_loss`` is needed: a trigger watches the loss (``trigger.loss_factor``), or
         ``skip_step`` does."""
-        self.saved_clip_grad: Optional[float] = None
-        """The optimizer's ``clip_grad`` while adaptive clipping replaces it for one step
-        (``suspend_global_clipping``)."""
         self.scaling: Optional[List[List[Tuple[int, int, float]]]] = None
         """The step's adaptive factors laid on each partition's spans (``scaled_spans``), while they are to apply."""
         history = trigger.history if trigger is not None else 0
@@ -282,12 +279,10 @@ class LayerGradNormsAdapter:
 
     def suspend_global_clipping(self) -> None:
         """No global clipping for the step under way (adaptive clipping replaces it); ``end_step`` restores it."""
-        self.saved_clip_grad = self.optimizer.clip_grad
-        self.optimizer.clip_grad = 0.0
+        raise NotImplementedError
 
     def resume_global_clipping(self) -> None:
-        if self.saved_clip_grad is not None:
-            self.optimizer.clip_grad, self.saved_clip_grad = self.saved_clip_grad, None
+        """Global clipping as it was before ``suspend_global_clipping``, if it was suspended."""
 
     def save_remedies(self, state_dict: dict) -> None:
         """At the end of the optimizer's ``state_dict``: the remedies' state joins the checkpoint it writes."""

@@ -24,6 +24,9 @@ class OptimizerAdapter(LayerGradNormsAdapter):
     def __init__(self, optimizer, setup: Setup, num_partitions: int, device) -> None:
         self.optimizer = optimizer
         self.capabilities = setup.capabilities
+        self.saved_clip_grad: Optional[float] = None
+        """The optimizer's ``clip_grad`` while adaptive clipping replaces it for one step
+        (``suspend_global_clipping``)."""
         super().__init__(setup, num_partitions, device)
 
     @staticmethod
@@ -31,6 +34,14 @@ class OptimizerAdapter(LayerGradNormsAdapter):
         """The features of this ``optimizer`` the family cannot measure, named for the refusal at initialize
         (``names``: the engine's parameter names)."""
         return []
+
+    def suspend_global_clipping(self) -> None:
+        self.saved_clip_grad = self.optimizer.clip_grad
+        self.optimizer.clip_grad = 0.0
+
+    def resume_global_clipping(self) -> None:
+        if self.saved_clip_grad is not None:
+            self.optimizer.clip_grad, self.saved_clip_grad = self.saved_clip_grad, None
 
     def overflow(self) -> bool:
         return bool(self.optimizer.overflow)

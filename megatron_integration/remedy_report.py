@@ -20,7 +20,7 @@ from typing import Dict, Iterable, List, Optional, Tuple
 from deepspeed_patch.tags import ADAPTIVE_CLIP, SKIPPED, SKIPPED_TAG, TAG_ROOT, bucket_label, phase_label
 
 from .log_sources import dump_records, is_dump, scalar_series
-from .tensorboard_reader import _BUCKET_RUN, json_bucket, latest_per_step
+from .tensorboard_reader import BUCKET_RUN, json_bucket, latest_per_step
 
 Points = List[Tuple[int, float]]
 
@@ -97,7 +97,7 @@ def _from_scalars(source: str) -> RemedyLog:
 def _factor_label(run: str, suffix: Optional[str]) -> Optional[str]:
     """The bucket of a factor series: its run's (``layer03``), with the tag's part of the layer (``layer03/dense``),
     or the tag's own (the flat form, every bucket in one run)."""
-    bucket_run = _BUCKET_RUN.search(run)
+    bucket_run = BUCKET_RUN.search(run)
     if bucket_run is None:
         return suffix
     return bucket_run.group(1) if suffix is None else f"{bucket_run.group(1)}/{suffix}"

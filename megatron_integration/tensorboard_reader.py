@@ -69,7 +69,8 @@ Points = List[Tuple[int, float]]
 _RELEASE_TAG = re.compile(rf"^{TAG_ROOT}/(pre-clip|post-clip)/(norm|min|max)/([^/]+)$")
 _TAG = re.compile(rf"^{TAG_ROOT}/(?:{PHASE_PATTERN}|{VALUES}/([^/]+)/{PHASE_PATTERN})(?:/([^/]+))?$")
 _RATIO = phase_label(UPDATE_TO_WEIGHT)
-_BUCKET_RUN = re.compile(rf"(?:^|/){TAG_ROOT}/([^/]+)$")
+BUCKET_RUN = re.compile(rf"(?:^|/){TAG_ROOT}/([^/]+)$")
+"""A bucket's run (``layer-grad-norms/layer03``, under any root): the bucket's label is its group."""
 _STACK_LAYER_KEY = re.compile(r"^(.+)\.(\d+)$")
 _AXIS_COPY = re.compile(r" vs (?:samples|tokens)$")
 _WRITER_PREFIX = re.compile(rf"^(?:[^/]+/)+?(?={TAG_ROOT}/)")
@@ -237,7 +238,7 @@ def _collect_tag(run: str, tag: str, points: Points, collector: _Collector) -> N
         return
     norm_phase, statistic, values_phase, suffix = match.groups()
     phase, statistic = (norm_phase, "norm") if norm_phase else (values_phase, statistic)
-    bucket_run = _BUCKET_RUN.search(run)
+    bucket_run = BUCKET_RUN.search(run)
     if bucket_run is None:
         if suffix is not None:  # the flat form: the bucket ends the tag
             collector.bucket(phase, statistic, suffix, points)

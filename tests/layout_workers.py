@@ -19,9 +19,14 @@ VARIANTS = {
         "optimizer_statistics": ["param", "update", "exp_avg", "exp_avg_sq"],
         "trigger": {"history": 4},
     },
+    "remedies": {
+        "adaptive_clipping": {"enabled": True, "warmup_steps": 1},
+        "skip_step": {"enabled": True, "window": 2},
+    },
 }
-"""The block's extra keys for each traced step: the plain measured step, and the same with the optimizer's
-statistics and the flight recorder (the files their paths add)."""
+"""The block's extra keys for each traced step: the plain measured step, the same with the optimizer's statistics
+and the flight recorder, and with both remedies acting (adaptive factors from the second step, skip_step judging
+from the third): the files their paths add."""
 
 
 def _project_file(filename: str) -> str:
@@ -74,6 +79,8 @@ def trace_measured_steps() -> Dict[str, Any]:
             engine.backward(engine(batch))
             engine.step()
         files = traced_files(engine, batch)
-        found[name] = {"files": files, "measured_step": (engine.get_layer_grad_norms() or {}).get("step")}
+        result = engine.get_layer_grad_norms() or {}
+        found[name] = {"files": files, "measured_step": result.get("step"),
+                       "factors_applied": result.get("adaptive_clip") is not None, "skipped": result.get("skipped")}
         engine.destroy()
     return found

@@ -1,6 +1,6 @@
 """docs/layout.md's account of one measured step is true: the package's files whose functions a traced ZeRO-2
-step runs are exactly the files the doc's tables name, for the plain step and with the optimizer's statistics and
-the flight recorder."""
+step runs are exactly the files the doc's tables name, for the plain step, with the optimizer's statistics and
+the flight recorder, and with both remedies acting."""
 
 import os
 import re
@@ -14,6 +14,7 @@ LAYOUT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))
 SECTIONS = {
     "plain": "### The files of a measured step",
     "optimizer_statistics_and_recorder": "### The files optimizer_statistics and the recorder add",
+    "remedies": "### The files the remedies add",
 }
 """The heading of each variant's table in docs/layout.md; the second lists only the files the first lacks."""
 
@@ -34,11 +35,15 @@ def documented_files(heading: str) -> List[str]:
 def test_the_doc_names_exactly_the_files_a_traced_measured_step_runs():
     assert set(traced()) == set(VARIANTS) == set(SECTIONS)
     plain = documented_files(SECTIONS["plain"])
-    added = documented_files(SECTIONS["optimizer_statistics_and_recorder"])
-    assert len(plain) >= 5 and added, (plain, added)
-    assert traced()["plain"]["measured_step"] == traced()["optimizer_statistics_and_recorder"]["measured_step"] == 3
     assert traced()["plain"]["files"] == plain
-    assert traced()["optimizer_statistics_and_recorder"]["files"] == sorted(plain + added)
+    for variant in VARIANTS:
+        assert traced()[variant]["measured_step"] == 3, variant
+        added = documented_files(SECTIONS[variant]) if variant != "plain" else []
+        assert traced()[variant]["files"] == sorted(plain + added), variant
+    # the traced remedy step acted: adaptive factors applied, skip_step judged it (and did not skip it)
+    assert [traced()["remedies"][key] for key in ("factors_applied", "skipped")] == [True, False]
+    assert [traced()["plain"][key] for key in ("factors_applied", "skipped")] == [False, None]
+    assert len(plain) == 16 and len(documented_files(SECTIONS["remedies"])) == 4
 
 
 def test_the_map_names_every_docs_page():

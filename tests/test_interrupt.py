@@ -28,6 +28,13 @@ TRAINING = re.compile(rf"demo:.*\b[1-9]\d*/{STEPS}\b")
 """tqdm's progress line once the last rank has finished a step."""
 
 
+def default_sigint() -> None:
+    """In the demo's process, before it starts: SIGINT's default action, as a terminal's foreground command has it.
+    A test run in the background of a non-interactive shell (``pytest &``, a CI script) inherits SIGINT ignored,
+    which Python keeps: the launcher would never see the Ctrl-C."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def read_available(terminal: int, wait: float = 0.2) -> str:
     """What the pseudo-terminal ``terminal`` holds now, waiting up to ``wait`` seconds for the first of it."""
     chunks = []
@@ -68,7 +75,7 @@ def test_ctrl_c_prints_one_line_and_stops_every_rank(target, tmp_path):
     terminal, attached = pty.openpty()
     fcntl.ioctl(attached, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 80, 0, 0))  # a terminal's size: tqdm's width
     process = subprocess.Popen(command, cwd=ROOT, stdin=subprocess.DEVNULL, stdout=attached, stderr=attached,
-                               start_new_session=True)
+                               start_new_session=True, preexec_fn=default_sigint)
     os.close(attached)
     try:
         read_until_training(process, terminal)

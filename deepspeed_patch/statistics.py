@@ -43,14 +43,14 @@ def reset_stats(stats: torch.Tensor) -> torch.Tensor:
 def bucket_results(stats: torch.Tensor,
                    keys: Sequence[Hashable],
                    selected: Sequence[Hashable],
-                   scale: float,
+                   multiplier: float,
                    extra: Collection[str] = (),
                    factors: Optional[Sequence[float]] = None) -> Dict[Hashable, Dict[str, float]]:
-    """The reported statistics of the ``selected`` buckets, each value multiplied by ``scale`` (and by the
+    """The reported statistics of the ``selected`` buckets, each value multiplied by ``multiplier`` (and by the
     bucket's own entry of ``factors``, the rows' multipliers, where given).
 
-    ``scale`` is ``1 / loss_scale`` before clipping; clipping multiplies every gradient by one positive
-    factor, so the post-clip statistics are the same table times that factor (counts do not scale); adaptive
+    ``multiplier`` is ``1 / loss_scale`` before clipping; clipping multiplies every gradient by one positive
+    factor, so the post-clip statistics are the same table times that factor (counts are not multiplied); adaptive
     clipping multiplies each bucket by its own.
     """
     rows: List[List[float]] = stats.tolist()
@@ -60,18 +60,18 @@ def bucket_results(stats: torch.Tensor,
         row = rows[position[key]]
         if row[NUMEL] == 0:
             continue  # no element anywhere: a frozen layer, or a pipeline spec without parameters
-        scale_of_row = scale if factors is None else scale * factors[position[key]]
+        row_multiplier = multiplier if factors is None else multiplier * factors[position[key]]
         result = {
-            "norm": math.sqrt(row[SUMSQ]) * scale_of_row,
-            "min": -row[NEG_MIN] * scale_of_row,
-            "max": row[MAX] * scale_of_row,
-            "abs_min": -row[NEG_ABS_MIN] * scale_of_row,
-            "abs_max": max(row[MAX], row[NEG_MIN]) * scale_of_row,
+            "norm": math.sqrt(row[SUMSQ]) * row_multiplier,
+            "min": -row[NEG_MIN] * row_multiplier,
+            "max": row[MAX] * row_multiplier,
+            "abs_min": -row[NEG_ABS_MIN] * row_multiplier,
+            "abs_max": max(row[MAX], row[NEG_MIN]) * row_multiplier,
             "nonfinite": int(row[NONFINITE]),
         }
         optional = {
-            "l1": row[L1] * scale_of_row,
-            "mean": row[SUM] / row[NUMEL] * scale_of_row,
+            "l1": row[L1] * row_multiplier,
+            "mean": row[SUM] / row[NUMEL] * row_multiplier,
             "zeros": int(row[ZEROS]),
             "numel": int(row[NUMEL])
         }

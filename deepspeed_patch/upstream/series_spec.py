@@ -460,7 +460,8 @@ SERIES = (
                              "say (``master_switch``); a", ";\n    a"), )),
             Cut("statistics.py",
                 replace=(("bucket_results", ",\n                   factors: Optional[Sequence[float]] = None)", ")"),
-                         ("bucket_results", "scale if factors is None else scale * factors[position[key]]", "scale")),
+                         ("bucket_results", "multiplier if factors is None else multiplier * factors[position[key]]",
+                          "multiplier")),
                 docstrings=(("bucket_results", " (and by the\n    bucket's own entry of ``factors``, the rows' "
                              "multipliers, where given)", ""), ("bucket_results", "; adaptive\n    clipping "
                                                                 "multiplies each bucket by its own.", "."))),

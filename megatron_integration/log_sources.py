@@ -46,8 +46,10 @@ _WRITTEN_PATTERN = "(" + "|".join(re.escape(phase_label(phase)) for phase in WRI
 _CSV_NAME = re.compile(rf"(?:^|_){TAG_ROOT}_(?:{_WRITTEN_PATTERN}|values_([a-z0-9]+)_{PHASE_PATTERN})_(.+)$")
 _CSV_SKIPPED = re.compile(rf"(?:^|_){re.escape(SKIPPED_TAG.replace('/', '_'))}$")
 """The file of ``skip_step``'s scalar, a step's rather than a bucket's."""
-_CSV_LOSS = "Train_Samples_train_loss"
-"""The CSV monitor's file of the pipeline engine's loss (``Train/Samples/train_loss``), for ``plot``'s panel of it."""
+MONITOR_LOSS_TAG = "Train/Samples/train_loss"
+"""DeepSpeed's monitor's tag of the pipeline engine's loss, for ``plot``'s panel of it (``run_scalars``)."""
+_CSV_LOSS = MONITOR_LOSS_TAG.replace("/", "_")
+"""The CSV monitor's file of it (the tag with ``/`` made ``_``, as every file of that monitor)."""
 _EVENTS_FILE = "tfevents"
 _SNIFF_BYTES = 4096
 _MAX_LINE = 1 << 24
@@ -243,7 +245,7 @@ def _csv_tag(name: str) -> Optional[str]:
     """The tag of the CSV monitor's file ``name`` (without ``.csv``), with the writer's prefix the name carries
     (``Train/Samples/``); ``None`` for a file not read here."""
     if name == _CSV_LOSS:
-        return "Train/Samples/train_loss"
+        return MONITOR_LOSS_TAG
     match = _CSV_NAME.search(name)
     skipped = None if match is not None else _CSV_SKIPPED.search(name)
     if match is not None:

@@ -17,12 +17,12 @@ first of ``LOSS_TAGS`` or ``GLOBAL_NORM_TAGS`` found is read.
 from dataclasses import dataclass, field
 from typing import Dict, List, Sequence, Tuple
 
-from .log_sources import is_dump, scalar_series
+from .log_sources import MONITOR_LOSS_TAG, is_dump, scalar_series
 from .tensorboard_reader import latest_per_step
 
 Points = List[Tuple[int, float]]
 
-LOSS_TAGS = ("lm loss", "loss", "train/loss", "Train/Samples/train_loss")
+LOSS_TAGS = ("lm loss", "loss", "train/loss", MONITOR_LOSS_TAG)
 """The loss's tags (keys of the Trainer's ``log_history``), in the order preferred."""
 GLOBAL_NORM_TAGS = ("grad-norm", "grad_norm", "train/grad_norm")
 """The global gradient norm's tags, in the order preferred."""

@@ -245,6 +245,10 @@ def run_cases(cases: Dict[str, Dict[str, Any]]) -> Dict[str, Any]:
     return run_each(cases, REMEDY_CASE, trained)
 
 
+PARALLEL_CASE_KEYS = ("dtype", "stage", "clip", "steps", "block")
+"""What a remedies case passes to the tensor-parallel and the pipeline workers' own cases."""
+
+
 def train_tensor_parallel(case: Dict[str, Any]) -> Dict[str, Any]:
     """``case`` on ``parallel3d_workers``' tensor-parallel MLP stack, TP 2 x DP (world size / 2), no pipeline; the
     record holds every rank's final weights by name and which of them are replicated across the TP ranks."""
@@ -255,7 +259,7 @@ def train_tensor_parallel(case: Dict[str, Any]) -> Dict[str, Any]:
     from tp_workers import TensorParallelModel
 
     tp = 2
-    overrides = {key: case[key] for key in ("dtype", "stage", "clip", "steps", "block")}
+    overrides = {key: case[key] for key in PARALLEL_CASE_KEYS}
     record = train_3d({**CASE_3D, **overrides, "pp": 1, "tp": tp, "dp": dist.get_world_size() // tp})
     names = [(name, not getattr(param, "tensor_model_parallel", False))
              for name, param in TensorParallelModel(tp).named_parameters()]
@@ -271,7 +275,7 @@ def train_tied_pipe(case: Dict[str, Any]) -> Dict[str, Any]:
     from pipeline_workers import DEFAULT_CASE as PIPE_CASE
     from pipeline_workers import train_pipe
 
-    overrides = {key: case[key] for key in ("dtype", "stage", "clip", "steps", "block")}
+    overrides = {key: case[key] for key in PARALLEL_CASE_KEYS}
     return train_pipe({**PIPE_CASE, **overrides, "tie": True, "gas": 1})
 
 

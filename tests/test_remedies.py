@@ -193,6 +193,17 @@ def skip_decisions(losses: List[float], norms: List[float], config: Dict) -> Lis
     return [outlier(losses, index) or outlier(norms, index) for index in range(len(norms))]
 
 
+def reduced_table(norms: Sequence[float]):
+    """A reduced statistics table (host, float64) whose gradient rows hold ``norms``, the status row after them."""
+    import torch
+
+    from deepspeed_patch.statistics import NUM_COLUMNS, SUMSQ
+
+    table = torch.zeros(len(norms) + 1, NUM_COLUMNS, dtype=torch.float64)
+    table[:len(norms), SUMSQ] = torch.tensor(norms, dtype=torch.float64)**2
+    return table
+
+
 def global_norm(reference: Dict) -> float:
     return math.sqrt(sum(stats["norm"]**2 for stats in reference.values()))
 
@@ -453,11 +464,8 @@ def test_a_bucket_without_a_norm_in_the_warm_up_is_clipped_globally_until_it_has
     """An expert no token reached in the warm-up (norm 0 there): after it, while global clipping is off, its first
     gradient is clipped by the global coefficient (not let through), and its average starts at what was applied;
     against ``adagc_factors`` on the same norms."""
-    import torch
-
     from deepspeed_patch.config import load_config
     from deepspeed_patch.remedies import Remedies
-    from deepspeed_patch.statistics import NUM_COLUMNS, SUMSQ
 
     clip = 1.0
     config = {"warmup_steps": 2, "factor": 1.05, "beta": 0.5}
@@ -469,9 +477,8 @@ def test_a_bucket_without_a_norm_in_the_warm_up_is_clipped_globally_until_it_has
     expected = adagc_factors(references, clip, config, set(), [1.0] * len(steps))
     checked = 0
     for norms, want in zip(steps, expected):
-        table = torch.zeros(3, NUM_COLUMNS, dtype=torch.float64)
-        table[:2, SUMSQ] = torch.tensor([norms["dense"], norms["expert"]], dtype=torch.float64)**2
-        action = remedies.decide(table, 1.0, lambda norm: max((norm + 1e-6) / clip, 1.0))
+        action = remedies.decide(reduced_table([norms["dense"], norms["expert"]]), 1.0,
+                                 lambda norm: max((norm + 1e-6) / clip, 1.0))
         coefficient = 1.0 if action.factors is not None else min(1.0, clip / (action.global_norm + 1e-6))
         remedies.applied(coefficient)
         if action.factors is not None:
@@ -485,18 +492,14 @@ def test_a_bucket_without_a_norm_in_the_warm_up_is_clipped_globally_until_it_has
 def test_parameters_group_by_leaves_out_have_an_average_of_their_own():
     """``group_by`` matching part of the parameters: the unreported row is a bucket of the remedies (one factor per
     table row, so every span has one), and counts in the global norm."""
-    import torch
-
     from deepspeed_patch.config import load_config
     from deepspeed_patch.remedies import UNMATCHED, Remedies
-    from deepspeed_patch.statistics import NUM_COLUMNS, SUMSQ
 
     block = {"enabled": True, "adaptive_clipping": {"enabled": True, "warmup_steps": 1}}
     config = load_config({"layer_grad_norms": block})
     remedies = Remedies(config, ["0", "1"], num_rows=3)
     assert remedies.adaptive.keys == ["0", "1", UNMATCHED]
-    table = torch.zeros(4, NUM_COLUMNS, dtype=torch.float64)
-    table[:3, SUMSQ] = torch.tensor([1.0, 4.0, 4.0], dtype=torch.float64)
+    table = reduced_table([1.0, 2.0, 2.0])
     action = remedies.decide(table, 1.0, lambda norm: 1.0)
     assert action.global_norm == 3.0
     remedies.applied(1.0)

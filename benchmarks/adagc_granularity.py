@@ -5,10 +5,10 @@ one AdaGC's defaults, factor 1.05 and beta 0.98, were tuned for), measured on a 
 
 The demo's tiny Pre-LN GPT (4 layers, hidden 64) in plain PyTorch with AdamW (lr 1e-3) on the demo's synthetic
 batches, once per granularity, from the same weights on the same batches; each step's gradient is clipped by
-``deepspeed_patch.adaptive_clipping.AdaptiveClipping`` (the package's own rule, fed the step's per-bucket norms;
-global clipping at 1.0 in the warm-up) before AdamW. At ``--outlier-step`` one tensor's gradient is multiplied by
-``OUTLIER`` (a gradient outlier: one bad batch's gradient in one tensor), once a small tensor (a layer norm's weight)
-and once a large one (the MLP's first weight), each in its own run. Measured per granularity:
+``deepspeed_patch.remedies.adaptive_clipping.AdaptiveClipping`` (the package's own rule, fed the step's per-bucket
+norms; global clipping at 1.0 in the warm-up) before AdamW. At ``--outlier-step`` one tensor's gradient is
+multiplied by ``OUTLIER`` (a gradient outlier: one bad batch's gradient in one tensor), once a small tensor (a layer
+norm's weight) and once a large one (the MLP's first weight), each in its own run. Measured per granularity:
 
 - how much of the outlier got through: the tensor's clipped gradient norm at the outlier step over its norm the
   step before (``OUTLIER`` where nothing is clipped, about ``factor`` = 1.05 where AdaGC holds it at its average);
@@ -30,8 +30,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from deepspeed_patch.adaptive_clipping import AdaptiveClipping  # noqa: E402
 from deepspeed_patch.config import AdaptiveClippingConfig  # noqa: E402
+from deepspeed_patch.remedies.adaptive_clipping import AdaptiveClipping  # noqa: E402
 from megatron_integration.tiny_gpt import TinyGPT, TinyGPTConfig, synthetic_batch  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")

@@ -25,7 +25,7 @@ PARTS = ("accumulate_partition", "reduce_stats", "host_copy", "step_result")
 
 def _timed_parts(spent: Dict[str, float]) -> None:
     """Wrap ``PARTS`` where ``measurement`` calls them, adding their seconds to ``spent``."""
-    from deepspeed_patch import measurement
+    from deepspeed_patch.statistics import measurement
 
     for name in PARTS:
         original = getattr(measurement, name)

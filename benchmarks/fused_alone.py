@@ -27,9 +27,9 @@ import torch
 from common import RESULTS, interleaved, machine, ratio_of, times, write_results
 from stats_alone import equal_runs
 
-from deepspeed_patch.partition_slices import slices_of_spans
-from deepspeed_patch.partition_stats import accumulate_partition, accumulate_spans, chunk_partition
-from deepspeed_patch.statistics import NUM_SUMMED, empty_stats
+from deepspeed_patch.statistics.partition_slices import slices_of_spans
+from deepspeed_patch.statistics.partition_stats import accumulate_partition, accumulate_spans, chunk_partition
+from deepspeed_patch.statistics.statistics import NUM_SUMMED, empty_stats
 
 PARAMS_PER_BUCKET = 16
 FEW_BUCKETS = 224  # below this many buckets, each bucket holds PARAMS_PER_BUCKET parameters

@@ -10,8 +10,13 @@ from typing import List
 
 import torch
 
-from deepspeed_patch.layer_map import build_layer_map
-from deepspeed_patch.partition_slices import PartitionSlices, back_to_back_ranges, partition_spans, slices_of_spans
+from deepspeed_patch.statistics.layer_map import build_layer_map
+from deepspeed_patch.statistics.partition_slices import (
+    PartitionSlices,
+    back_to_back_ranges,
+    partition_spans,
+    slices_of_spans,
+)
 from megatron_integration.tiny_gpt import TinyGPT, TinyGPTConfig
 
 

@@ -19,8 +19,8 @@ import torch
 from common import machine, mib
 from layout import tiny_gpt_partition
 
-from deepspeed_patch.partition_stats import HOST_PIECE, accumulate_spans
-from deepspeed_patch.statistics import NUM_SUMMED, bucket_results, empty_stats
+from deepspeed_patch.statistics.partition_stats import HOST_PIECE, accumulate_spans
+from deepspeed_patch.statistics.statistics import NUM_SUMMED, bucket_results, empty_stats
 
 
 def peak_allocated(fn: Callable[[], object]) -> Dict[str, int]:

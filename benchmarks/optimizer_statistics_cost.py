@@ -28,7 +28,7 @@ BLOCKS = {"gradient": {"enabled": True, "interval": 2},
 
 def time_optimizer_read() -> List[float]:
     """Wrap ``OptimizerStatistics.accumulate`` to add up its seconds into the returned one-element list."""
-    from deepspeed_patch.optimizer_stats import OptimizerStatistics
+    from deepspeed_patch.optimizer_state.optimizer_stats import OptimizerStatistics
 
     spent = [0.0]
     original = OptimizerStatistics.accumulate

@@ -3,7 +3,7 @@
 A measured step reduces one ``(buckets + 1, 9)`` float64 table per rank (the status row included):
 ``T = (buckets + 1) * 72`` bytes. Before: one all-gather of every rank's table, combined locally
 (``old``). Now: one SUM all-reduce of the 6 summed columns and one MAX all-reduce of the other 3
-(``new``, ``deepspeed_patch.reduction``). Per rank and measured step, with ``W`` ranks:
+(``new``, ``deepspeed_patch.statistics.reduction``). Per rank and measured step, with ``W`` ranks:
 
 | | latency | bytes received |
 | --- | --- | --- |
@@ -125,8 +125,8 @@ def measure_rank(buckets_list: Tuple[int, ...], repeats: int) -> Dict:
     import torch
     from deepspeed import comm as dist
 
-    from deepspeed_patch import reduction
-    from deepspeed_patch.statistics import NUM_SUMMED
+    from deepspeed_patch.statistics import reduction
+    from deepspeed_patch.statistics.statistics import NUM_SUMMED
 
     def old(stats: torch.Tensor) -> torch.Tensor:
         gathered = [torch.empty_like(stats) for _ in range(dist.get_world_size())]

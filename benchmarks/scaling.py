@@ -18,8 +18,8 @@ import torch
 from common import CollectiveCounter, interleaved, machine, ratio_of, times
 from layout import gpt_config, tiny_gpt_partition
 
-from deepspeed_patch.partition_stats import accumulate_spans
-from deepspeed_patch.statistics import empty_stats
+from deepspeed_patch.statistics.partition_stats import accumulate_spans
+from deepspeed_patch.statistics.statistics import empty_stats
 
 LAYER_COUNTS = (4, 8, 16, 32, 64, 96)
 SCALING_HIDDEN = 128

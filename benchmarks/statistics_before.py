@@ -1,6 +1,6 @@
 """``accumulate_spans`` as it was before the issue-6 optimisation, kept to time it against the current one in one run.
 
-Same results as ``deepspeed_patch.partition_stats.accumulate_spans`` up to float rounding: one
+Same results as ``deepspeed_patch.statistics.partition_stats.accumulate_spans`` up to float rounding: one
 ``_foreach_norm`` over whole runs, one ``aminmax`` per run, and ``|x|`` taken in freshly allocated
 chunks of 4M elements for abs_min.
 """
@@ -9,7 +9,7 @@ from typing import Collection, Sequence
 
 import torch
 
-from deepspeed_patch.statistics import (
+from deepspeed_patch.statistics.statistics import (
     L1,
     MAX,
     NEG_ABS_MIN,

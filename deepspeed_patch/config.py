@@ -16,8 +16,8 @@ from typing import Any, List, Optional, Tuple, Union
 from pydantic import ConfigDict, Field, StrictBool, ValidationError, field_validator, model_validator
 
 from .capabilities import DeepSpeedConfigModel
-from .process_rank import rank_of_process
-from .tags import OPTIMIZER_KINDS
+from .outputs.process_rank import rank_of_process
+from .outputs.tags import OPTIMIZER_KINDS
 
 logger = logging.getLogger(__name__)
 

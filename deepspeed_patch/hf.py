@@ -31,11 +31,11 @@ from transformers import TrainerCallback
 from transformers.trainer_callback import CallbackHandler
 from transformers.trainer_utils import IntervalStrategy
 
-from .clipping import torch_clip_divisor
 from .config import CONFIG_KEY
-from .hf_readers import LogStep, TrainerLogs, guard_readers
-from .publish import Consumer
-from .tags import LOGGED_STATISTICS, WRITTEN_PHASES, flat_scalars
+from .outputs.hf_readers import LogStep, TrainerLogs, guard_readers
+from .outputs.publish import Consumer
+from .outputs.tags import LOGGED_STATISTICS, WRITTEN_PHASES, flat_scalars
+from .statistics.clipping import torch_clip_divisor
 
 __all__ = ["LayerGradNormsCallback"]
 

@@ -18,9 +18,9 @@ from torch import nn
 from .adapters.base import Setup
 from .adapters.param_grads import ParamGradAdapter
 from .config import CONFIG_KEY, LayerGradNormsConfigError, load_config
-from .layer_map import build_layer_map
-from .measurement import Measurement
-from .reduction import REPLICATED
+from .statistics.layer_map import build_layer_map
+from .statistics.measurement import Measurement
+from .statistics.reduction import REPLICATED
 
 REFUSED = {
     "trigger": "needs DeepSpeed's ZeRO-1/2, BF16 or fp16 optimizer, which report the global norm",

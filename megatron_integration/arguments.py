@@ -17,7 +17,7 @@ from pydantic import ValidationError
 
 import deepspeed_patch
 from deepspeed_patch.config import CONFIG_KEY, AdaptiveClippingConfig, SkipStepConfig, parse_layer_spec
-from deepspeed_patch.tags import OPTIMIZER_KINDS
+from deepspeed_patch.outputs.tags import OPTIMIZER_KINDS
 
 logger = logging.getLogger(__name__)
 

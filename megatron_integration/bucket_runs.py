@@ -16,8 +16,8 @@ import weakref
 from dataclasses import replace
 from typing import Dict, Hashable, List, Optional
 
-from deepspeed_patch.publish import Consumer, Reader
-from deepspeed_patch.tags import (
+from deepspeed_patch.outputs.publish import Consumer, Reader
+from deepspeed_patch.outputs.tags import (
     HISTORY_ROOT,
     WRITTEN_PHASES,
     history_root,

@@ -24,8 +24,8 @@ from .cpu_launch import quiet_cpu_fallback_notice
 quiet_cpu_fallback_notice()
 with contextlib.redirect_stdout(sys.stderr):
     from deepspeed_patch.config import LayerGradNormsConfigError, parse_layer_spec
-    from deepspeed_patch.layer_map import resolve_layers
-    from deepspeed_patch.spike_rule import WARM_UP
+    from deepspeed_patch.spikes.spike_rule import WARM_UP
+    from deepspeed_patch.statistics.layer_map import resolve_layers
     from deepspeed_patch.upstream.apply import COMMANDS, run_patch_command
 
     from .arguments import LAYER_FLAG_FORMS, layer_selection, positive_int

@@ -35,7 +35,7 @@ from torch import nn
 from tqdm import tqdm
 
 from deepspeed_patch.config import CONFIG_KEY
-from deepspeed_patch.tags import OPTIMIZER_KINDS
+from deepspeed_patch.outputs.tags import OPTIMIZER_KINDS
 
 from .arguments import DEFAULT_LAYERS, layer_grad_norms_ds_config
 from .cpu_launch import launch

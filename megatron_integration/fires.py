@@ -2,7 +2,7 @@
 
 A fire of the trigger with a flight recorder (``trigger.history: K``) leaves every layer's statistics of the
 K steps up to the fire: in the JSONL dump, lines marked ``"history": true`` carrying the trigger's record;
-in TensorBoard, the runs ``layer-grad-norms-history/fire-000123/layer00`` (``deepspeed_patch.tags``). A signal
+in TensorBoard, the runs ``layer-grad-norms-history/fire-000123/layer00`` (``deepspeed_patch.outputs.tags``). A signal
 is a phase of the logs (``tags.ALL_PHASES``): the gradient's ``pre_clip`` and ``post_clip``, and, with
 ``optimizer_statistics``, the optimizer's kinds (``update``, ``exp_avg``, ...) and the update-to-weight ratio
 (logged in TensorBoard, derived from ``update`` and ``param`` in the dump). Only the norms are read: they are
@@ -11,14 +11,14 @@ final norm, the output head, by their names) are read beside the layers (``Fire.
 
 Each fire also gets what the log holds of every signal before its recorded window, the level ``spike`` judges it
 against: the recorder's blocks of steps that left the ring (the dump's first recorded line of the fire carries
-them under ``"before"``, ``deepspeed_patch.recorder``), and the steps measured at the configured interval before
+them under ``"before"``, ``deepspeed_patch.spikes.recorder``), and the steps measured at the configured interval before
 the window (the live lines of the dump, the live runs of TensorBoard).
 """
 
 from dataclasses import dataclass, field
 from typing import Dict, Hashable, List, Optional, Tuple
 
-from deepspeed_patch.tags import (
+from deepspeed_patch.outputs.tags import (
     ALL_PHASES,
     HISTORY_ROOT,
     HISTORY_RUN,
@@ -50,7 +50,7 @@ class Fire:
     reason: Optional[str] = None
     series: Dict[str, Dict[LayerId, Points]] = field(default_factory=dict)
     blocks: Dict[str, Dict[LayerId, List[Block]]] = field(default_factory=dict)
-    """Each signal's recorder blocks before the window (``deepspeed_patch.recorder``), oldest first."""
+    """Each signal's recorder blocks before the window (``deepspeed_patch.spikes.recorder``), oldest first."""
     interval: Dict[str, Dict[LayerId, Points]] = field(default_factory=dict)
     """Each signal's steps measured at the configured interval before the window, in step order."""
     outside: Dict[str, Dict[str, Points]] = field(default_factory=dict)

@@ -27,7 +27,7 @@ import os
 import re
 from typing import Dict, Iterator, List, Optional, Tuple
 
-from deepspeed_patch.tags import ALL_PHASES, SKIPPED_TAG, TAG_ROOT, WRITTEN_PHASES, phase_label, scalar_tag
+from deepspeed_patch.outputs.tags import ALL_PHASES, SKIPPED_TAG, TAG_ROOT, WRITTEN_PHASES, phase_label, scalar_tag
 
 Points = List[Tuple[int, float]]
 Series = Tuple[str, str, Points]

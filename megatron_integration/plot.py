@@ -19,7 +19,7 @@ import math
 import textwrap
 from typing import Dict, Iterable, List, Optional
 
-from deepspeed_patch.tags import UPDATE_TO_WEIGHT, LayerId, layer_position
+from deepspeed_patch.outputs.tags import UPDATE_TO_WEIGHT, LayerId, layer_position
 
 from .fires import Fire, read_fires
 from .remedy_report import RemedyLog, draw_factors, draw_skipped, read_remedies

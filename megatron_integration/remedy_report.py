@@ -2,10 +2,10 @@
 the buckets whose ``adaptive_clipping`` factor fell below 1 (how often, how low); ``report``'s remedy section, and
 what ``plot`` draws of them.
 
-The logs carry them as the writers write them (``deepspeed_patch.tags``): the JSONL dump's lines hold ``skipped``,
-``skip_reason`` and ``adaptive_clip`` (``{bucket: factor}``, ``None`` in the warm-up); TensorBoard, DeepSpeed's
-monitors (its CSV files too) and the Trainer's ``log_history`` hold the factors as the phase ``adaptive-clip``
-(each bucket's factor as its "norm", in the bucket's run or with the bucket ending the tag) and
+The logs carry them as the writers write them (``deepspeed_patch.outputs.tags``): the JSONL dump's lines hold
+``skipped``, ``skip_reason`` and ``adaptive_clip`` (``{bucket: factor}``, ``None`` in the warm-up); TensorBoard,
+DeepSpeed's monitors (its CSV files too) and the Trainer's ``log_history`` hold the factors as the phase
+``adaptive-clip`` (each bucket's factor as its "norm", in the bucket's run or with the bucket ending the tag) and
 ``layer-grad-norms/skipped-step`` (1 skipped, 0 applied), without the reason, which only the dump keeps. The dump's
 recorded steps (``"history": true``, a fire's copies of steps logged before) are left out: the live lines say what
 the remedies did.
@@ -17,7 +17,7 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Dict, Iterable, List, Optional, Tuple
 
-from deepspeed_patch.tags import ADAPTIVE_CLIP, SKIPPED, SKIPPED_TAG, TAG_ROOT, bucket_label, phase_label
+from deepspeed_patch.outputs.tags import ADAPTIVE_CLIP, SKIPPED, SKIPPED_TAG, TAG_ROOT, bucket_label, phase_label
 
 from .log_sources import dump_records, is_dump, scalar_series
 from .tensorboard_reader import BUCKET_RUN, json_bucket, latest_per_step

@@ -11,7 +11,7 @@ import math
 import statistics
 from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
-from deepspeed_patch.tags import LayerId, layer_position
+from deepspeed_patch.outputs.tags import LayerId, layer_position
 
 from .remedy_report import format_remedies, read_remedies, remedy_section
 from .spike import format_spikes, spike_summaries, wrapped

@@ -3,7 +3,7 @@
 A fire's recorded steps (``fires.read_fires``) hold every bucket's pre-clip gradient norm (the layers, and those
 outside them by their names), and, with ``optimizer_statistics``, its update, update-to-weight ratio and Adam
 moments; the log may hold more of each signal from before the recorded window: the recorder's blocks
-(``deepspeed_patch.recorder``) and the steps measured at the configured interval.
+(``deepspeed_patch.spikes.recorder``) and the steps measured at the configured interval.
 
 Each signal of each bucket is judged against its level just before a step (``judge``), not against the window's
 own median, which a cause that began before the window raises with the rest: a learning rate set too high and held
@@ -35,7 +35,7 @@ import textwrap
 from dataclasses import dataclass, replace
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from deepspeed_patch.tags import UPDATE_TO_WEIGHT, is_layer, layer_position
+from deepspeed_patch.outputs.tags import UPDATE_TO_WEIGHT, is_layer, layer_position
 
 from .fires import Fire, read_fires
 from .tensorboard_reader import Points, layer_title

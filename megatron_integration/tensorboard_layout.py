@@ -3,7 +3,7 @@
 One run per layer (``layer-grad-norms/layer00``, ``layer-grad-norms/encoder.layer00`` in a model of several
 layer stacks), each holding one tag per phase and statistic (``layer-grad-norms/pre-clip``,
 ``layer-grad-norms/update``), so that TensorBoard draws one card per statistic with one coloured, named line
-per layer. The names themselves are in ``deepspeed_patch.tags``.
+per layer. The names themselves are in ``deepspeed_patch.outputs.tags``.
 """
 
 import re
@@ -11,7 +11,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Dict, Hashable, Iterable, List, Optional, Tuple
 
-from deepspeed_patch.tags import (
+from deepspeed_patch.outputs.tags import (
     LOGGED_PHASES,
     OUTSIDE_LAYERS_ROOT,
     TAG_ROOT,

@@ -1,7 +1,7 @@
 """Per-layer statistics read back from any log a run leaves (``log_sources``: TensorBoard, DeepSpeed's CSV
 monitor, the Hugging Face Trainer's ``trainer_state.json``, the JSONL post-mortem dump).
 
-The scalars may follow any layout written so far (names in ``deepspeed_patch.tags``), under any prefix a
+The scalars may follow any layout written so far (names in ``deepspeed_patch.outputs.tags``), under any prefix a
 writer adds (``train/``, ``Train/Samples/``):
 
 - one run per bucket, as ``log_layer_grad_norms`` writes now: runs ``layer-grad-norms/layer00``
@@ -32,7 +32,7 @@ fire. The dump's recorded steps (lines marked ``"history": true``) are read here
 steps written before, and the rule above keeps the last written (all buckets, where the live lines held the
 selected ones).
 
-Layers are identified as in the results (``deepspeed_patch.tags``): by ``int`` index in a model of one
+Layers are identified as in the results (``deepspeed_patch.outputs.tags``): by ``int`` index in a model of one
 stack, by ``LayerKey`` (``"encoder.3"``) in a model of several; stacks come in the order they were
 written.
 """
@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 from typing import Dict, Hashable, Iterable, List, Optional, Sequence, Tuple
 
 from deepspeed_patch.config import parse_layer_spec
-from deepspeed_patch.tags import (
+from deepspeed_patch.outputs.tags import (
     ALL_PHASES,
     HISTORY_ROOT,
     HISTORY_RUN,

@@ -5,7 +5,7 @@ result not yet logged (a step on the interval, a step a trigger captured, a step
 measures on an interval of its own) it writes, on the rank that owns the TensorBoard writer, one run per
 layer (``layer-grad-norms/layer00``, beside the writer's own run) holding one scalar per phase
 (pre-/post-clip; the ``optimizer_statistics`` kinds and the update-to-weight ratio where the result holds
-them) and statistic, against the step the result belongs to (names in ``deepspeed_patch.tags``); and it
+them) and statistic, against the step the result belongs to (names in ``deepspeed_patch.outputs.tags``); and it
 returns a compact field for the stdout log line. Otherwise it returns at once: no collective, no work.
 
 When the trigger fires with a flight recorder (``trigger.history``), the recorded steps of every bucket go,
@@ -25,7 +25,7 @@ throughput, memory) against the iteration alone, and these statistics are such d
 import argparse
 from typing import Dict, List
 
-from deepspeed_patch.tags import SKIPPED, is_layer
+from deepspeed_patch.outputs.tags import SKIPPED, is_layer
 
 from .bucket_runs import bucket_runs
 

@@ -14,7 +14,7 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from deepspeed_patch.tags import UPDATE_TO_WEIGHT
+from deepspeed_patch.outputs.tags import UPDATE_TO_WEIGHT
 from megatron_integration.fires import Fire
 from megatron_integration.tiny_gpt import TinyGPT, TinyGPTConfig, synthetic_batch
 
@@ -116,7 +116,7 @@ def _record(series: Series, step: int, signal: str, values: Dict[int, float]) ->
 def fire_of(series: Series, fired_at: int, history: int = 8, before: str = "interval", interval: int = 1) -> Fire:
     """The fire at ``fired_at`` a log of ``series`` would hold: its last ``history`` steps recorded, and before
     them ``before``: ``"interval"``, the steps measured every ``interval``; ``"recorder"``, the recorder's
-    blocks of ``history`` steps (root mean square, ``deepspeed_patch.recorder``), at most 8; ``"none"``."""
+    blocks of ``history`` steps (root mean square, ``deepspeed_patch.spikes.recorder``), at most 8; ``"none"``."""
     start = fired_at - history + 1
     fire = Fire(fired_at, "injected", {signal: {layer: [(step, value) for step, value in points
                                                         if start <= step <= fired_at]

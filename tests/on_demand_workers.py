@@ -47,9 +47,9 @@ def nan_reductions() -> Dict[str, Dict[str, Any]]:
     own MAX all-reduce of ``[NaN, 1]`` against ``[1, NaN]`` (what the coding works around)."""
     from deepspeed import comm as dist
 
-    from deepspeed_patch.partition_stats import accumulate_spans
-    from deepspeed_patch.reduction import reduce_stats
-    from deepspeed_patch.statistics import empty_stats
+    from deepspeed_patch.statistics.partition_stats import accumulate_spans
+    from deepspeed_patch.statistics.reduction import reduce_stats
+    from deepspeed_patch.statistics.statistics import empty_stats
 
     rank, results = dist.get_rank(), {}
     for name, pieces in NAN_CASES.items():
@@ -126,7 +126,7 @@ def agreed_losses() -> Dict[str, float]:
     """``trigger.agreed_loss`` over the real 2-rank gloo group, for each of ``AGREED_LOSSES``."""
     from deepspeed import comm as dist
 
-    from deepspeed_patch.trigger import agreed_loss
+    from deepspeed_patch.spikes.trigger import agreed_loss
 
     return {name: agreed_loss(reports[dist.get_rank()]).item() for name, (reports, _) in AGREED_LOSSES.items()}
 

@@ -55,7 +55,8 @@ def inject_fault(engine, fault: Optional[str]) -> List[Tuple[Any, str, Any]]:
         return []
     from deepspeed import comm as dist
 
-    from deepspeed_patch import measurement, monitor
+    from deepspeed_patch.outputs import monitor
+    from deepspeed_patch.statistics import measurement
 
     adapter, rank = engine.layer_grad_norms, dist.get_rank()
     if fault == "monitor" and rank == 0:

@@ -171,7 +171,7 @@ def failure_on_one_rank(steps: int, report_loss: bool = False, broken: str = "ac
     from deepspeed import comm as dist
 
     engine = initialize(base_config(**{"layer_grad_norms": {"enabled": True}, **overrides}))
-    from deepspeed_patch import measurement
+    from deepspeed_patch.statistics import measurement
 
     kernel = getattr(measurement, broken)
     if dist.get_rank() == dist.get_world_size() - 1:

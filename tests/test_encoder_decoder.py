@@ -10,7 +10,7 @@ from functools import lru_cache
 
 import pytest
 
-from deepspeed_patch.tags import LayerKey
+from deepspeed_patch.outputs.tags import LayerKey
 from encdec_workers import CLIP, run_encoder_decoder
 from megatron_integration.cpu_launch import launch
 from reference import TOLERANCE, assert_clipped_like_torch, assert_close_stats

@@ -20,9 +20,9 @@ from typing import List, Optional, Sequence, Tuple
 import pytest
 import torch
 
-from deepspeed_patch import partition_stats as fused_stats
-from deepspeed_patch.partition_slices import PartitionSlices, partition_spans, slices_of_spans
-from deepspeed_patch.partition_stats import (
+from deepspeed_patch.statistics import partition_stats as fused_stats
+from deepspeed_patch.statistics.partition_slices import PartitionSlices, partition_spans, slices_of_spans
+from deepspeed_patch.statistics.partition_stats import (
     HOST,
     STOCK,
     TRITON,
@@ -30,7 +30,7 @@ from deepspeed_patch.partition_stats import (
     accumulate_spans,
     chunk_partition,
 )
-from deepspeed_patch.statistics import (
+from deepspeed_patch.statistics.statistics import (
     L1,
     MAX,
     NEG_ABS_MIN,
@@ -60,7 +60,7 @@ INTERPRETED = not ON_CUDA
 def triton_unavailable() -> Optional[str]:
     """Why the Triton kernel cannot run in this process, or None."""
     try:
-        importlib.import_module("deepspeed_patch.partition_stats_triton")
+        importlib.import_module("deepspeed_patch.statistics.partition_stats_triton")
     except ImportError as error:
         return f"triton is not installed ({error}); pip install -e '.[test]' installs it on Linux"
     return None
@@ -353,7 +353,7 @@ def test_mismatched_partition_or_table_is_refused():
         accumulate_partition(empty_stats(2, "cpu"), torch.zeros(100), chunking)
     with pytest.raises(ValueError, match="one device"):
         accumulate_partition(empty_stats(3, "meta"), torch.zeros(100), chunking)
-    kernel = importlib.import_module("deepspeed_patch.partition_stats_cpu").host_kernel()
+    kernel = importlib.import_module("deepspeed_patch.statistics.partition_stats_cpu").host_kernel()
     with pytest.raises(RuntimeError, match="outside the partition"):
         kernel(empty_stats(3, "cpu"), torch.zeros(100), torch.tensor([[50, 51, 0]]), 0)
 
@@ -362,10 +362,10 @@ def test_missing_compiler_falls_back_with_one_warning(tmp_path):
     """Without a compiler the host kernel is not built: one warning, then the stock operators' results."""
     script = textwrap.dedent("""
         import torch
-        from deepspeed_patch.partition_stats import STOCK, accumulate_partition, chunk_partition
-        from deepspeed_patch.partition_slices import slices_of_spans
-        from deepspeed_patch.partition_stats import accumulate_spans
-        from deepspeed_patch.statistics import empty_stats
+        from deepspeed_patch.statistics.partition_stats import STOCK, accumulate_partition, chunk_partition
+        from deepspeed_patch.statistics.partition_slices import slices_of_spans
+        from deepspeed_patch.statistics.partition_stats import accumulate_spans
+        from deepspeed_patch.statistics.statistics import empty_stats
         flat = torch.randn(1000)
         slices = slices_of_spans([(0, 600, 0), (600, 400, 1)])
         chunkings = [chunk_partition(slices, "cpu") for _ in range(2)]
@@ -390,7 +390,7 @@ def test_a_stale_build_lock_falls_back_instead_of_waiting(tmp_path):
     script = textwrap.dedent("""
         import os, time
         from torch.utils import cpp_extension
-        from deepspeed_patch import partition_stats_cpu
+        from deepspeed_patch.statistics import partition_stats_cpu
         lock = os.path.join(cpp_extension._get_build_directory(partition_stats_cpu.extension_name(), False), "lock")
         open(lock, "w").close()
         os.utime(lock, (time.time() - 3600, time.time() - 3600))
@@ -418,7 +418,7 @@ def warnings_logged(caplog, monkeypatch):
 
 def test_host_kernel_builds_once_per_process(warnings_logged):
     """The build is cached: a second request returns the same op without logging anything."""
-    module = importlib.import_module("deepspeed_patch.partition_stats_cpu")
+    module = importlib.import_module("deepspeed_patch.statistics.partition_stats_cpu")
     first = module.host_kernel()
     assert module.host_kernel() is first is not None
     assert not warnings_logged()
@@ -432,7 +432,7 @@ def test_triton_probe(monkeypatch, warnings_logged):
     probe = fused_stats._triton_runs
     monkeypatch.setattr(fused_stats, "_triton_runs", functools.lru_cache(maxsize=None)(probe.__wrapped__))
     assert fused_stats._triton_runs(torch.device(TRITON_DEVICE))
-    monkeypatch.setitem(sys.modules, "deepspeed_patch.partition_stats_triton", None)  # import fails
+    monkeypatch.setitem(sys.modules, "deepspeed_patch.statistics.partition_stats_triton", None)  # import fails
     fused_stats._triton_runs.cache_clear()
     assert not fused_stats._triton_runs(torch.device(TRITON_DEVICE))
     assert not fused_stats._triton_runs(torch.device(TRITON_DEVICE))
@@ -441,7 +441,7 @@ def test_triton_probe(monkeypatch, warnings_logged):
 
 def test_the_host_kernel_s_build_is_announced_at_warning_and_only_when_not_cached(tmp_path, warnings_logged):
     """DeepSpeed's logger shows WARNING and above by default: an INFO line before a build would be unseen."""
-    module = importlib.import_module("deepspeed_patch.partition_stats_cpu")
+    module = importlib.import_module("deepspeed_patch.statistics.partition_stats_cpu")
     module._announce_build(str(tmp_path))
     (announced, ) = warnings_logged()
     assert "building the fused statistics kernel for the host" in announced

@@ -19,7 +19,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
 from deepspeed_patch.hf import LayerGradNormsCallback  # noqa: E402
-from deepspeed_patch.tags import flat_scalars, scalar_tag  # noqa: E402
+from deepspeed_patch.outputs.tags import flat_scalars, scalar_tag  # noqa: E402
 from hf_workers import FAULTY_STEP, MAX_GRAD_NORM, STEPS, run, run_deepspeed_cases  # noqa: E402
 from megatron_integration.cpu_launch import launch  # noqa: E402
 
@@ -217,7 +217,7 @@ def test_the_console_line_is_the_trainers_own_by_default():
 
 def test_the_console_prints_a_summary_of_the_values_when_asked():
     """One short entry, the largest and the smallest bucket's pre-clip norm; every value in the logs."""
-    from deepspeed_patch.hf_readers import SUMMARY_KEY
+    from deepspeed_patch.outputs.hf_readers import SUMMARY_KEY
 
     record = plain_variant("console")
     checked = 0

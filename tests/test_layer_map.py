@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from deepspeed_patch.config import LayerGradNormsConfigError, parse_layer_spec
-from deepspeed_patch.layer_map import Stack, build_layer_map, build_pipeline_layer_map, stack_labels
-from deepspeed_patch.tags import LayerKey, bucket_label, layer_of_label
+from deepspeed_patch.outputs.tags import LayerKey, bucket_label, layer_of_label
+from deepspeed_patch.statistics.layer_map import Stack, build_layer_map, build_pipeline_layer_map, stack_labels
 
 
 def layer_map_of(names, frozen=(), **options):

@@ -8,11 +8,11 @@ import pytest
 import torch
 
 from deepspeed_patch.config import LayerGradNormsConfig
-from deepspeed_patch.layer_map import build_layer_map
-from deepspeed_patch.measurement import Measurement
-from deepspeed_patch.partition_slices import slices_of_spans
 from deepspeed_patch.plain import LayerGradNorms
-from deepspeed_patch.reduction import REPLICATED
+from deepspeed_patch.statistics.layer_map import build_layer_map
+from deepspeed_patch.statistics.measurement import Measurement
+from deepspeed_patch.statistics.partition_slices import slices_of_spans
+from deepspeed_patch.statistics.reduction import REPLICATED
 from megatron_integration.tiny_gpt import TinyGPT, TinyGPTConfig, synthetic_batch
 
 
@@ -47,7 +47,7 @@ def test_a_failure_after_the_reduction_leaves_no_stale_result_and_switches_off_a
     torch.manual_seed(0)
     model = TinyGPT(TinyGPTConfig())
     norms = LayerGradNorms(model)
-    from deepspeed_patch import measurement
+    from deepspeed_patch.statistics import measurement
 
     original, calls = measurement.step_result, []
 
@@ -108,7 +108,7 @@ def test_step_schedule_numbers_steps_from_the_engine_count():
     named = list(model.named_parameters())
     layer_map = build_layer_map(named, [name for name, _ in named])
     completed = [41]
-    from deepspeed_patch.steps import StepSchedule
+    from deepspeed_patch.statistics.steps import StepSchedule
 
     schedule = StepSchedule(LayerGradNormsConfig(enabled=True, interval=2), layer_map, lambda: completed[0])
     assert schedule.next_step() is True and schedule.step == 42
@@ -118,10 +118,10 @@ def test_step_schedule_numbers_steps_from_the_engine_count():
 
 PEAK_MEMORY_SCRIPT = textwrap.dedent("""
     import resource, torch
-    from deepspeed_patch.measurement import Measurement
+    from deepspeed_patch.statistics.measurement import Measurement
     from deepspeed_patch.adapters.optimizer import observe_chunks
-    from deepspeed_patch.partition_slices import slices_of_spans
-    from deepspeed_patch.partition_stats import STOCK, chunk_partition
+    from deepspeed_patch.statistics.partition_slices import slices_of_spans
+    from deepspeed_patch.statistics.partition_stats import STOCK, chunk_partition
 
     sizes = [12_000_000, 20_000_000, 18_000_000]  # a 50M-element fp16 partition, as per-parameter pieces
     chunks = [torch.full((size,), 0.5, dtype=torch.float16) for size in sizes]

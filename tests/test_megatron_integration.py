@@ -17,7 +17,7 @@ from typing import Dict, List, Tuple
 import pytest
 
 from deepspeed_patch.config import load_config
-from deepspeed_patch.tags import OPTIMIZER_KINDS, LayerKey
+from deepspeed_patch.outputs.tags import OPTIMIZER_KINDS, LayerKey
 from megatron_integration import layer_grad_norms_ds_config
 from megatron_integration.cpu_launch import launch
 from megatron_integration.tensorboard_layout import custom_scalars_layout, placements

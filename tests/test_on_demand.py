@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from deepspeed_patch.config import LayerGradNormsConfigError, load_config
-from deepspeed_patch.jsonl_dump import JsonlDump
-from deepspeed_patch.spike_rule import SpikeTrigger
+from deepspeed_patch.outputs.jsonl_dump import JsonlDump
+from deepspeed_patch.spikes.spike_rule import SpikeTrigger
 from megatron_integration.cpu_launch import launch
 from on_demand_workers import AGREED_LOSSES, NAN_CASES, OWN_LOSS_SPIKE, run_on_demand
 
@@ -98,7 +98,7 @@ def test_trigger_ignores_ordinary_steps():
 
 def test_trigger_after_a_resume_fires_on_overflow_at_once_and_on_a_spike_after_its_warm_up():
     """A resumed run's trigger starts with an empty window (step 101 after a checkpoint at 100)."""
-    from deepspeed_patch.spike_rule import WARM_UP
+    from deepspeed_patch.spikes.spike_rule import WARM_UP
 
     assert SpikeTrigger(3.0, 50, 4, on_overflow=True).update(101, None, True)["fired_at"] == 101
     trigger = SpikeTrigger(factor=3.0, window=50, capture_steps=4, on_overflow=True)
@@ -119,7 +119,7 @@ def test_dump_rotates(tmp_path):
 def test_dump_survives_a_killed_process_up_to_its_last_full_line(tmp_path):
     path = tmp_path / "killed.jsonl"
     writer = subprocess.Popen([sys.executable, "-c", (
-        "import sys\nfrom deepspeed_patch.jsonl_dump import JsonlDump\n"
+        "import sys\nfrom deepspeed_patch.outputs.jsonl_dump import JsonlDump\n"
         f"dump = JsonlDump({str(path)!r}, max_bytes=10**9, backups=0)\n"
         "step = 0\nwhile True:\n    dump.write({'step': step, 'pad': 'x' * 1000}); step += 1\n")])
     deadline = time.time() + 60
@@ -140,7 +140,7 @@ def one_rank_extrema(gradient: torch.Tensor) -> Dict[str, float]:
 
 
 def test_nan_and_inf_reduce_over_gloo_as_on_one_rank_whichever_rank_holds_them(runs):
-    from deepspeed_patch.statistics import bucket_results
+    from deepspeed_patch.statistics.statistics import bucket_results
 
     _, ranks = runs
     assert repr(ranks[0]["nan"]["reduced"]) == repr(ranks[1]["nan"]["reduced"])
@@ -216,7 +216,7 @@ def test_a_trigger_on_the_loss_alone_never_reads_the_global_norm():
     """``grad_norm_factor: null`` with a ``loss_factor`` and a host loss: the trigger reads nothing from the
     device (the norm is never converted), and a loss spike still fires."""
     from deepspeed_patch.config import TriggerConfig
-    from deepspeed_patch.trigger import TriggerState
+    from deepspeed_patch.spikes.trigger import TriggerState
 
     class Unreadable:
 

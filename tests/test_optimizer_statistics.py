@@ -206,7 +206,7 @@ def test_kinds_are_validated_naming_key_and_value():
 def test_update_rule_reconstructs_torch_adam_steps():
     """The update derived from the weights and moments after a torch Adam / AdamW step, against the step's own
     after minus before, on one tensor (with and without bias correction's effect of a later step)."""
-    from deepspeed_patch.adam_rule import adam_rule
+    from deepspeed_patch.optimizer_state.adam_rule import adam_rule
 
     checked = 0
     for optimizer_class, decay in ((torch.optim.Adam, 0.1), (torch.optim.AdamW, 0.1), (torch.optim.AdamW, 0.0)):
@@ -232,10 +232,10 @@ def test_the_update_in_small_windows_matches_the_step():
     """A flat fp32 partition stepped by AdamW, read with windows far smaller than its spans and cutting them:
     each bucket's update, weights and moments against plain torch on the actual after minus before. The lr
     changes between the step and the read, as the engine's lr scheduler changes it: the step's lr counts."""
-    from deepspeed_patch.optimizer_stats import OptimizerStatistics
-    from deepspeed_patch.partition_slices import slices_of_spans
-    from deepspeed_patch.partition_stats import STOCK, chunk_partition
-    from deepspeed_patch.statistics import SUMSQ, empty_stats
+    from deepspeed_patch.optimizer_state.optimizer_stats import OptimizerStatistics
+    from deepspeed_patch.statistics.partition_slices import slices_of_spans
+    from deepspeed_patch.statistics.partition_stats import STOCK, chunk_partition
+    from deepspeed_patch.statistics.statistics import SUMSQ, empty_stats
 
     torch.manual_seed(0)
     flat = torch.nn.Parameter(torch.randn(1000))
@@ -283,10 +283,10 @@ def test_each_kernel_reads_every_kind_as_a_float64_reference(kinds):
     decoupled decay cancels). For AdamW, Adam with L2 and FusedAdam without bias correction."""
     from deepspeed.ops.adam import FusedAdam
 
-    from deepspeed_patch.optimizer_stats import OptimizerStatistics
-    from deepspeed_patch.partition_slices import slices_of_spans
-    from deepspeed_patch.partition_stats import HOST, STOCK, chunk_partition
-    from deepspeed_patch.statistics import bucket_results, empty_stats
+    from deepspeed_patch.optimizer_state.optimizer_stats import OptimizerStatistics
+    from deepspeed_patch.statistics.partition_slices import slices_of_spans
+    from deepspeed_patch.statistics.partition_stats import HOST, STOCK, chunk_partition
+    from deepspeed_patch.statistics.statistics import bucket_results, empty_stats
     from reference import bucket_stats
 
     spans = [(0, 3000, 1), (3010, 200, 0), (3210, 70000, 2)]  # longer than a chunk, and a gap
@@ -339,10 +339,10 @@ def test_each_kernel_reads_every_kind_as_a_float64_reference(kinds):
 def test_before_the_first_step_the_moments_and_update_are_zero():
     """A step the loss scaler skips before the optimizer ever stepped (fp16's first steps): no state yet, so
     zero moments and a zero update, over every element of each bucket; the weights as they are."""
-    from deepspeed_patch.optimizer_stats import OptimizerStatistics
-    from deepspeed_patch.partition_slices import slices_of_spans
-    from deepspeed_patch.partition_stats import STOCK, chunk_partition
-    from deepspeed_patch.statistics import MAX, NEG_ABS_MIN, NUMEL, SUMSQ, empty_stats
+    from deepspeed_patch.optimizer_state.optimizer_stats import OptimizerStatistics
+    from deepspeed_patch.statistics.partition_slices import slices_of_spans
+    from deepspeed_patch.statistics.partition_stats import STOCK, chunk_partition
+    from deepspeed_patch.statistics.statistics import MAX, NEG_ABS_MIN, NUMEL, SUMSQ, empty_stats
 
     torch.manual_seed(0)
     flat = torch.nn.Parameter(torch.randn(100))

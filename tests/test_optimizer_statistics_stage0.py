@@ -98,8 +98,8 @@ def test_parameter_statistics_read_each_parameter_and_its_state():
     after minus before, per parameter."""
     from deepspeed.ops.adam import FusedAdam
 
-    from deepspeed_patch.optimizer_stats import parameter_statistics
-    from deepspeed_patch.statistics import SUMSQ, empty_stats
+    from deepspeed_patch.optimizer_state.optimizer_stats import parameter_statistics
+    from deepspeed_patch.statistics.statistics import SUMSQ, empty_stats
 
     checked = 0
     for make in (lambda groups: torch.optim.AdamW(groups, lr=1e-2, weight_decay=0.1),

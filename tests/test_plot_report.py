@@ -15,8 +15,8 @@ from typing import Dict, Hashable, Iterable, List, Tuple
 import pytest
 from torch.utils.tensorboard import SummaryWriter
 
-from deepspeed_patch.jsonl_dump import JsonlDump
-from deepspeed_patch.tags import LayerKey, bucket_label, flat_scalars, phase_label, scalar_tag
+from deepspeed_patch.outputs.jsonl_dump import JsonlDump
+from deepspeed_patch.outputs.tags import LayerKey, bucket_label, flat_scalars, phase_label, scalar_tag
 from megatron_integration.cli import main
 from megatron_integration.plot import plot_layer_norms
 from megatron_integration.tensorboard_reader import LayerSeries, NoLayerDataError, latest_per_step, read_layer_series
@@ -183,7 +183,7 @@ def rolled_back_runs() -> Tuple[List[Dict], List[Dict]]:
 def test_a_rolled_back_run_is_read_one_value_per_step_the_later_one(tmp_path, capsys, source):
     """Steps written twice (a resume or a rollback into the same dump or log directory, the demo run twice)
     count once, with the value written last, in the series, the report and the figure."""
-    from deepspeed_patch.jsonl_dump import JsonlDump
+    from deepspeed_patch.outputs.jsonl_dump import JsonlDump
 
     first, second = rolled_back_runs()
     path = str(tmp_path / "dump.jsonl") if source == "dump" else str(tmp_path / "tensorboard")

@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from deepspeed_patch.config import LayerGradNormsConfigError, load_config
-from deepspeed_patch.recorder import BEFORE_BLOCKS
-from deepspeed_patch.reduction import COLLECTIVES_PER_STEP
-from deepspeed_patch.spike_rule import SpikeTrigger
+from deepspeed_patch.spikes.recorder import BEFORE_BLOCKS
+from deepspeed_patch.spikes.spike_rule import SpikeTrigger
+from deepspeed_patch.statistics.reduction import COLLECTIVES_PER_STEP
 from megatron_integration.cpu_launch import launch
 from recorder_workers import FAULTY_STEP, FULL_DISK, HISTORY, OVERFLOW_IN_BLOCK, run_recorder
 from reference import TOLERANCE, assert_close_stats
@@ -355,7 +355,7 @@ def test_a_failure_on_a_record_only_step_switches_off_every_rank_at_the_fire_log
 
 
 def test_fires_are_kept_by_step_each_recorded_step_once_and_the_oldest_dropped_past_the_bound():
-    from deepspeed_patch.trigger import KEPT_FIRES, TriggerState
+    from deepspeed_patch.spikes.trigger import KEPT_FIRES, TriggerState
 
     state = TriggerState(None)
     fires = list(range(10, 10 + 3 * (KEPT_FIRES + 2), 3))  # every 3 steps, a ring of 5: each overlaps the last

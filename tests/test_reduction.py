@@ -12,9 +12,9 @@ from typing import Dict, List
 import pytest
 import torch
 
-from deepspeed_patch import reduction
-from deepspeed_patch.partition_stats import accumulate_spans
-from deepspeed_patch.statistics import NUMEL, bucket_results, empty_stats
+from deepspeed_patch.statistics import reduction
+from deepspeed_patch.statistics.partition_stats import accumulate_spans
+from deepspeed_patch.statistics.statistics import NUMEL, bucket_results, empty_stats
 from reference import TOLERANCE, bucket_stats
 
 EXTRA = ("l1", "mean", "zeros", "numel")

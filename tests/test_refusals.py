@@ -123,7 +123,7 @@ class NotAdam(torch.optim.Adam):
 def test_adam_is_known_by_the_step_it_runs():
     """A subclass that keeps Adam's step gets Adam's rule; one with a step of its own, Adam's or not in name, is
     refused naming its class (not a bare ``KeyError: 'betas'``)."""
-    from deepspeed_patch.adam_rule import adam_rule
+    from deepspeed_patch.optimizer_state.adam_rule import adam_rule
 
     params = [torch.nn.Parameter(torch.zeros(4))]
     kept = KeepsAdamsStep(params)

@@ -197,7 +197,7 @@ def reduced_table(norms: Sequence[float]):
     """A reduced statistics table (host, float64) whose gradient rows hold ``norms``, the status row after them."""
     import torch
 
-    from deepspeed_patch.statistics import NUM_COLUMNS, SUMSQ
+    from deepspeed_patch.statistics.statistics import NUM_COLUMNS, SUMSQ
 
     table = torch.zeros(len(norms) + 1, NUM_COLUMNS, dtype=torch.float64)
     table[:len(norms), SUMSQ] = torch.tensor(norms, dtype=torch.float64)**2
@@ -449,7 +449,7 @@ def test_a_universal_checkpoint_is_read_from_its_folder(tmp_path):
     conversion: ``test_resume_keeps_the_averages_and_the_windows[1x-...]``, extended tier)."""
     import torch
 
-    from deepspeed_patch.remedies import CHECKPOINT_KEY, UNIVERSAL_STATE, saved_state
+    from deepspeed_patch.remedies.remedies import CHECKPOINT_KEY, UNIVERSAL_STATE, saved_state
 
     state = {"adaptive_clipping": {"steps": 3, "ema": {0: 0.5}}, "skip_step": {"losses": [1.0], "norms": [2.0]}}
     path = tmp_path / UNIVERSAL_STATE
@@ -465,7 +465,7 @@ def test_a_bucket_without_a_norm_in_the_warm_up_is_clipped_globally_until_it_has
     gradient is clipped by the global coefficient (not let through), and its average starts at what was applied;
     against ``adagc_factors`` on the same norms."""
     from deepspeed_patch.config import load_config
-    from deepspeed_patch.remedies import Remedies
+    from deepspeed_patch.remedies.remedies import Remedies
 
     clip = 1.0
     config = {"warmup_steps": 2, "factor": 1.05, "beta": 0.5}
@@ -493,7 +493,7 @@ def test_parameters_group_by_leaves_out_have_an_average_of_their_own():
     """``group_by`` matching part of the parameters: the unreported row is a bucket of the remedies (one factor per
     table row, so every span has one), and counts in the global norm."""
     from deepspeed_patch.config import load_config
-    from deepspeed_patch.remedies import UNMATCHED, Remedies
+    from deepspeed_patch.remedies.remedies import UNMATCHED, Remedies
 
     block = {"enabled": True, "adaptive_clipping": {"enabled": True, "warmup_steps": 1}}
     config = load_config({"layer_grad_norms": block})

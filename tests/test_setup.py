@@ -4,7 +4,7 @@ from functools import lru_cache
 
 import pytest
 
-from deepspeed_patch.reduction import COLLECTIVES_PER_STEP
+from deepspeed_patch.statistics.reduction import COLLECTIVES_PER_STEP
 from megatron_integration.cpu_launch import launch
 from setup_workers import BAD_BLOCKS, run_collective_counts, run_setup_checks
 

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 from adam_dynamics import Cause, Run, fire_of, train
 
-from deepspeed_patch.jsonl_dump import JsonlDump
-from deepspeed_patch.tags import (
+from deepspeed_patch.outputs.jsonl_dump import JsonlDump
+from deepspeed_patch.outputs.tags import (
     ALL_PHASES,
     HISTORY_ROOT,
     UPDATE_TO_WEIGHT,

@@ -170,7 +170,13 @@ def test_tensorboard_s_fire_runs_give_the_buckets_outside_the_layers(tmp_path):
     (``layer-grad-norms-history/fire-000099/head``, tags ``non-layer-grad-norms-history/...``): read by name."""
     from torch.utils.tensorboard import SummaryWriter
 
-    from deepspeed_patch.tags import HISTORY_ROOT, OUTSIDE_LAYERS_ROOT, history_root, history_run_name, scalar_tag
+    from deepspeed_patch.outputs.tags import (
+        HISTORY_ROOT,
+        OUTSIDE_LAYERS_ROOT,
+        history_root,
+        history_run_name,
+        scalar_tag,
+    )
     from megatron_integration.fires import read_fires
 
     fire = make_fire(99, moves={("pre_clip", "head", 97): 10.0}, outside=("head", ))

@@ -17,7 +17,7 @@ import torch
 from parallel3d_workers import run_3d_cases
 from stage0_workers import TP_CASE, run_two_ranks
 
-from deepspeed_patch.reduction import COLLECTIVES_PER_STEP
+from deepspeed_patch.statistics.reduction import COLLECTIVES_PER_STEP
 from megatron_integration.cpu_launch import launch
 from reference import TOLERANCE, assert_close_stats, assert_matches_applied
 from releases import STAGE0_LOSS_CARRIES_SCALE, bf16_without_zero

@@ -1,11 +1,11 @@
-"""How the optimizer kinds and the update-to-weight ratio reach the logs (``deepspeed_patch.tags``): phases of their
-own, named as the gradient's are."""
+"""How the optimizer kinds and the update-to-weight ratio reach the logs (``deepspeed_patch.outputs.tags``):
+phases of their own, named as the gradient's are."""
 
 import math
 
 import pytest
 
-from deepspeed_patch.tags import (
+from deepspeed_patch.outputs.tags import (
     ALL_PHASES,
     OPTIMIZER_KINDS,
     LayerKey,

@@ -15,7 +15,7 @@ import urllib.parse
 import pytest
 
 from browser import CHROMIUM, get_json, screenshot_time_series, tensorboard
-from deepspeed_patch.tags import OUTSIDE_LAYERS_ROOT, TAG_ROOT, run_name, scalar_tag
+from deepspeed_patch.outputs.tags import OUTSIDE_LAYERS_ROOT, TAG_ROOT, run_name, scalar_tag
 from megatron_integration.cpu_launch import launch
 from megatron_integration.demo import DemoOptions, train_rank
 from megatron_integration.run_scalars import GLOBAL_NORM_TAGS, LOSS_TAGS

@@ -5,10 +5,16 @@ import re
 
 import pytest
 
-from deepspeed_patch.clipping import bf16_clip_divisor, zero_unscale_divisor
 from deepspeed_patch.config import LayerGradNormsConfig, LayerGradNormsConfigError, load_config, parse_layer_spec
-from deepspeed_patch.layer_map import DEFAULT_LAYER_PATTERN, build_layer_map, locate_layer, module_of, resolve_layers
-from deepspeed_patch.partition_slices import partition_spans
+from deepspeed_patch.statistics.clipping import bf16_clip_divisor, zero_unscale_divisor
+from deepspeed_patch.statistics.layer_map import (
+    DEFAULT_LAYER_PATTERN,
+    build_layer_map,
+    locate_layer,
+    module_of,
+    resolve_layers,
+)
+from deepspeed_patch.statistics.partition_slices import partition_spans
 
 
 @pytest.mark.parametrize("spec,expected", [

@@ -12,7 +12,7 @@ step protocol they share, ``optimizer`` what DeepSpeed's optimizers share beyond
 from typing import Optional
 
 from ..config import CONFIG_KEY, UnsupportedSetupError
-from ..trigger import FireSelector, History
+from ..spikes.trigger import FireSelector, History
 from .attach import attach
 from .base import LayerGradNormsAdapter
 

@@ -19,11 +19,11 @@ from deepspeed.utils import logger
 from deepspeed.utils.bwc import bwc_tensor_model_parallel_rank
 
 from .. import capabilities
-from ..clipping import engine_fp32_clip_square
 from ..config import CONFIG_KEY, LayerGradNormsConfig, UnsupportedSetupError
-from ..layer_map import model_layer_map
-from ..monitor import MonitorEvents
-from ..reduction import REPLICATED
+from ..outputs.monitor import MonitorEvents
+from ..statistics.clipping import engine_fp32_clip_square
+from ..statistics.layer_map import model_layer_map
+from ..statistics.reduction import REPLICATED
 from .base import LayerGradNormsAdapter, Setup
 from .bf16 import BF16Adapter
 from .fused_fp16 import FusedFP16Adapter

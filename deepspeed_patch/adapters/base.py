@@ -37,16 +37,16 @@ import torch
 
 from ..capabilities import Capabilities
 from ..config import LayerGradNormsConfig
-from ..layer_map import LayerMap
-from ..measurement import Measurement
-from ..optimizer_stats import OptimizerStatistics
-from ..process_rank import rank_of_process
-from ..publish import Publisher, Reader
-from ..recorder import FlightRecorder, Replay
-from ..remedies import CHECKPOINT_KEY, Action, Remedies, saved_state, scale_spans
-from ..statistics import empty_stats, table_rows
-from ..steps import FailureLatch, StepSchedule
-from ..trigger import FireSelector, History, TriggerState
+from ..optimizer_state.optimizer_stats import OptimizerStatistics
+from ..outputs.process_rank import rank_of_process
+from ..outputs.publish import Publisher, Reader
+from ..remedies.remedies import CHECKPOINT_KEY, Action, Remedies, saved_state, scale_spans
+from ..spikes.recorder import FlightRecorder, Replay
+from ..spikes.trigger import FireSelector, History, TriggerState
+from ..statistics.layer_map import LayerMap
+from ..statistics.measurement import Measurement
+from ..statistics.statistics import empty_stats, table_rows
+from ..statistics.steps import FailureLatch, StepSchedule
 
 logger = logging.getLogger(__name__)
 

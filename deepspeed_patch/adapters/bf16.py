@@ -16,11 +16,11 @@ from typing import List
 import torch
 from deepspeed import comm as dist
 
-from ..clipping import bf16_clip_divisor
-from ..measurement import Measurement
-from ..optimizer_stats import optimizer_statistics
-from ..partition_slices import PartitionSlices, back_to_back_ranges, partition_spans, slices_of_spans
-from ..partition_stats import chunk_partition
+from ..optimizer_state.optimizer_stats import optimizer_statistics
+from ..statistics.clipping import bf16_clip_divisor
+from ..statistics.measurement import Measurement
+from ..statistics.partition_slices import PartitionSlices, back_to_back_ranges, partition_spans, slices_of_spans
+from ..statistics.partition_stats import chunk_partition
 from .base import Setup, Span
 from .optimizer import OptimizerAdapter
 

@@ -19,9 +19,9 @@ from typing import List
 
 import torch
 
-from ..optimizer_stats import optimizer_statistics
-from ..partition_slices import back_to_back_ranges, partition_spans, slices_of_spans
-from ..partition_stats import chunk_partition
+from ..optimizer_state.optimizer_stats import optimizer_statistics
+from ..statistics.partition_slices import back_to_back_ranges, partition_spans, slices_of_spans
+from ..statistics.partition_stats import chunk_partition
 from .base import Setup
 from .optimizer import OptimizerAdapter, observe_chunks, param_group_of
 

@@ -12,9 +12,9 @@ from typing import Dict, List, Optional, Sequence
 import torch
 
 from ..capabilities import Capabilities
-from ..clipping import zero_unscale_divisor
-from ..measurement import Measurement
-from ..partition_stats import Chunking
+from ..statistics.clipping import zero_unscale_divisor
+from ..statistics.measurement import Measurement
+from ..statistics.partition_stats import Chunking
 from .base import LayerGradNormsAdapter, Setup
 
 

@@ -17,9 +17,9 @@ from typing import Callable, List, Optional
 
 import torch
 
-from ..measurement import Measurement
-from ..optimizer_stats import parameter_statistics
-from ..statistics import SUMSQ
+from ..optimizer_state.optimizer_stats import parameter_statistics
+from ..statistics.measurement import Measurement
+from ..statistics.statistics import SUMSQ
 from .base import LayerGradNormsAdapter, Setup
 
 

@@ -13,8 +13,8 @@ from typing import Callable, List, Optional
 
 import torch
 
-from ..adam_rule import NEEDS_ADAM, adam_decoupling, adam_rule
 from ..config import CONFIG_KEY, LayerGradNormsConfig, UnsupportedSetupError
+from ..optimizer_state.adam_rule import NEEDS_ADAM, adam_decoupling, adam_rule
 from .bf16 import BF16Adapter
 from .fused_fp16 import FusedFP16Adapter
 from .unfused_fp16 import UnfusedFP16Adapter

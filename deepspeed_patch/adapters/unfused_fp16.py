@@ -15,7 +15,7 @@ from typing import List, Tuple
 
 import torch
 
-from ..optimizer_stats import parameter_statistics
+from ..optimizer_state.optimizer_stats import parameter_statistics
 from .base import Setup
 from .fused_fp16 import grad_or_zeros
 from .optimizer import OptimizerAdapter

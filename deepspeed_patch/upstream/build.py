@@ -37,7 +37,7 @@ UPSTREAM_PACKAGE = "deepspeed/runtime/layer_grad_norms"
 # hooks.py and patching.py (the call sites and install()'s placing of them: the patch places the calls in the
 # source), hf.py and hf_readers.py (the Hugging Face Trainer callback and its guarded readers import transformers,
 # which DeepSpeed does not depend on: they belong with the Trainer).
-NOT_UPSTREAM = ("__init__.py", "hooks.py", "patching.py", "hf.py", "hf_readers.py")
+NOT_UPSTREAM = ("__init__.py", "hooks.py", "patching.py", "hf.py", "outputs/hf_readers.py")
 IMPORT_LINE = "from deepspeed.runtime import layer_grad_norms"
 LICENSE = "# Copyright (c) Microsoft Corporation.\n# SPDX-License-Identifier: Apache-2.0\n\n# DeepSpeed Team\n"
 CPP_LICENSE = LICENSE.replace("# ", "// ")

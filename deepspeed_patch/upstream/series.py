@@ -54,11 +54,12 @@ MAX_ADDED_LINES = 1000
 OVER_THE_CAP = {"01": 2150}
 FACTS_FILE = "master.json"  # the checkout the series was generated against: release, commit, capabilities facts
 
-PACKAGE_ONLY_MODULES = ("capabilities.py", "plain.py", "tags.py")
-TAGS = "tags.py"
+PACKAGE_ONLY_MODULES = ("capabilities.py", "plain.py", "outputs/tags.py")
+TAGS = "outputs/tags.py"
 # The modules that use the naming of logs, in the order its definitions are inlined: a definition goes
 # into the first module that needs it, the later ones import it from there.
-TAGS_HOMES = ("config.py", "layer_map.py", "result.py", "monitor.py")
+TAGS_HOMES = ("config.py", "statistics/layer_map.py", "statistics/result.py", "outputs/monitor.py")
+TAGS_IMPORT = re.compile(r"^from \.+(?:outputs\.)?tags import (.+)\n", re.MULTILINE)
 DOCS_KEY = "config-json-section.md"  # the path cuts of the docs section name
 
 
@@ -110,11 +111,11 @@ def inline_tags(texts: Dict[str, str]) -> Dict[str, str]:
     placed: Dict[str, str] = {}  # name -> module that holds it
     texts = dict(texts)
     for name, text in texts.items():
-        if re.search(r"^from \.+tags import", text, re.MULTILINE) and name not in TAGS_HOMES:
+        if TAGS_IMPORT.search(text) and name not in TAGS_HOMES:
             raise ValueError(f"{name} imports tags; add it to series.TAGS_HOMES")
     for home in TAGS_HOMES:
         text = texts[home]
-        found = re.search(r"^from \.tags import (.+)\n", text, re.MULTILINE)
+        found = TAGS_IMPORT.search(text)
         if found is None:
             continue
         wanted = {name.strip() for name in found.group(1).split(",")}
@@ -133,7 +134,8 @@ def inline_tags(texts: Dict[str, str]) -> Dict[str, str]:
                 from_elsewhere.setdefault(placed[name], []).append(name)
         body = [source for defines, _, source, _ in definitions if defines & closure]
         imports = [source for _, _, source, is_import in statements if is_import]
-        imports += [f"from .{module[:-3]} import {', '.join(names)}\n" for module, names in from_elsewhere.items()]
+        imports += [f"from {relative_import(home, module)} import {', '.join(names)}\n" for module, names in
+                    from_elsewhere.items()]
         text = text.replace(found.group(0), "")
         lines = text.splitlines(keepends=True)
         at = _import_insertion(ast.parse(text))
@@ -143,6 +145,15 @@ def inline_tags(texts: Dict[str, str]) -> Dict[str, str]:
             if defines & closure:
                 placed.update((name, home) for name in defines)
     return texts
+
+
+def relative_import(importer: str, module: str) -> str:
+    """How the package's module ``importer`` names ``module`` in a relative import (both paths in the package)."""
+    folder, target = importer.split("/")[:-1], module[:-3].split("/")
+    shared = 0
+    while shared < min(len(folder), len(target) - 1) and folder[shared] == target[shared]:
+        shared += 1
+    return "." * (len(folder) - shared + 1) + ".".join(target[shared:])
 
 
 def _dedupe_imports(text: str) -> str:

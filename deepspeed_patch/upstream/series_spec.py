@@ -93,17 +93,17 @@ PACKAGE_ONLY = (
 )
 
 PACKAGE_ONLY += (
-    Cut("clipping.py",
+    Cut("statistics/clipping.py",
         replace=(("", " Where a formula differs between DeepSpeed releases the\ncaller passes the "
                   "``capabilities.Capabilities`` fact that decides it.", ""), )),
-    Cut("monitor.py", replace=(("", "named as every other writer names them (``tags``), ", ""), )),
+    Cut("outputs/monitor.py", replace=(("", "named as every other writer names them (``tags``), ", ""), )),
     Cut("adapters/fused_fp16.py", replace=(("", "\n(``capabilities.Capabilities.fp16_skip_method``)", ""), )),
 )
 
 # The host kernels: DeepSpeed builds them with its op builder (series_tree/08/op_builder/layer_grad_norms.py, the
 # source under csrc/: TREE_PATHS); the package with cpp_extension.load, as the releases it supports lack the builder
 PACKAGE_ONLY += (Cut(
-    "partition_stats_cpu.py",
+    "statistics/partition_stats_cpu.py",
     drop=("_announce_build", "SOURCE", "CFLAGS", "LDFLAGS"),
     statements=(("host_kernel", r"_announce_build\("), ),
     replace=(("_load", "from torch.utils import cpp_extension\n\n    cpp_extension.load(name=extension_name(),\n"
@@ -119,7 +119,7 @@ PACKAGE_ONLY += (Cut(
                  ": the op builder's (``cpp_extension`` versions it by source and flags).")),
 ), )
 # where a module of the package goes in DeepSpeed, if not under deepspeed/runtime/layer_grad_norms/
-TREE_PATHS = {"csrc/partition_stats.cpp": "csrc/layer_grad_norms/partition_stats.cpp"}
+TREE_PATHS = {"statistics/csrc/partition_stats.cpp": "csrc/layer_grad_norms/partition_stats.cpp"}
 
 # end_step's call of _end, which the remedies wrap to restore global clipping
 _END_STEP = ('        with self.latch.failing_locally("ending the step", self.schedule.step):  '
@@ -142,15 +142,15 @@ _GRANULARITY_CUTS = (
         drop=("GRANULARITIES", "LayerGradNormsConfig.granularity", "LayerGradNormsConfig.group_by",
               "LayerGradNormsConfig._validate_granularity", "LayerGradNormsConfig._validate_group_by",
               "LayerGradNormsConfig._group_by_goes_with_its_granularity")),
-    Cut("layer_map.py",
+    Cut("statistics/layer_map.py",
         replace=(("build_layer_map", ',\n                    granularity: str = "layer",\n'
                   "                    group_by: Optional[str] = None) -> LayerMap:", ") -> LayerMap:"),
                  ("build_layer_map", '    if granularity == "layer":\n        _refuse_merged_buckets(key_layers, '
                   "layer_pattern)\n" + _KEYS_BY_LAYER, "    _refuse_merged_buckets(key_layers, layer_pattern)\n" +
                   _KEYS_BY_LAYER.replace("\n        ", "\n    ").replace("        ", "    ", 1)),
                  ("model_layer_map", "config.layer_pattern, config.granularity, config.group_by)",
-                  "config.layer_pattern)"),
-                 ("stack_labels", ', or use granularity "\n                "\'group_by\'")', '")')),
+                  "config.layer_pattern)"), ("stack_labels", ', or use granularity "\n                "\'group_by\'")',
+                                             '")')),
         docstrings=(("build_layer_map", "``granularity``: ``layer`` (the layer, or the module for parameters outside "
                      "the layers),\n    ``param`` (the parameter's name) or ``group_by`` (the capture groups of "
                      "``group_by``, joined by\n    ``.``; unmatched parameters go to the unreported row). ", ""),
@@ -159,8 +159,8 @@ _GRANULARITY_CUTS = (
                      "the post-clip statistics follow is over every parameter.", " (and one, never reported, that "
                      "a later granularity\n    fills).")),
         statements=(("build_layer_map", r"grouping = "), ("build_layer_map", r'if granularity == "param"'),
-                    ("build_layer_map", r'if granularity == "group_by"'),
-                    ("model_layer_map", r'if config\.granularity == "group_by"'))),
+                    ("build_layer_map", r'if granularity == "group_by"'), ("model_layer_map",
+                                                                           r'if config\.granularity == "group_by"'))),
     Cut(DOCS, rows=("granularity", "group_by")),
     Cut(ZERO_TESTS, drop=("GROUP_BY", "bucket_key", "TestLayerGradNormsGranularity")),
 )
@@ -180,11 +180,11 @@ _PIPELINE_BRANCH = (
 _NOT_YET = ' yet; remove the "\n                                    f"\'{CONFIG_KEY}\' block or set enabled=false")\n'
 _MUON = '        "the Muon optimizer": "muon" in type(optimizer.optimizer).__name__.lower(),\n'
 _PARALLEL_CUTS = (
-    Cut("layer_map.py",
+    Cut("statistics/layer_map.py",
         drop=("MOE_GATE", "moe_part", "build_pipeline_layer_map"),
         replace=(("build_layer_map", '        part = moe_part(name, param)\n        return layer if part is None else '
-                  'f"{layer}.{part}"', "        return layer"),
-                 ("build_layer_map", "  # a layer and its MoE parts", ""),
+                  'f"{layer}.{part}"', "        return layer"), ("build_layer_map", "  # a layer and its MoE parts",
+                                                                 ""),
                  ("model_layer_map", _PIPELINE_BRANCH,
                   '        raise UnsupportedSetupError(f"{CONFIG_KEY} does not support a PipelineModule' + _NOT_YET)),
         docstrings=(
@@ -220,10 +220,12 @@ SERIES = (
     PullRequest(
         "01",
         "zero12-layer-grad-norms",
-        ("config.py", "layer_map.py", "measurement.py", "result.py", "statistics.py", "partition_slices.py",
-         "partition_stats.py", "reduction.py", "clipping.py", "steps.py", "publish.py", "monitor.py",
-         "process_rank.py", "adapters/__init__.py", "adapters/attach.py", "adapters/base.py", "adapters/optimizer.py",
-         "adapters/zero.py", "adapters/refusals.py"),
+        ("config.py", "statistics/__init__.py", "outputs/__init__.py", "statistics/layer_map.py",
+         "statistics/measurement.py", "statistics/result.py", "statistics/statistics.py",
+         "statistics/partition_slices.py", "statistics/partition_stats.py", "statistics/reduction.py",
+         "statistics/clipping.py", "statistics/steps.py", "outputs/publish.py", "outputs/monitor.py",
+         "outputs/process_rank.py", "adapters/__init__.py", "adapters/attach.py", "adapters/base.py",
+         "adapters/optimizer.py", "adapters/zero.py", "adapters/refusals.py"),
         ("DeepSpeedConfig", "DeepSpeedEngine", "DeepSpeedZeroOptimizer"),
         docs=True,
     ),
@@ -249,16 +251,16 @@ SERIES = (
                      "engine uses {type(optimizer).__name__}\")"),
                 )),
             Cut("adapters/refusals.py", drop=("check_param_grads", )),
-            Cut("clipping.py", drop=("bf16_clip_divisor", "engine_fp32_clip_square")),
+            Cut("statistics/clipping.py", drop=("bf16_clip_divisor", "engine_fp32_clip_square")),
             Cut("adapters/base.py", drop=("LayerGradNormsAdapter.applied_scale", )),
-            Cut("partition_slices.py", drop=("back_to_back_ranges", )),
+            Cut("statistics/partition_slices.py", drop=("back_to_back_ranges", )),
             Cut(DOCS,
                 replace=(("", "ZeRO stage 1 and 2, `BF16_Optimizer`, and the fp16/bf16\noptimizers without ZeRO",
                           "ZeRO stage 1 and 2"), )),
-            Cut("measurement.py",
-                statements=(("Measurement.__init__", r"self\.clip_norm: "), ("Measurement.__init__",
-                                                                              r"self\.clip_square: "),
-                            ("Measurement.local_table", r"if self\.clip_square is not None:")),
+            Cut("statistics/measurement.py",
+                statements=(("Measurement.__init__", r"self\.clip_norm: "),
+                            ("Measurement.__init__", r"self\.clip_square: "), ("Measurement.local_table",
+                                                                               r"if self\.clip_square is not None:")),
                 drop=("Measurement.set_clip_norm", ),
                 replace=(("Measurement.scales", "                          self.clip_norm,\n", ""),
                          ("Measurement.scales", "                          clip_by_status=self.clip_square is not "
@@ -266,11 +268,11 @@ SERIES = (
                 docstrings=(("Measurement.local_table", ", whose squared\n        norm carries this rank's share of "
                              "the norm the caller clips by (``set_clip_norm``), if any, and whose\n        max",
                              ", and whose\n        max"), )),
-            Cut("result.py",
+            Cut("statistics/result.py",
                 statements=(("step_result", r"if scales\.clip_norm:"), ),
                 drop=("StepScales.clip_norm", "StepScales.clip_by_status")),
-            Cut("clipping.py", drop=("torch_clip_divisor", )),
-            Cut("reduction.py",
+            Cut("statistics/clipping.py", drop=("torch_clip_divisor", )),
+            Cut("statistics/reduction.py",
                 drop=("REPLICATED", ),
                 replace=(("reduce_stats", "process_group is REPLICATED or ", ""), )),
             Cut("adapters/base.py",
@@ -294,7 +296,8 @@ SERIES = (
     PullRequest(
         "06",
         "trigger-flight-recorder",
-        ("trigger.py", "recorder.py", "spike_rule.py", "control_file.py", "jsonl_dump.py"),
+        ("spikes/__init__.py", "spikes/trigger.py", "spikes/recorder.py", "spikes/spike_rule.py",
+         "spikes/control_file.py", "outputs/jsonl_dump.py"),
         (),
         history_sites=True,
         control_sites=True,
@@ -302,20 +305,20 @@ SERIES = (
             # live control: engine.set_layer_grad_norms() and the control file
             Cut("adapters/__init__.py", drop=(CONTROL, ), replace=(("", f'"{CONTROL}", ', ""), )),
             Cut("adapters/base.py", drop=("LayerGradNormsAdapter.set_options", )),
-            Cut("steps.py", drop=("StepSchedule.set_options", )),
+            Cut("statistics/steps.py", drop=("StepSchedule.set_options", )),
             Cut("config.py",
                 drop=("TriggerConfig", "DumpConfig", "LayerGradNormsConfig.trigger",
                       "LayerGradNormsConfig.control_file", "LayerGradNormsConfig.control_interval",
                       "LayerGradNormsConfig.dump")),
-            Cut("steps.py",
-                statements=(("StepSchedule.__init__", r"self\.control = "),
-                            ("StepSchedule.__init__", r"self\.capture: "), ("StepSchedule.next_step", r"settings = "),
-                            ("StepSchedule.next_step", r"if settings:")),
+            Cut("statistics/steps.py",
+                statements=(("StepSchedule.__init__", r"self\.control = "), ("StepSchedule.__init__",
+                                                                             r"self\.capture: "),
+                            ("StepSchedule.next_step", r"settings = "), ("StepSchedule.next_step", r"if settings:")),
                 replace=(("StepSchedule.next_step", "return on_interval or self.capturing()", "return on_interval"),
                          ("StepSchedule.reported_keys", "self.layer_map.keys if self.capturing() else self.selected",
                           "self.selected")),
                 drop=("StepSchedule.capturing", "StepSchedule.open_capture", "StepSchedule._apply_control")),
-            Cut("publish.py",
+            Cut("outputs/publish.py",
                 statements=(("Publisher.__init__", r"self\.dump = None"), ("Publisher.__init__", r"if dump and "),
                             ("Publisher.publish", r"if capture is not None:")),
                 replace=(("Publisher.__init__", "dump: Optional[DumpConfig], ",
@@ -332,10 +335,10 @@ SERIES = (
                              r"history = trigger\.history"), ("LayerGradNormsAdapter.__init__", r"self\.recorder = "),
                             ("LayerGradNormsAdapter._end", r"if self\.latch\.broken:"), ("LayerGradNormsAdapter._end",
                                                                                          r"fired = self\.trigger"),
-                            ("LayerGradNormsAdapter._end", r"norm = "),
                             ("LayerGradNormsAdapter._end",
-                             r"if fired is not None:"), ("LayerGradNormsAdapter._close",
-                                                         r"if self\.recorder is not None:")),
+                             r"norm = "), ("LayerGradNormsAdapter._end",
+                                           r"if fired is not None:"), ("LayerGradNormsAdapter._close",
+                                                                       r"if self\.recorder is not None:")),
                 replace=(("LayerGradNormsAdapter.__init__", "Publisher(setup.config.dump, setup.monitor)",
                           "Publisher(setup.monitor)"),
                          ("LayerGradNormsAdapter.begin_step",
@@ -343,8 +346,7 @@ SERIES = (
                           "if not self.reporting:"),
                          ("LayerGradNormsAdapter._close",
                           "self.publisher.publish(result, self.schedule.capture if self.schedule.capturing() else "
-                          "None)",
-                          "self.publisher.publish(result)")),
+                          "None)", "self.publisher.publish(result)")),
                 docstrings=(
                     ("", "; the trigger (``trigger.TriggerState``) sees the global norm.", "."),
                     ("", "With a flight recorder (``trigger.history``) every step opens a measurement; one that is "
@@ -378,13 +380,13 @@ SERIES = (
     PullRequest(
         "07",
         "optimizer-statistics",
-        ("adam_rule.py", "optimizer_stats.py"),
+        ("optimizer_state/__init__.py", "optimizer_state/adam_rule.py", "optimizer_state/optimizer_stats.py"),
         (),
         cuts=(
             Cut("config.py",
                 drop=("OPTIMIZER_STATISTICS", "OPTIMIZER_KINDS", "LayerGradNormsConfig.optimizer_statistics",
                       "LayerGradNormsConfig._validate_optimizer_statistics")),
-            Cut("monitor.py",
+            Cut("outputs/monitor.py",
                 replace=(("", "ALL_PHASES = LOGGED_PHASES + OPTIMIZER_KINDS + (UPDATE_TO_WEIGHT, )",
                           "ALL_PHASES = LOGGED_PHASES"), ("flat_scalars", "logged = logged_result(result)",
                                                           "logged = result")),
@@ -419,10 +421,11 @@ SERIES = (
     PullRequest(
         "08",
         "fused-statistics-kernels",
-        ("partition_stats_cpu.py", "partition_stats_triton.py", "csrc/partition_stats.cpp"),
+        ("statistics/partition_stats_cpu.py", "statistics/partition_stats_triton.py",
+         "statistics/csrc/partition_stats.cpp"),
         (),
         cuts=(
-            Cut("partition_stats.py",
+            Cut("statistics/partition_stats.py",
                 replace=(("chunk_partition", "kernel=kernel or _best_kernel(device))", "kernel=kernel or STOCK)"),
                          ("accumulate_partition",
                           "    if chunking.kernel == STOCK or flat.dtype not in KERNEL_DTYPES or not "
@@ -432,10 +435,10 @@ SERIES = (
                           "        return\n",
                           "    accumulate_spans(stats, chunking.slices.views(flat), chunking.slices.buckets, "
                           "extra)\n")),
-                statements=(("accumulate_partition", r"bits = "),
-                            ("accumulate_partition", r"if chunking\.kernel == HOST")),
+                statements=(("accumulate_partition", r"bits = "), ("accumulate_partition",
+                                                                   r"if chunking\.kernel == HOST")),
                 drop=("KERNEL_DTYPES", "EXTRA_BITS")),
-            Cut("optimizer_stats.py",
+            Cut("optimizer_state/optimizer_stats.py",
                 replace=(("OptimizerStatistics.accumulate",
                           "            if not state.accumulate_fused(kind_stats, skipped):\n"
                           "                for kind in self.kinds:\n"
@@ -448,7 +451,7 @@ SERIES = (
     PullRequest(
         "09",
         "remedies",
-        ("remedies.py", "adaptive_clipping.py", "skip_step.py"),
+        ("remedies/__init__.py", "remedies/remedies.py", "remedies/adaptive_clipping.py", "remedies/skip_step.py"),
         (),
         remedy_sites=True,
         cuts=(
@@ -458,25 +461,25 @@ SERIES = (
                 replace=(("load_config", "return master_switch(config)", "return config"), ),
                 docstrings=(("LayerGradNormsConfig", ": the remedies are off\n    whatever their sub-blocks "
                              "say (``master_switch``); a", ";\n    a"), )),
-            Cut("statistics.py",
+            Cut("statistics/statistics.py",
                 replace=(("bucket_results", ",\n                   factors: Optional[Sequence[float]] = None)", ")"),
                          ("bucket_results", "multiplier if factors is None else multiplier * factors[position[key]]",
                           "multiplier")),
                 docstrings=(("bucket_results", " (and by the\n    bucket's own entry of ``factors``, the rows' "
                              "multipliers, where given)", ""), ("bucket_results", "; adaptive\n    clipping "
                                                                 "multiplies each bucket by its own.", "."))),
-            Cut("measurement.py",
+            Cut("statistics/measurement.py",
                 replace=(("Measurement.scales", ",\n                          action=self.action)", ")"),
                          ("Measurement.finish", "        if self.reduced is not None:\n            stats, scales = "
                           "self.reduced, resolve_scales([self.scales(overflow)])\n        else:\n            stats, "
                           "scales = host_copy(", "        stats, scales = host_copy(")),
                 statements=(("Measurement.__init__", r"self\.action: "), ("Measurement.__init__", r"self\.reduced: ")),
                 drop=("Measurement.reduce_now", )),
-            Cut("result.py",
+            Cut("statistics/result.py",
                 replace=(("step_result", "if not (scales.overflow or action.skipped):", "if not scales.overflow:"),
                          ("step_result", ", extra, action.factors)", ", extra)")),
-                statements=(("step_result", r"action = scales\.action"),
-                            ("step_result", r"result\.update\(remedy_fields")),
+                statements=(("step_result", r"action = scales\.action"), ("step_result",
+                                                                          r"result\.update\(remedy_fields")),
                 drop=("StepScales.action", "remedy_fields", "ADAPTIVE_CLIP", "SKIPPED", "resolve_scales")),
             Cut("adapters/base.py",
                 replace=(
@@ -501,46 +504,49 @@ SERIES = (
                     ("LayerGradNormsAdapter.report_loss", "still decide together. Without a ``loss_factor`` or "
                      "``skip_step`` (``wants_loss`` false)", "still decide together. Without a ``loss_factor``"),
                 ),
-                statements=(("LayerGradNormsAdapter.__init__", r"self\.remedies = "),
-                            ("LayerGradNormsAdapter.__init__", r"self\.capture_steps = "),
-                            ("LayerGradNormsAdapter.__init__", r"self\.scaling: "),
-                            ("LayerGradNormsAdapter.begin_step", r"if self\.remedies is not None:"),
-                            ("LayerGradNormsAdapter._end", r"self\.scaling = None"),
+                statements=(("LayerGradNormsAdapter.__init__",
+                             r"self\.remedies = "), ("LayerGradNormsAdapter.__init__", r"self\.capture_steps = "),
+                            ("LayerGradNormsAdapter.__init__",
+                             r"self\.scaling: "), ("LayerGradNormsAdapter.begin_step",
+                                                   r"if self\.remedies is not None:"), ("LayerGradNormsAdapter._end",
+                                                                                        r"self\.scaling = None"),
                             ("LayerGradNormsAdapter._end", r"if action is not None and not \(skipped"),
-                            ("LayerGradNormsAdapter.begin_step", r"self\.act_at_begin\("),
-                            ("LayerGradNormsAdapter.begin_step", r"self\.end_skip\("),
-                            ("LayerGradNormsAdapter._end", r"action = measurement\.action"),
-                            ("LayerGradNormsAdapter._end", r"skipped = action is not None"),
-                            ("LayerGradNormsAdapter._end", r"if fired is None and skipped:"),
-                            ("LayerGradNormsAdapter.report_loss", r"if self\.remedies is not None and before_step")),
+                            ("LayerGradNormsAdapter.begin_step",
+                             r"self\.act_at_begin\("), ("LayerGradNormsAdapter.begin_step", r"self\.end_skip\("),
+                            ("LayerGradNormsAdapter._end",
+                             r"action = measurement\.action"), ("LayerGradNormsAdapter._end",
+                                                                r"skipped = action is not None"),
+                            ("LayerGradNormsAdapter._end",
+                             r"if fired is None and skipped:"), ("LayerGradNormsAdapter.report_loss",
+                                                                 r"if self\.remedies is not None and before_step")),
                 drop=("LayerGradNormsAdapter._skip_fire", "LayerGradNormsAdapter.act",
                       "LayerGradNormsAdapter.scale_buckets", "LayerGradNormsAdapter.drop_factors",
                       "LayerGradNormsAdapter.scaled_spans", "LayerGradNormsAdapter.spans_to_scale",
-                      "LayerGradNormsAdapter.applied_multiplier",
-                      "LayerGradNormsAdapter.clip_divisor", "LayerGradNormsAdapter.skip_optimizer_step",
-                      "LayerGradNormsAdapter.suspend_global_clipping", "LayerGradNormsAdapter.resume_global_clipping",
-                      "LayerGradNormsAdapter.save_remedies", "LayerGradNormsAdapter.load_remedies",
-                      "LayerGradNormsAdapter.act_at_begin", "LayerGradNormsAdapter.end_skip")),
+                      "LayerGradNormsAdapter.applied_multiplier", "LayerGradNormsAdapter.clip_divisor",
+                      "LayerGradNormsAdapter.skip_optimizer_step", "LayerGradNormsAdapter.suspend_global_clipping",
+                      "LayerGradNormsAdapter.resume_global_clipping", "LayerGradNormsAdapter.save_remedies",
+                      "LayerGradNormsAdapter.load_remedies", "LayerGradNormsAdapter.act_at_begin",
+                      "LayerGradNormsAdapter.end_skip")),
             Cut("adapters/optimizer.py",
                 replace=(("ZeroPartitionsAdapter.update_scale", "if has_overflow or acting:", "if has_overflow:"), ),
                 docstrings=(("ZeroPartitionsAdapter.update_scale", " With a remedy on, a step the loss scaler does "
                              "not skip is read here\n        too, and reduced, for the remedies to act before the "
                              "optimizer steps (``act``).", ""), ),
                 statements=(("ZeroPartitionsAdapter.update_scale", r"acting = "),
-                            ("ZeroPartitionsAdapter.update_scale", r"if acting:"),
-                            ("OptimizerAdapter.__init__", r"self\.saved_clip_grad: ")),
+                            ("ZeroPartitionsAdapter.update_scale", r"if acting:"), ("OptimizerAdapter.__init__",
+                                                                                    r"self\.saved_clip_grad: ")),
                 drop=("OptimizerAdapter.suspend_global_clipping", "OptimizerAdapter.resume_global_clipping",
                       "ZeroPartitionsAdapter.clip_divisor", "ZeroPartitionsAdapter.skip_optimizer_step",
                       "ZeroPartitionsAdapter.end_skip", "ZeroPartitionsAdapter.skipping",
                       "ZeroPartitionsAdapter.applied_multiplier")),
-            Cut("monitor.py",
+            Cut("outputs/monitor.py",
                 replace=(("", "WRITTEN_PHASES = ALL_PHASES + (ADAPTIVE_CLIP, )", "WRITTEN_PHASES = ALL_PHASES"),
                          ("flat_scalars", _FLAT_SCALARS.replace("\n", "\n    ").replace("{", "{\n        **{", 1) +
                           "\n        },\n        **step_scalars(result)\n    }", _FLAT_SCALARS + "\n    }")),
                 docstrings=(("", ": the signals, and adaptive clipping's factors (a remedy's action, not a signal).",
-                             ": the signals."),
-                            ("logged_result", " derived, and\n    the ``adaptive_clip`` factors shaped as a phase "
-                             "(``{bucket: {\"norm\": factor}}``).", " derived.")),
+                             ": the signals."), ("logged_result",
+                                                 " derived, and\n    the ``adaptive_clip`` factors shaped as a phase "
+                                                 "(``{bucket: {\"norm\": factor}}``).", " derived.")),
                 statements=(("logged_result", r"factors = result\.get"), ("logged_result", r"if factors:")),
                 drop=("SKIPPED_TAG", "step_scalars")),
             Cut("adapters/zero.py",
@@ -553,12 +559,12 @@ SERIES = (
                              "each bucket's factor\n        first)", ""), ),
                 statements=(("Zero3Adapter.unscale_and_clip_grads", r"self\.scale_buckets\("), ),
                 drop=("Zero3Adapter.spans_to_scale", )),
-            Cut("adapters/bf16.py", drop=("BF16Adapter.act_at_begin", "BF16Adapter.clip_divisor",
-                                          "BF16Adapter.spans_to_scale")),
+            Cut("adapters/bf16.py",
+                drop=("BF16Adapter.act_at_begin", "BF16Adapter.clip_divisor", "BF16Adapter.spans_to_scale")),
             Cut("adapters/refusals.py", drop=("BOTH_REMEDIES", "REMEDY_FAMILIES", "check_remedies")),
             Cut("adapters/attach.py",
                 replace=(("attach", " or config.acts()):", "):"), ("attach", ", a remedy acts: they need the adapter",
-                                                                      ": they need the adapter")),
+                                                                   ": they need the adapter")),
                 statements=(("attach", r"check_remedies\b"), )),
         ),
     ),

@@ -3,7 +3,7 @@
 TensorBoard is read through ``megatron_integration.tensorboard_reader`` (the per-layer series) and an
 ``EventMultiplexer`` over every run under the directory (the raw tags), so that both the run-per-bucket
 layout (run ``layer-grad-norms/layer00``, tag ``layer-grad-norms/pre-clip``) and the flat form of one
-run (``layer-grad-norms/pre-clip/layer00``) are understood (``deepspeed_patch.tags``): a bucket's series
+run (``layer-grad-norms/pre-clip/layer00``) are understood (``deepspeed_patch.outputs.tags``): a bucket's series
 is identified by its run and tag.
 """
 
@@ -12,7 +12,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
-from deepspeed_patch.tags import OUTSIDE_LAYERS_ROOT, TAG_ROOT, scalar_tag
+from deepspeed_patch.outputs.tags import OUTSIDE_LAYERS_ROOT, TAG_ROOT, scalar_tag
 
 from ..tensorboard_reader import NoLayerDataError, read_layer_series
 

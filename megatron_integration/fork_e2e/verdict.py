@@ -3,7 +3,7 @@
 import re
 from typing import Any, Dict, List
 
-from deepspeed_patch.tags import TAG_ROOT
+from deepspeed_patch.outputs.tags import TAG_ROOT
 
 from .checks import LogLine, TensorBoardData, log_line_errors, parse_log, read_tensorboard, root_sum_square_errors
 from .entry import OPTIMIZER_LINE, SHIMS_LINE

@@ -6,10 +6,10 @@
 import pytest
 import torch
 from deepspeed.ops.op_builder.layer_grad_norms import LayerGradNormsBuilder
-from deepspeed.runtime.layer_grad_norms.partition_slices import slices_of_runs
-from deepspeed.runtime.layer_grad_norms.partition_stats import HOST, STOCK, accumulate_partition, chunk_plan
-from deepspeed.runtime.layer_grad_norms.partition_stats_cpu import host_kernel
-from deepspeed.runtime.layer_grad_norms.statistics import empty_stats
+from deepspeed.runtime.layer_grad_norms.statistics.partition_slices import slices_of_runs
+from deepspeed.runtime.layer_grad_norms.statistics.partition_stats import HOST, STOCK, accumulate_partition, chunk_plan
+from deepspeed.runtime.layer_grad_norms.statistics.partition_stats_cpu import host_kernel
+from deepspeed.runtime.layer_grad_norms.statistics.statistics import empty_stats
 
 if not LayerGradNormsBuilder().is_compatible():
     pytest.skip("the layer_grad_norms op is not compatible with this system", allow_module_level=True)

@@ -20,10 +20,10 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
+from ..config import OPTIMIZER_STATISTICS
+from ..statistics.partition_slices import PartitionSlices, slices_of_spans
+from ..statistics.partition_stats import HOST, Chunking, accumulate_partition, chunk_partition
 from .adam_rule import MOMENTS, NEEDS_ADAM, AdamRule, adam_rule, step_counter
-from .config import OPTIMIZER_STATISTICS
-from .partition_slices import PartitionSlices, slices_of_spans
-from .partition_stats import HOST, Chunking, accumulate_partition, chunk_partition
 
 # The most elements one piece of a derived statistic (the update, or zeros) holds in the scratch buffer.
 WINDOW = 1 << 20
@@ -80,7 +80,7 @@ class PartitionState:
         tensors = (self.partition, state["exp_avg"], state["exp_avg_sq"])
         if any(tensor.dtype != torch.float32 or not tensor.is_contiguous() for tensor in tensors):
             return False
-        from .partition_stats_cpu import host_adam_kernel
+        from ..statistics.partition_stats_cpu import host_adam_kernel
 
         requested = [kind for kind in OPTIMIZER_STATISTICS if kind in kind_stats]
         bits = sum(1 << OPTIMIZER_STATISTICS.index(kind) for kind in requested)  # the kernel's order

@@ -31,8 +31,8 @@ from typing import Dict, Hashable, Iterable, List, Optional, Sequence, Tuple
 
 from torch import nn
 
-from .config import CONFIG_KEY, LayerGradNormsConfig, LayerGradNormsConfigError, LayerToken, UnsupportedSetupError
-from .tags import LayerKey, is_layer
+from ..config import CONFIG_KEY, LayerGradNormsConfig, LayerGradNormsConfigError, LayerToken, UnsupportedSetupError
+from ..outputs.tags import LayerKey, is_layer
 
 logger = logging.getLogger(__name__)
 

@@ -14,8 +14,8 @@ import contextlib
 import logging
 from typing import Callable, Hashable, List, Optional
 
-from .config import LayerGradNormsConfig
-from .control_file import ControlFile
+from ..config import LayerGradNormsConfig
+from ..spikes.control_file import ControlFile
 from .layer_map import LayerMap
 
 logger = logging.getLogger(__name__)

@@ -21,9 +21,9 @@ from typing import Callable, Hashable, Optional, Sequence
 
 import torch
 
+from ..remedies.remedies import Action
 from .partition_stats import Chunking, accumulate_partition, accumulate_spans
 from .reduction import reduce_stats
-from .remedies import Action
 from .result import NormFormula, StepScales, host_copy, resolve_scales, step_result
 from .statistics import MAX, NEG_MIN, NUMEL, SUMSQ, empty_stats, reset_stats, table_rows
 

@@ -17,10 +17,10 @@ from typing import Callable, Hashable, List, Optional, Sequence, Tuple
 
 import torch
 
+from ..outputs.tags import ADAPTIVE_CLIP, SKIPPED
+from ..remedies.remedies import Action
 from .clipping import torch_clip_divisor
-from .remedies import Action
 from .statistics import NUMEL, SUMSQ, bucket_results, total_norm
-from .tags import ADAPTIVE_CLIP, SKIPPED
 
 NormFormula = Tuple[torch.Tensor, Callable[[float], float]]
 

@@ -18,9 +18,9 @@ import torch
 from deepspeed import comm as dist
 from deepspeed.accelerator import get_accelerator
 
-from .config import TriggerConfig
-from .process_rank import rank_of_process
-from .reduction import INF_CODE, NAN_CODE, REPLICATED, decode_maxima
+from ..config import TriggerConfig
+from ..outputs.process_rank import rank_of_process
+from ..statistics.reduction import INF_CODE, NAN_CODE, REPLICATED, decode_maxima
 from .spike_rule import SpikeTrigger
 
 logger = logging.getLogger(__name__)

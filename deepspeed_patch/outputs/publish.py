@@ -16,7 +16,7 @@ readers go on.
 import logging
 from typing import Any, List, Optional
 
-from .config import DumpConfig
+from ..config import DumpConfig
 from .jsonl_dump import JsonlDump
 from .process_rank import rank_of_process
 

@@ -29,9 +29,9 @@ from typing import Collection, Hashable, List, Optional, Sequence, Tuple
 
 import torch
 
-from .reduction import reduce_stats
-from .result import StepScales, host_copy, step_result
-from .statistics import (
+from ..statistics.reduction import reduce_stats
+from ..statistics.result import StepScales, host_copy, step_result
+from ..statistics.statistics import (
     L1,
     MAX,
     NEG_MIN,

@@ -28,9 +28,9 @@ from typing import Optional, Tuple, Union
 
 import torch
 
-from .config import SkipStepConfig
-from .spike_rule import judge_outlier
-from .trigger import agreed_loss, reported_loss
+from ..config import SkipStepConfig
+from ..spikes.spike_rule import judge_outlier
+from ..spikes.trigger import agreed_loss, reported_loss
 
 MIN_JUDGED = 20
 """OLMo-core's least number of values before any is judged (or half the window, if larger)."""

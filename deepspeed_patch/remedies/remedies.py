@@ -23,10 +23,10 @@ from typing import Callable, Hashable, List, Optional, Sequence, Tuple, Union
 
 import torch
 
+from ..config import LayerGradNormsConfig
+from ..statistics.statistics import SUMSQ
 from .adaptive_clipping import AdaptiveClipping
-from .config import LayerGradNormsConfig
 from .skip_step import SkipStep
-from .statistics import SUMSQ
 
 logger = logging.getLogger(__name__)
 

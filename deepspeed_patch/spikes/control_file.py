@@ -5,14 +5,11 @@
 """The control file (``ControlFile``): a JSON file a user edits during a run to switch the statistics on or off,
 or change their interval and layers, applied by every rank at the same step.
 
-Rank 0 alone reads the file; the other ranks may not see the same file system. What it read decides collectives
-(a measured step's reduction), so every rank must apply it at the same step, and only a collective can tell them:
-no state the ranks share (the step count, the global norm) carries what one rank read. While the statistics are
-off no collective of this package runs for the news to ride in, and DeepSpeed's own (the gradients', the overflow
-flag's, the global norm's) cannot carry it without changing their results or DeepSpeed's code. So a poll costs one
-collective, the least there is: an all-reduce of one integer, issued without waiting at one poll and read at the
-next (``interval`` steps later), by when it is long complete: no rank waits for another, and on an accelerator the
-host reads a pinned copy that the device made right after the all-reduce (no synchronisation with the device).
+Rank 0 alone reads it (the other ranks may not see the same file system), and only a collective can tell the
+others, at the same step. So a poll costs one all-reduce of one integer, issued without waiting at one poll and read
+at the next (``interval`` steps later): no rank waits for another, and on an accelerator the host reads a pinned copy
+the device made right after the all-reduce (no synchronisation with the device). While the statistics are off, no
+other collective of this package runs to carry it, and DeepSpeed's own cannot without changing their results.
 """
 
 import json

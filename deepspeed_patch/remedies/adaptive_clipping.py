@@ -22,7 +22,7 @@ from typing import Hashable, Optional, Sequence
 
 import torch
 
-from .config import AdaptiveClippingConfig
+from ..config import AdaptiveClippingConfig
 
 logger = logging.getLogger(__name__)
 

@@ -1,0 +1,7 @@
+# Copyright (c) Microsoft Corporation.
+# SPDX-License-Identifier: Apache-2.0
+
+# DeepSpeed Team
+"""The opt-in remedies, decided from the step's reduced table before the optimizer steps (``remedies``):
+AdaGC's per-bucket clipping (``adaptive_clipping``) and skipping an outlier step (``skip_step``).
+"""

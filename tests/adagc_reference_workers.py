@@ -72,7 +72,7 @@ def deepspeed_step(engine, batch: torch.Tensor) -> Dict[str, Any]:
     engine.step()
     result = engine.get_layer_grad_norms()
     return {"factors": result["adaptive_clip"], "clip_coef": result["clip_coef"],
-            "ema": engine.layer_grad_norms.remedies.state_dict()["adaptive_clipping"]["ema"]}
+            "ema": engine.layer_grad_norms.remedy_step.remedies.state_dict()["adaptive_clipping"]["ema"]}
 
 
 def train_side_by_side(case: Dict[str, Any]) -> Dict[str, List]:

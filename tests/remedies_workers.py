@@ -17,7 +17,7 @@ from typing import Any, Callable, Dict, Hashable, List
 
 import torch
 
-import deepspeed_patch.adapters.base
+import deepspeed_patch.remedies.remedy_step
 from megatron_integration.tiny_gpt import TinyGPT
 from reference import averaged_gradients, bucket_stats, reference_bucket
 from zero_workers import (
@@ -119,19 +119,19 @@ def reference_key(case: Dict[str, Any]) -> Callable[[str], Hashable]:
 
 
 class failing_scaling:
-    """While ``on``: the adapters' in-place scaling of the gradient partitions raises (a remedy failing inside the
+    """While ``on``: the remedy step's in-place scaling of the gradient partitions raises (a remedy failing inside the
     step, after global clipping was suspended)."""
 
     def __init__(self, on: bool) -> None:
         self.on = on
-        self.saved = deepspeed_patch.adapters.base.scale_spans
+        self.saved = deepspeed_patch.remedies.remedy_step.scale_spans
 
     def __enter__(self) -> None:
         if self.on:
-            deepspeed_patch.adapters.base.scale_spans = self.fail
+            deepspeed_patch.remedies.remedy_step.scale_spans = self.fail
 
     def __exit__(self, *exc) -> None:
-        deepspeed_patch.adapters.base.scale_spans = self.saved
+        deepspeed_patch.remedies.remedy_step.scale_spans = self.saved
 
     @staticmethod
     def fail(*args, **kwargs) -> None:
@@ -149,7 +149,7 @@ def train(case: Dict[str, Any]) -> Dict[str, Any]:
     for step in range(1, case["steps"] + 1):
         one_step(engine, case, step, record)
         if step == case["resume_at"]:
-            record["saved_state"] = engine.layer_grad_norms.remedies.state_dict()
+            record["saved_state"] = engine.layer_grad_norms.remedy_step.remedies.state_dict()
             record["checkpoint"] = tempfile.mkdtemp(prefix="h38-remedies-")
             engine.save_checkpoint(record["checkpoint"], tag="resume")
     record["history"] = engine.get_layer_grad_norms_history()
@@ -181,7 +181,7 @@ def resume(case: Dict[str, Any], checkpoint: str) -> Dict[str, Any]:
     with warnings_of("deepspeed_patch") as logged:
         engine.load_checkpoint(checkpoint, tag=tag, load_optimizer_states=case["resume_from"] != "module")
         record = new_record()
-        record["loaded_state"] = engine.layer_grad_norms.remedies.state_dict()
+        record["loaded_state"] = engine.layer_grad_norms.remedy_step.remedies.state_dict()
         for step in range(case["resume_at"] + 1, case["steps"] + 1):
             one_step(engine, case, step, record)
     record["warnings"] = logged

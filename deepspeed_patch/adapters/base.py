@@ -27,20 +27,18 @@ one rank changes nothing the ranks do. A failure of the measurement itself goes 
 (``steps.FailureLatch``).
 """
 
-import dataclasses
-import functools
 import logging
 from dataclasses import dataclass
-from typing import Callable, List, Optional, Tuple, Union
+from typing import Callable, Optional, Union
 
 import torch
 
 from ..capabilities import Capabilities
 from ..config import LayerGradNormsConfig
 from ..optimizer_state.optimizer_stats import OptimizerStatistics
-from ..outputs.process_rank import rank_of_process
 from ..outputs.publish import Publisher, Reader
-from ..remedies.remedies import CHECKPOINT_KEY, Action, Remedies, saved_state, scale_spans
+from ..remedies.remedies import CHECKPOINT_KEY, Action, saved_state
+from ..remedies.remedy_step import RemedyStep
 from ..spikes.recorder import FlightRecorder, Replay
 from ..spikes.trigger import FireSelector, History, TriggerState
 from ..statistics.layer_map import LayerMap
@@ -51,8 +49,6 @@ from ..statistics.steps import FailureLatch, StepSchedule
 logger = logging.getLogger(__name__)
 
 BucketOf = Callable[[torch.nn.Parameter], Optional[int]]
-Span = Tuple[int, int, int]
-"""``(start, length, bucket row)`` of a flat gradient: one bucket's parameters laid out together."""
 
 
 @dataclass(frozen=True)
@@ -98,25 +94,21 @@ class LayerGradNormsAdapter:
         self.reporting = False
         """Whether the step under way is measured (reduced and published), not only recorded."""
         trigger = setup.config.trigger
-        self.remedies = Remedies.wanted(setup.config, self.layer_map.keys, self.layer_map.num_rows,
-                                        setup.process_group)
-        """``adaptive_clipping`` and ``skip_step``, when either is on: then every step is measured, and reduced
-        before the optimizer steps (``act``)."""
+        self.remedy_step: Optional[RemedyStep] = None
+        """``adaptive_clipping`` and ``skip_step``, when either is on (set by the families they act in): then every
+        step is measured, and reduced before the optimizer steps (``RemedyStep.act``)."""
         self.capture_steps = trigger.capture_steps if trigger is not None else None
         self.wants_loss = (trigger is not None and trigger.loss_factor is not None) or setup.config.skip_step.enabled
         """Whether ``report_loss`` is needed: a trigger watches the loss (``trigger.loss_factor``), or
         ``skip_step`` does."""
-        self.scaling: Optional[List[List[Tuple[int, int, float]]]] = None
-        """The step's adaptive factors laid on each partition's spans (``scaled_spans``), while they are to apply."""
         history = trigger.history if trigger is not None else 0
         self.recorder = FlightRecorder(history, self.layer_map.num_rows, device, self.kinds) if history else None
 
     def begin_step(self) -> None:
         """Top of the engine's optimizer step: open a measurement if this step is measured or recorded."""
-        self.end_skip()
-        self.reporting = (self.schedule.next_step() or self.remedies is not None) and not self.latch.broken
-        if self.remedies is not None:
-            self.remedies.first_step(self.schedule.step)
+        self.reporting = (self.schedule.next_step() or self.remedy_step is not None) and not self.latch.broken
+        if self.remedy_step is not None:
+            self.remedy_step.begin(self.schedule.step)
         if not (self.reporting or (self.recorder is not None and not self.latch.broken)):
             return
         self.measurement = Measurement(self.schedule.step,
@@ -143,16 +135,15 @@ class LayerGradNormsAdapter:
             with self.latch.failing_locally("ending the step", self.schedule.step):  # last resort: never into training
                 self._end(measurement)
         finally:
-            self.resume_global_clipping()
+            if self.remedy_step is not None:
+                self.remedy_step.restore_clipping()
 
     def _end(self, measurement: Optional[Measurement]) -> None:
         action = measurement.action if measurement is not None else None
         skipped = action is not None and action.skipped
         overflow = self.overflow() and not skipped  # a step skip_step skipped goes the overflow's way in DeepSpeed
-        self.scaling = None
-        if action is not None and not (skipped or overflow or measurement.failed):
-            with self.latch.failing_locally("updating the adaptive averages", measurement.step):
-                self.remedies.applied(self.applied_multiplier(measurement))
+        if self.remedy_step is not None:
+            self.remedy_step.end(measurement, overflow)
         if measurement is not None:
             self._close(measurement, overflow)
         if self.latch.broken:
@@ -202,99 +193,17 @@ class LayerGradNormsAdapter:
             "capture_until": step + self.capture_steps
         }
 
-    def act(self, measurement: Measurement) -> None:
-        """Before the optimizer steps, on a step the loss scaler does not skip, with every partition observed: reduce
-        the step now (its only reduction) and let the remedies decide, from that table, the same on every rank.
-        A skipped step then goes the way DeepSpeed skips an overflowed one (``skip_optimizer_step``); adaptive
-        factors replace global clipping for the step (``suspend_global_clipping``) and are applied to each
-        partition by the family's read point (``scale_buckets``). Should deciding fail, nothing is suspended and
-        the step has no action: it is clipped globally, and no result claims factors."""
-        step = measurement.step
-        reduced = None
-        with self.latch.failing_locally("reducing the step before the optimizer step", step):
-            reduced = measurement.reduce_now(self.process_group)
-        if reduced is None:  # a rank failed to measure: finish switches the statistics off on every rank
-            return
-        with self.latch.failing_locally("deciding the remedies", step):
-            action = self.remedies.decide(reduced, measurement.gradient_scale, self.clip_divisor)
-            scaling = None if action.factors is None else [[(start, length, action.factors[bucket])
-                                                            for start, length, bucket in spans]
-                                                           for spans in self.scaled_spans]
-            measurement.action, self.scaling = action, scaling
-            if action.skipped:
-                if rank_of_process() == 0:  # the same decision on every rank: one line
-                    logger.warning("layer_grad_norms: skip_step skips step %d (%s)", step, action.skip_reason)
-                self.skip_optimizer_step()
-            elif scaling is not None:
-                self.suspend_global_clipping()
-
-    def scale_buckets(self, measurement: Measurement, index: int, flat_grad: torch.Tensor) -> None:
-        """Multiply flat gradient ``index`` (``scaled_spans``) by each bucket's adaptive factor, in place, where the
-        step has them; before the optimizer divides it by the loss scale. Should that fail, global clipping is
-        restored for the step, the result claims no factor (``drop_factors``) and the failure flags the step (the
-        statistics switch off at the next reduction); the caller then records the scale applied."""
-        if self.scaling is None:
-            return
-        with measurement.guarded("scaling the gradient by the adaptive factors"):
-            try:
-                scale_spans(flat_grad, self.scaling[index])
-            except Exception:
-                self.drop_factors(measurement)
-                raise
-
-    def drop_factors(self, measurement: Measurement) -> None:
-        """The step's adaptive factors are not (all) applied: global clipping is back for it, the result says so."""
-        self.scaling = None
-        self.resume_global_clipping()
-        if measurement.action is not None:
-            measurement.action = dataclasses.replace(measurement.action, factors=None)
-
-    @functools.cached_property
-    def scaled_spans(self) -> List[List[Span]]:
-        """Each flat gradient's spans that adaptive clipping multiplies (``spans_to_scale``)."""
-        return [self.spans_to_scale(index) for index in range(self.num_partitions)]
-
-    def spans_to_scale(self, index: int) -> List[Span]:
-        """The spans of flat gradient ``index`` (the one ``scale_buckets`` gets) of every parameter, by its bucket
-        (``LayerMap.bucket_of``): a copy that another rank counts (a tensor-parallel replica, a pipeline-tied
-        copy) included, so that every copy of a parameter gets the same factor (DESIGN.md 2b)."""
-        raise NotImplementedError
-
-    def applied_multiplier(self, measurement: Measurement) -> float:
-        """What the optimizer multiplied the step's gradient by, unscaled and after the adaptive factors: the global
-        clip coefficient of the step's global norm (1 while adaptive clipping suspends it). At the end of the step,
-        before global clipping is restored."""
-        return 1.0 / self.clip_divisor(measurement.action.global_norm)
-
-    def clip_divisor(self, global_norm: float) -> float:
-        """What the optimizer's global clipping divides a gradient of unscaled norm ``global_norm`` by."""
-        raise NotImplementedError
-
-    def skip_optimizer_step(self) -> None:
-        """Make the optimizer skip the step under way as it skips an overflowed one (refused where it cannot)."""
-        raise NotImplementedError
-
-    def end_skip(self) -> None:
-        """Top of the step after one ``skip_optimizer_step`` skipped: the optimizer steps again."""
-
-    def suspend_global_clipping(self) -> None:
-        """No global clipping for the step under way (adaptive clipping replaces it); ``end_step`` restores it."""
-        raise NotImplementedError
-
-    def resume_global_clipping(self) -> None:
-        """Global clipping as it was before ``suspend_global_clipping``, if it was suspended."""
-
     def save_remedies(self, state_dict: dict) -> None:
         """At the end of the optimizer's ``state_dict``: the remedies' state joins the checkpoint it writes."""
-        if self.remedies is not None:
-            state_dict[CHECKPOINT_KEY] = self.remedies.state_dict()
+        if self.remedy_step is not None:
+            state_dict[CHECKPOINT_KEY] = self.remedy_step.remedies.state_dict()
 
     def load_remedies(self, state_dict_list, checkpoint_folder: Optional[str] = None) -> None:
         """At the top of the optimizer's ``load_state_dict``: the remedies' state from the checkpoint, its ZeRO files'
         ``state_dict_list`` or, for a universal checkpoint (``state_dict_list`` ``None``), ``checkpoint_folder``
         (``remedies.saved_state``). A checkpoint without it restarts them, named in a warning."""
-        if self.remedies is not None:
-            self.remedies.load_state_dict(saved_state(state_dict_list, checkpoint_folder) or {})
+        if self.remedy_step is not None:
+            self.remedy_step.remedies.load_state_dict(saved_state(state_dict_list, checkpoint_folder) or {})
 
     def _replay(self, fired: dict) -> None:
         """At a fire: the recorded steps no earlier fire published, reduced, kept and published. A rank's
@@ -360,8 +269,8 @@ class LayerGradNormsAdapter:
         the loss is ignored, not read: a device tensor stays there."""
         if self.trigger.trigger is not None and self.trigger.trigger.loss_factor is not None:
             self.trigger.report_loss(loss)
-        if self.remedies is not None and before_step:
-            self.remedies.report_loss(loss)
+        if self.remedy_step is not None and before_step:
+            self.remedy_step.remedies.report_loss(loss)
 
     def set_options(self,
                     enabled: Optional[bool] = None,

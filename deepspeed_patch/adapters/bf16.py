@@ -19,9 +19,9 @@ from deepspeed import comm as dist
 from ..optimizer_state.optimizer_stats import optimizer_statistics
 from ..statistics.clipping import bf16_clip_divisor
 from ..statistics.measurement import Measurement
-from ..statistics.partition_slices import PartitionSlices, back_to_back_ranges, partition_spans, slices_of_spans
+from ..statistics.partition_slices import PartitionSlices, Span, back_to_back_ranges, partition_spans, slices_of_spans
 from ..statistics.partition_stats import chunk_partition
-from .base import Setup, Span
+from .base import Setup
 from .optimizer import OptimizerAdapter
 
 
@@ -57,9 +57,9 @@ class BF16Adapter(OptimizerAdapter):
         the partition: ``step()`` reads every parameter's gradient) before ``step()`` computes its global norm (which
         then is the norm after adaptive clipping, the same on every rank) and clips (not, once adaptive clipping
         replaces it)."""
-        if self.remedies is None:
+        if self.remedy_step is None:
             return
-        self.act(measurement)
+        self.remedy_step.act(measurement)
         for index, flat_grad in enumerate(self.optimizer.fp32_groups_gradients_flat):
             self.scale_buckets(measurement, index, flat_grad)
 

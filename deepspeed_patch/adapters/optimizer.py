@@ -12,8 +12,11 @@ from typing import Dict, List, Optional, Sequence
 import torch
 
 from ..capabilities import Capabilities
+from ..remedies.remedies import Remedies
+from ..remedies.remedy_step import RemedyStep
 from ..statistics.clipping import zero_unscale_divisor
 from ..statistics.measurement import Measurement
+from ..statistics.partition_slices import Span
 from ..statistics.partition_stats import Chunking
 from .base import LayerGradNormsAdapter, Setup
 
@@ -28,6 +31,9 @@ class OptimizerAdapter(LayerGradNormsAdapter):
         """The optimizer's ``clip_grad`` while adaptive clipping replaces it for one step
         (``suspend_global_clipping``)."""
         super().__init__(setup, num_partitions, device)
+        remedies = Remedies.wanted(setup.config, self.layer_map.keys, self.layer_map.num_rows, setup.process_group)
+        if remedies is not None:
+            self.remedy_step = RemedyStep(remedies, self, self.latch, setup.process_group)
 
     @staticmethod
     def unsupported(optimizer, names: Dict[torch.nn.Parameter, str], capabilities: Capabilities) -> List[str]:
@@ -35,11 +41,42 @@ class OptimizerAdapter(LayerGradNormsAdapter):
         (``names``: the engine's parameter names)."""
         return []
 
+    def scale_buckets(self, measurement: Measurement, index: int, flat_grad: torch.Tensor) -> None:
+        """A read point's flat gradient ``index``, multiplied by the step's adaptive factors if it has them
+        (``RemedyStep.scale``), before the optimizer unscales and clips it."""
+        if self.remedy_step is not None:
+            self.remedy_step.scale(measurement, index, flat_grad)
+
+    def clip_divisor(self, global_norm: float) -> float:
+        """What the optimizer's global clipping divides a gradient of unscaled norm ``global_norm`` by."""
+        raise NotImplementedError
+
+    def applied_multiplier(self, measurement: Measurement) -> float:
+        """What the optimizer multiplied the step's gradient by, unscaled and after the adaptive factors: the global
+        clip coefficient of the step's global norm (1 while adaptive clipping suspends it). At the end of the step,
+        before global clipping is restored."""
+        return 1.0 / self.clip_divisor(measurement.action.global_norm)
+
+    def spans_to_scale(self, index: int) -> List[Span]:
+        """The spans of flat gradient ``index`` (the one ``scale_buckets`` gets) of every parameter, by its bucket
+        (``LayerMap.bucket_of``): a copy that another rank counts (a tensor-parallel replica, a pipeline-tied
+        copy) included, so that every copy of a parameter gets the same factor (DESIGN.md 2b)."""
+        raise NotImplementedError
+
+    def skip_optimizer_step(self) -> None:
+        """Make the optimizer skip the step under way as it skips an overflowed one (refused where it cannot)."""
+        raise NotImplementedError
+
+    def end_skip(self) -> None:
+        """Top of the step after one ``skip_optimizer_step`` skipped: the optimizer steps again."""
+
     def suspend_global_clipping(self) -> None:
+        """No global clipping for the step under way (adaptive clipping replaces it); ``end_step`` restores it."""
         self.saved_clip_grad = self.optimizer.clip_grad
         self.optimizer.clip_grad = 0.0
 
     def resume_global_clipping(self) -> None:
+        """Global clipping as it was before ``suspend_global_clipping``, if it was suspended."""
         if self.saved_clip_grad is not None:
             self.optimizer.clip_grad, self.saved_clip_grad = self.saved_clip_grad, None
 
@@ -79,16 +116,16 @@ class ZeroPartitionsAdapter(OptimizerAdapter):
         measurement = self.measurement
         if measurement is None:
             return
-        acting = self.remedies is not None and not has_overflow
+        acting = self.remedy_step is not None and not has_overflow
         with measurement.guarded("reading the gradients before the step"):
             measurement.set_gradient_scale(self.optimizer.loss_scale)
             if has_overflow or acting:
                 for index, chunking in enumerate(self.chunkings):
                     self.observe_skipped(measurement, index, chunking)
         if acting:
-            self.act(measurement)
-        elif self.remedies is not None:
-            measurement.action = self.remedies.overflowed()
+            self.remedy_step.act(measurement)
+        elif self.remedy_step is not None:
+            self.remedy_step.overflowed(measurement)
 
     def clip_divisor(self, global_norm: float) -> float:
         return zero_unscale_divisor(global_norm, clip_grad=self.optimizer.clip_grad, loss_scale=1.0)

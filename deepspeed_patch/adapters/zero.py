@@ -18,9 +18,9 @@ import torch
 from deepspeed import comm as dist
 
 from ..optimizer_state.optimizer_stats import optimizer_statistics
-from ..statistics.partition_slices import partition_spans, slices_of_spans
+from ..statistics.partition_slices import Span, partition_spans, slices_of_spans
 from ..statistics.partition_stats import Chunking, chunk_partition
-from .base import BucketOf, Setup, Span
+from .base import BucketOf, Setup
 from .optimizer import ZeroPartitionsAdapter, observe_chunks, param_group_of
 
 

@@ -18,6 +18,9 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 
+Span = Tuple[int, int, int]
+"""``(start, length, bucket row)`` of a flat gradient: one bucket's parameters laid out together."""
+
 
 @dataclass(frozen=True)
 class PartitionSlices:
@@ -51,7 +54,7 @@ class PartitionSlices:
 
 
 def partition_spans(param_ranges: Sequence[Tuple[int, int, Optional[int]]], partition_start: int,
-                    partition_size: int) -> List[Tuple[int, int, int]]:
+                    partition_size: int) -> List[Span]:
     """Spans ``(local_start, length, bucket)`` of one partition.
 
     ``param_ranges`` holds ``(offset, numel, bucket)`` of each parameter in the flat group buffer;
@@ -59,7 +62,7 @@ def partition_spans(param_ranges: Sequence[Tuple[int, int, Optional[int]]], part
     of the same bucket with no padding between them form one span.
     """
     partition_end = partition_start + partition_size
-    spans: List[Tuple[int, int, int]] = []
+    spans: List[Span] = []
     for offset, numel, bucket in param_ranges:
         start, end = max(offset, partition_start), min(offset + numel, partition_end)
         if bucket is None or start >= end:
@@ -82,7 +85,7 @@ def back_to_back_ranges(params, bucket_of) -> List[Tuple[int, int, Optional[int]
     return ranges
 
 
-def slices_of_spans(spans: List[Tuple[int, int, int]], device=None) -> PartitionSlices:
+def slices_of_spans(spans: List[Span], device=None) -> PartitionSlices:
     """The ``PartitionSlices`` of spans ``(local_start, length, bucket)``."""
     return PartitionSlices(starts=tuple(span[0] for span in spans),
                            lengths=tuple(span[1] for span in spans),

@@ -132,13 +132,13 @@ CALL_SITES = (
         _FUSED,
         ("unscale_and_clip_grads", START,
          AdapterCall(FusedFP16Adapter.unscale_and_clip_grads, _GROUPS_AND_NORM + ("apply_scale", ))),
-        ("unscale_and_clip_grads", RESULT, AdapterCall(Adapter.applied_scale, (RETURNED, ))),
+        ("unscale_and_clip_grads", RESULT, AdapterCall(Adapter.applied_divisor, (RETURNED, ))),
         # a skipped step's gradients: 0.19.8 drops them in one method; before, after _update_scale
         ("_skip_invalid_grad_norm", START, AdapterCall(FusedFP16Adapter.skip_step), "fp16_skip_method"),
         ("_update_scale", START, AdapterCall(FusedFP16Adapter.update_scale, ("skip", )), None, "fp16_skip_method")),
     *_optimizer(_UNFUSED, ("unscale_and_clip_grads", START,
                            AdapterCall(UnfusedFP16Adapter.unscale_and_clip_grads, ("total_norm", "apply_scale"))),
-                ("unscale_and_clip_grads", RESULT, AdapterCall(Adapter.applied_scale, (RETURNED, ))),
+                ("unscale_and_clip_grads", RESULT, AdapterCall(Adapter.applied_divisor, (RETURNED, ))),
                 ("_update_scale", START, AdapterCall(UnfusedFP16Adapter.update_scale, ("skip", )))),
 )
 

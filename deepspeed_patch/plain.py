@@ -70,7 +70,7 @@ class LayerGradNorms:
 
         ``clip_coef`` is the factor you are about to multiply the gradients by (post-clip statistics).
         """
-        return self._step(lambda measurement: measurement.set_applied_scale(1.0 / clip_coef))
+        return self._step(lambda measurement: measurement.set_applied_divisor(1.0 / clip_coef))
 
     def clip_grad_norm_(self, max_norm: float) -> Optional[dict]:
         """Measure, then clip every trainable gradient like ``torch.nn.utils.clip_grad_norm_``."""

@@ -89,7 +89,7 @@ def test_monitor_events_in_csv_and_tensorboard(runs):
 
 
 def test_trigger_ignores_ordinary_steps():
-    trigger = SpikeTrigger(factor=3.0, window=5, capture_steps=4, on_overflow=True)
+    trigger = SpikeTrigger(norm_ratio=3.0, window=5, capture_steps=4, on_overflow=True)
     assert all(trigger.update(step, 1.0 + 0.1 * (step % 3), False) is None for step in range(1, 20))
     assert trigger.update(20, 3.1, False) is None  # 3.1 < 3 x median 1.1
     assert trigger.update(21, 9.0, False)["capture_until"] == 25
@@ -101,7 +101,7 @@ def test_trigger_after_a_resume_fires_on_overflow_at_once_and_on_a_spike_after_i
     from deepspeed_patch.spikes.spike_rule import WARM_UP
 
     assert SpikeTrigger(3.0, 50, 4, on_overflow=True).update(101, None, True)["fired_at"] == 101
-    trigger = SpikeTrigger(factor=3.0, window=50, capture_steps=4, on_overflow=True)
+    trigger = SpikeTrigger(norm_ratio=3.0, window=50, capture_steps=4, on_overflow=True)
     warm_up = [1.0, 1.0, 50.0, 1.0, 1.0]  # a spike at step 103, within the warm-up: not judged
     assert len(warm_up) == WARM_UP
     assert [trigger.update(101 + index, norm, False) for index, norm in enumerate(warm_up)] == [None] * WARM_UP

@@ -71,12 +71,12 @@ def attach(engine) -> Optional[LayerGradNormsAdapter]:
     if family is None:
         return _param_grad_adapter(engine, config)
     if family in REPLICATED_FAMILIES:
-        group = _stage0_group(engine)
+        process_group = _stage0_group(engine)
     else:
-        group = _stats_group(engine, optimizer)
+        process_group = _stats_group(engine, optimizer)
     try:
         params = family.trainable_params(optimizer)
-        adapter = family(optimizer, _setup(engine, config, params, group))
+        adapter = family(optimizer, _setup(engine, config, params, process_group))
     except AttributeError as err:  # a DeepSpeed release whose optimizer keeps its layout elsewhere
         raise UnsupportedSetupError(f"{CONFIG_KEY}: {type(optimizer).__name__} of DeepSpeed {deepspeed.__version__} "
                                     f"has no attribute {err.name!r}, which {family.__name__} reads") from err
@@ -95,12 +95,12 @@ def _steps_an_optimizer(engine) -> bool:
 def _param_grad_adapter(engine, config: LayerGradNormsConfig) -> ParamGradAdapter:
     """DeepSpeed without ZeRO in fp32: the engine clips the ``.grad`` it holds on every rank itself."""
     check_param_grads(engine, config)
-    group = _stage0_group(engine)
-    check_param_grad_trigger(config, group is REPLICATED)
+    process_group = _stage0_group(engine)
+    check_param_grad_trigger(config, process_group is REPLICATED)
     params = [param for param in engine.module.parameters() if param.requires_grad]
-    clip_square = None if group is REPLICATED else _engine_clip_square(engine.module, engine.mpu)
+    clip_square = None if process_group is REPLICATED else _engine_clip_square(engine.module, engine.mpu)
     return ParamGradAdapter(params,
-                            _setup(engine, config, params, group),
+                            _setup(engine, config, params, process_group),
                             max_norm=engine.gradient_clipping,
                             clip_square=clip_square,
                             optimizer=engine.optimizer)
@@ -116,7 +116,7 @@ def _engine_clip_square(module: torch.nn.Module, mpu):
     return clip_square
 
 
-def _setup(engine, config: LayerGradNormsConfig, params: List[torch.nn.Parameter], group) -> Setup:
+def _setup(engine, config: LayerGradNormsConfig, params: List[torch.nn.Parameter], process_group) -> Setup:
     """The layer map of the trainable ``params``, and the engine's step count and monitors."""
     names = engine.param_names
     check_no_sequence_parallel(params, names)
@@ -134,7 +134,7 @@ def _setup(engine, config: LayerGradNormsConfig, params: List[torch.nn.Parameter
     return Setup(config,
                  layer_map,
                  bucket_of,
-                 group,
+                 process_group,
                  completed_steps=lambda: engine_ref().global_steps,
                  monitor=MonitorEvents.wanted(engine, config.monitor),
                  capabilities=capabilities.installed())

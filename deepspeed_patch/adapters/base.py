@@ -101,8 +101,8 @@ class LayerGradNormsAdapter:
         self.wants_loss = (trigger is not None and trigger.loss_factor is not None) or setup.config.skip_step.enabled
         """Whether ``report_loss`` is needed: a trigger watches the loss (``trigger.loss_factor``), or
         ``skip_step`` does."""
-        history = trigger.history if trigger is not None else 0
-        self.recorder = FlightRecorder(history, self.layer_map.num_rows, device, self.kinds) if history else None
+        ring_steps = trigger.history if trigger is not None else 0
+        self.recorder = FlightRecorder(ring_steps, self.layer_map.num_rows, device, self.kinds) if ring_steps else None
 
     def begin_step(self) -> None:
         """Top of the engine's optimizer step: open a measurement if this step is measured or recorded."""
@@ -160,7 +160,7 @@ class LayerGradNormsAdapter:
     def _close(self, measurement: Measurement, overflow: bool) -> None:
         """Record the step, and reduce and publish it if it is measured."""
         step = measurement.step
-        with measurement.guarded("reading the applied scale"):
+        with measurement.guarded("reading the applied divisor"):
             self.read_at_end(measurement, overflow)
         if measurement.kinds:
             with measurement.guarded("reading the optimizer state"):
@@ -226,7 +226,7 @@ class LayerGradNormsAdapter:
         """Families that read at the beginning let the remedies act then (``act``), on every rank."""
 
     def read_at_end(self, measurement: Measurement, overflow: bool) -> None:
-        """Families whose applied scale is known only once the step is done record it here."""
+        """Families whose applied divisor is known only once the step is done record it here."""
 
     def read_optimizer_state(self, measurement: Measurement, overflow: bool) -> None:
         """After the optimizer step, on a measured step with ``optimizer_statistics``: fold the requested
@@ -235,11 +235,12 @@ class LayerGradNormsAdapter:
         (``refusals.check_optimizer_statistics``)."""
         self.optimizer_statistics.accumulate(measurement.kind_stats, skipped=overflow)
 
-    def applied_scale(self, combined_scale) -> None:
-        """On what an optimizer's ``unscale_and_clip_grads`` returns, where it returns the one factor it
-        divides the gradient by (FP16_Optimizer, FP16_UnfusedOptimizer)."""
+    def applied_divisor(self, combined_scale) -> None:
+        """On what an optimizer's ``unscale_and_clip_grads`` returns, where it returns the one divisor it applies
+        to the gradient, loss scale and clipping together (FP16_Optimizer's and FP16_UnfusedOptimizer's
+        ``combined_scale``)."""
         if self.measurement is not None:
-            self.measurement.set_applied_scale(combined_scale)
+            self.measurement.set_applied_divisor(combined_scale)
 
     def overflow(self) -> bool:
         """Whether the loss scaler skipped this step."""
@@ -267,7 +268,7 @@ class LayerGradNormsAdapter:
         alone. Both judge the largest loss any rank reported (``trigger.agreed_loss``), so ranks reporting other
         values, or none, still decide together. Without a ``loss_factor`` or ``skip_step`` (``wants_loss`` false)
         the loss is ignored, not read: a device tensor stays there."""
-        if self.trigger.trigger is not None and self.trigger.trigger.loss_factor is not None:
+        if self.trigger.trigger is not None and self.trigger.trigger.loss_ratio is not None:
             self.trigger.report_loss(loss)
         if self.remedy_step is not None and before_step:
             self.remedy_step.remedies.report_loss(loss)

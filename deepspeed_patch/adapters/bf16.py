@@ -75,8 +75,8 @@ class BF16Adapter(OptimizerAdapter):
     def read_at_end(self, measurement: Measurement, overflow: bool) -> None:
         if not overflow:
             optimizer = self.optimizer
-            measurement.set_applied_scale_of_norm(optimizer._global_grad_norm,
-                                                  functools.partial(bf16_clip_divisor, clip_grad=optimizer.clip_grad))
+            measurement.set_applied_divisor_of_norm(
+                optimizer._global_grad_norm, functools.partial(bf16_clip_divisor, clip_grad=optimizer.clip_grad))
 
     def overflow(self) -> bool:
         return self.capabilities.bf16_skips_steps and bool(self.optimizer.overflow)

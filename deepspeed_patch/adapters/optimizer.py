@@ -102,7 +102,7 @@ class ZeroPartitionsAdapter(OptimizerAdapter):
         for the global norm (times the loss scale) ``total_norm``, which stays on the device until ``finish``."""
         optimizer = self.optimizer
         measurement.observe_partition(index, flat_grad, self.chunkings[index])
-        measurement.set_applied_scale_of_norm(
+        measurement.set_applied_divisor_of_norm(
             total_norm,
             functools.partial(zero_unscale_divisor,
                               clip_grad=optimizer.clip_grad,

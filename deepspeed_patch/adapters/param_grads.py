@@ -34,7 +34,7 @@ class ParamGradAdapter(LayerGradNormsAdapter):
                  optimizer: Optional[torch.optim.Optimizer] = None) -> None:
         """``max_norm()``: the norm the caller clips to after the measurement (0: no clipping); the
         post-clip statistics follow ``torch.nn.utils.clip_grad_norm_``. Without it, the caller sets the
-        measurement's applied scale itself. ``clip_square()``: this rank's share of the square of the
+        measurement's applied divisor itself. ``clip_square()``: this rank's share of the square of the
         global norm the caller clips by, where that is not the statistics' own total norm (DeepSpeed's rule
         under pipeline or tensor parallelism). ``optimizer``: the torch optimizer that steps ``params``, whose
         state the ``optimizer_statistics`` read (DeepSpeed's ``engine.optimizer`` without ZeRO in fp32)."""

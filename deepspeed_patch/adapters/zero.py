@@ -61,7 +61,7 @@ class ZeroAdapter(ZeroPartitionsAdapter):
         with measurement.guarded("reading the gradient partition"):
             flat_grad = grad_groups_flat[0]
             index = param_group_of(self.optimizer.single_partition_of_fp32_groups, flat_grad)
-            self.scale_buckets(measurement, index, flat_grad)  # first: the scale applied follows its outcome
+            self.scale_buckets(measurement, index, flat_grad)  # first: the divisor applied follows its outcome
             self.observe_flat(measurement, index, flat_grad, total_norm, self.capabilities.zero_zeroes_invalid_norm)
 
     def spans_to_scale(self, index: int) -> List[Span]:

@@ -114,7 +114,7 @@ class Zero3Adapter(ZeroPartitionsAdapter):
             flat_grad = self.optimizer.fp32_partitioned_groups_flat[sub_group_id].grad
             # An invalid norm goes into the formula (clamped at 1) or, where the release checks it
             # (0.19.8), skips the step before this point: never a zeroed gradient.
-            self.scale_buckets(measurement, sub_group_id, flat_grad)  # first: the scale applied follows its outcome
+            self.scale_buckets(measurement, sub_group_id, flat_grad)  # first: the divisor applied follows its outcome
             self.observe_flat(measurement, sub_group_id, flat_grad, total_norm, zeroes_invalid_norm=False)
 
     def spans_to_scale(self, index: int) -> List[Span]:

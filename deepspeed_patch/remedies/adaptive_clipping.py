@@ -31,7 +31,9 @@ class AdaptiveClipping:
     """AdaGC's factors and state for one optimizer's buckets."""
 
     def __init__(self, config: AdaptiveClippingConfig, keys: Sequence[Hashable]) -> None:
-        self.beta, self.factor, self.warmup_steps = config.beta, config.factor, config.warmup_steps
+        self.beta, self.relative_limit, self.warmup_steps = config.beta, config.factor, config.warmup_steps
+        """``relative_limit``: AdaGC's lambda (the ds_config's ``factor``): a bucket whose norm passes it times the
+        bucket's average is clipped to that."""
         self.keys = list(keys)
         self.ema = torch.full((len(self.keys), ), math.inf, dtype=torch.float64)
         """Each bucket's moving average of its clipped norm (``inf``: none yet)."""
@@ -48,7 +50,7 @@ class AdaptiveClipping:
         would multiply the step's gradient by: no bucket passes unclipped because it had no usable norm before."""
         if self.warming_up():
             return None
-        limit = self.factor * self.ema
+        limit = self.relative_limit * self.ema
         clipped = torch.isfinite(norms) & (norms > limit)
         factors = torch.where(clipped, limit / norms, torch.ones_like(norms))
         return torch.where(torch.isinf(self.ema), torch.full_like(norms, global_coefficient), factors)

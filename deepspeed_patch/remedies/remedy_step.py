@@ -100,7 +100,7 @@ class RemedyStep:
         """Multiply flat gradient ``index`` (``scaled_spans``) by each bucket's adaptive factor, in place, where the
         step has them; before the optimizer divides it by the loss scale. Should that fail, global clipping is
         restored for the step, the result claims no factor (``drop_factors``) and the failure flags the step (the
-        statistics switch off at the next reduction); the caller then records the scale applied."""
+        statistics switch off at the next reduction); the caller then records the divisor applied."""
         if self.scaling is None:
             return
         with measurement.guarded("scaling the gradient by the adaptive factors"):

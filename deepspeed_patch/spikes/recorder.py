@@ -89,7 +89,7 @@ class FlightRecorder:
         self.open_block = 0
         self.scales: List[Optional[StepScales]] = [None] * capacity
         self.norms = torch.zeros(capacity, dtype=torch.float64, device=device)
-        """Each slot's copy of the optimizer's global norm, where its scales read one (``scale_of_norm``)."""
+        """Each slot's copy of the optimizer's global norm, where its scales read one (``divisor_of_norm``)."""
         self.next_slot = 0
 
     @property
@@ -109,11 +109,11 @@ class FlightRecorder:
         if leaving is not None:
             self.block_steps[self.open_block].append(leaving.step)
             self.block_finite[self.open_block] += not leaving.overflow
-        if scales.scale_of_norm is not None:  # the optimizer's norm tensor is its own: keep a copy
-            norm, formula = scales.scale_of_norm
+        if scales.divisor_of_norm is not None:  # the optimizer's norm tensor is its own: keep a copy
+            norm, formula = scales.divisor_of_norm
             kept = self.norms[self.next_slot]
             kept.copy_(norm.detach().reshape(()))
-            scales = replace(scales, scale_of_norm=(kept, formula))
+            scales = replace(scales, divisor_of_norm=(kept, formula))
         self.scales[self.next_slot] = scales
         self.next_slot = (self.next_slot + 1) % self.tables.shape[0]
 

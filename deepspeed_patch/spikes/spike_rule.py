@@ -22,10 +22,10 @@ one or two steps would fire on ordinary noise."""
 
 
 class SpikeTrigger:
-    """Fires when the global gradient norm jumps above ``factor`` times its running median over the
-    last ``window`` steps, when the loss the training loop reports jumps above ``loss_factor`` times its
-    own running median, or (``on_overflow``) when the loss scaler has skipped ``overflow_steps`` steps in
-    a row; and not again within ``cooldown`` steps of a fire.
+    """Fires when the global gradient norm jumps above ``norm_ratio`` (``grad_norm_factor``) times its running
+    median over the last ``window`` steps, when the loss the training loop reports jumps above ``loss_ratio``
+    (``loss_factor``) times its own running median, or (``on_overflow``) when the loss scaler has skipped
+    ``overflow_steps`` steps in a row; and not again within ``cooldown`` steps of a fire.
 
     Routine dynamic loss scaling skips a step now and then: a scale that grows until the gradient overflows
     (one or two skipped steps in a row, with DeepSpeed's default hysteresis of 2), and at the start of a run
@@ -45,15 +45,15 @@ class SpikeTrigger:
     """
 
     def __init__(self,
-                 factor: float,
+                 norm_ratio: Optional[float],
                  window: int,
                  capture_steps: int,
                  on_overflow: bool,
-                 loss_factor: Optional[float] = None,
+                 loss_ratio: Optional[float] = None,
                  cooldown: int = 1,
                  overflow_steps: int = 1) -> None:
-        self.factor, self.capture_steps, self.on_overflow = factor, capture_steps, on_overflow
-        self.loss_factor = loss_factor
+        self.norm_ratio, self.capture_steps, self.on_overflow = norm_ratio, capture_steps, on_overflow
+        self.loss_ratio = loss_ratio
         self.cooldown, self.overflow_steps = cooldown, overflow_steps
         self.recent: deque = deque(maxlen=window)
         self.recent_losses: deque = deque(maxlen=window)
@@ -71,15 +71,15 @@ class SpikeTrigger:
         ``global_norm`` is ``None`` when the optimizer computed none (``compute_grad_norm: false``); a
         non-finite one on a step the loss scaler did not skip (bf16, fp32: no scaler handles it) fires at
         once, even in the warm-up. ``loss``: the loss reported since the last step, or ``None``; it is
-        watched only with a ``loss_factor``.
+        watched only with a ``loss_ratio``.
         """
         if overflow:
             reason = "overflow" if self._overflow_fires(step) else None
         else:
             self.skipped_since = None
-            reason = _spike("grad norm", global_norm, self.factor, self.recent)
-            if self.loss_factor is not None:
-                reason = _spike("loss", loss, self.loss_factor, self.recent_losses) or reason
+            reason = _spike("grad norm", global_norm, self.norm_ratio, self.recent)
+            if self.loss_ratio is not None:
+                reason = _spike("loss", loss, self.loss_ratio, self.recent_losses) or reason
         if reason is None or (self.last_fire is not None and step - self.last_fire < self.cooldown):
             return None
         self.last_fire = step
@@ -107,11 +107,11 @@ def judge_outlier(name: str, value: Optional[float], recent: deque, least: int,
     return f"{name} {value:.4g} > {said}" if value > limit else None
 
 
-def _spike(name: str, value: Optional[float], factor: float, recent: deque) -> Optional[str]:
-    """Why ``value`` is a spike above ``factor`` times the median of ``recent`` (judged after the warm-up)."""
+def _spike(name: str, value: Optional[float], ratio: float, recent: deque) -> Optional[str]:
+    """Why ``value`` is a spike above ``ratio`` times the median of ``recent`` (judged after the warm-up)."""
 
     def times_median(values: deque) -> Tuple[float, str]:
         median = statistics.median(values)
-        return factor * median, f"{factor} x median {median:.4g}"
+        return ratio * median, f"{ratio} x median {median:.4g}"
 
     return judge_outlier(name, value, recent, min(recent.maxlen, WARM_UP), times_median)

@@ -69,8 +69,8 @@ class TriggerState:
         loss, self.loss = self.loss, None
         if self.trigger is None:
             return None
-        watched_norm = global_norm if self.trigger.factor is not None else None  # not read when not watched
-        if self.trigger.loss_factor is not None:
+        watched_norm = global_norm if self.trigger.norm_ratio is not None else None  # not read when not watched
+        if self.trigger.loss_ratio is not None:
             loss = self.reduced_loss = agreed_loss(loss, self.process_group)
         norm, loss = _on_host(watched_norm, loss)
         loss = reported_loss(loss)

@@ -60,10 +60,10 @@ class Measurement:
         self.extra = extra
         self.observed = set()
         self.gradient_scale = 1.0
-        self.applied_scale = 1.0
+        self.applied_divisor = 1.0
         self.clip_norm: Optional[float] = None
         self.clip_square: Optional[torch.Tensor] = None
-        self.scale_of_norm: Optional[NormFormula] = None
+        self.divisor_of_norm: Optional[NormFormula] = None
         self.failed = failed
         self.finished = False
         self.reduced: Optional[torch.Tensor] = None
@@ -106,18 +106,18 @@ class Measurement:
         """The loss scale the observed gradients carry; the pre-clip statistics are divided by it."""
         self.gradient_scale = float(loss_scale)
 
-    def set_applied_scale(self, divisor: float) -> None:
+    def set_applied_divisor(self, divisor: float) -> None:
         """What the optimizer divides the observed gradients by: loss scale and clipping together."""
-        self.applied_scale = float(divisor)
+        self.applied_divisor = float(divisor)
 
-    def set_applied_scale_of_norm(self, norm, formula: Callable[[float], float]) -> None:
-        """The applied scale as ``formula(float(norm))``, for the optimizer's global norm still on its device:
+    def set_applied_divisor_of_norm(self, norm, formula: Callable[[float], float]) -> None:
+        """The applied divisor as ``formula(float(norm))``, for the optimizer's global norm still on its device:
         ``finish`` reads it with the statistics, in the step's one host transfer, rather than each
         partition's read point forcing a host synchronisation of its own."""
         if isinstance(norm, torch.Tensor):
-            self.scale_of_norm = (norm, formula)
+            self.divisor_of_norm = (norm, formula)
         else:
-            self.set_applied_scale(formula(norm))
+            self.set_applied_divisor(formula(norm))
 
     def set_clip_norm(self, max_norm: float, local_square: Optional[torch.Tensor] = None) -> None:
         """Clipping to ``max_norm`` as ``torch.nn.utils.clip_grad_norm_`` does it: the factor comes from
@@ -146,9 +146,9 @@ class Measurement:
         return StepScales(self.step,
                           bool(overflow),
                           self.gradient_scale,
-                          self.applied_scale,
+                          self.applied_divisor,
                           self.clip_norm,
-                          self.scale_of_norm,
+                          self.divisor_of_norm,
                           clip_by_status=self.clip_square is not None,
                           kinds=self.kinds,
                           action=self.action)

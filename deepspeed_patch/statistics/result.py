@@ -33,12 +33,12 @@ class StepScales:
     overflow: bool
     gradient_scale: float
     """The loss scale the observed gradients carry."""
-    applied_scale: float
+    applied_divisor: float
     """What the optimizer divides them by: loss scale and clipping together."""
     clip_norm: Optional[float]
     """Clipping as ``torch.nn.utils.clip_grad_norm_`` does it (the factor follows from the table)."""
-    scale_of_norm: Optional[NormFormula] = None
-    """The applied scale as ``formula(norm)`` of an optimizer's global norm still on its device, resolved by
+    divisor_of_norm: Optional[NormFormula] = None
+    """The applied divisor as ``formula(norm)`` of an optimizer's global norm still on its device, resolved by
     ``host_copy`` (then ``None``)."""
     clip_by_status: bool = False
     """``clip_norm`` applies to the norm whose square the status row carries, not to the table's total."""
@@ -49,20 +49,21 @@ class StepScales:
 
 
 def host_copy(reduced: torch.Tensor, scales: Sequence[StepScales]) -> Tuple[torch.Tensor, List[StepScales]]:
-    """A reduced table on the host, and ``scales`` with the applied scales of their global norms resolved:
+    """A reduced table on the host, and ``scales`` with the applied divisors of their global norms resolved:
     the norms travel in the same copy, the one host synchronisation of a measured step (or of a fire)."""
-    norms = [entry.scale_of_norm[0].reshape(1).to(reduced) for entry in scales if entry.scale_of_norm is not None]
+    norms = [entry.divisor_of_norm[0].reshape(1).to(reduced) for entry in scales if entry.divisor_of_norm is not None]
     host = torch.cat([reduced.flatten(), *norms]).cpu()
     values = iter(host[reduced.numel():].tolist())
     resolved = [
-        entry if entry.scale_of_norm is None else replace(
-            entry, applied_scale=float(entry.scale_of_norm[1](next(values))), scale_of_norm=None) for entry in scales
+        entry if entry.divisor_of_norm is None else replace(
+            entry, applied_divisor=float(entry.divisor_of_norm[1](next(values))), divisor_of_norm=None)
+        for entry in scales
     ]
     return host[:reduced.numel()].view(reduced.shape), resolved
 
 
 def resolve_scales(scales: Sequence[StepScales]) -> List[StepScales]:
-    """``scales`` with the applied scales of their global norms resolved, for a table already on the host."""
+    """``scales`` with the applied divisors of their global norms resolved, for a table already on the host."""
     return host_copy(torch.zeros(0, dtype=torch.float64), scales)[1]
 
 
@@ -76,16 +77,16 @@ def step_result(stats: torch.Tensor, scales: StepScales, keys: Sequence[Hashable
         return None
     blocks = stats[:-1].view(1 + len(scales.kinds), -1, stats.shape[1])
     gradient = blocks[0]
-    applied_scale = scales.applied_scale
+    applied_divisor = scales.applied_divisor
     if scales.clip_norm:
         norm = math.sqrt(stats[-1, SUMSQ]) if scales.clip_by_status else total_norm(gradient)
-        applied_scale = torch_clip_divisor(norm, scales.clip_norm)
+        applied_divisor = torch_clip_divisor(norm, scales.clip_norm)
     action = scales.action or Action()
     pre_clip = bucket_results(gradient, keys, selected, 1.0 / scales.gradient_scale, extra)
     clip_coef = post_clip = None
     if not (scales.overflow or action.skipped):
-        clip_coef = scales.gradient_scale / applied_scale
-        post_clip = bucket_results(gradient, keys, selected, 1.0 / applied_scale, extra, action.factors)
+        clip_coef = scales.gradient_scale / applied_divisor
+        post_clip = bucket_results(gradient, keys, selected, 1.0 / applied_divisor, extra, action.factors)
     result = {
         "step": scales.step,
         "overflow": scales.overflow,

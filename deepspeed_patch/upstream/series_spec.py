@@ -243,16 +243,16 @@ SERIES = (
                     ("", "(ZeroAdapter, BF16Adapter, FusedFP16Adapter, UnfusedFP16Adapter)", "(ZeroAdapter, )"),
                     ("", "the last two holds its complete gradient", "ZeRO-1/2's"),
                     ("attach", """    if family in REPLICATED_FAMILIES:
-        group = _stage0_group(engine)
+        process_group = _stage0_group(engine)
     else:
-        group = _stats_group(engine, optimizer)""", "    group = _stats_group(engine, optimizer)"),
+        process_group = _stats_group(engine, optimizer)""", "    process_group = _stats_group(engine, optimizer)"),
                     ("attach", "        return _param_grad_adapter(engine, config)",
                      "        raise UnsupportedSetupError(f\"{CONFIG_KEY} needs a ZeRO stage 1 or 2 optimizer; this "
                      "engine uses {type(optimizer).__name__}\")"),
                 )),
             Cut("adapters/refusals.py", drop=("check_param_grads", )),
             Cut("statistics/clipping.py", drop=("bf16_clip_divisor", "engine_fp32_clip_square")),
-            Cut("adapters/base.py", drop=("LayerGradNormsAdapter.applied_scale", )),
+            Cut("adapters/base.py", drop=("LayerGradNormsAdapter.applied_divisor", )),
             Cut("statistics/partition_slices.py", drop=("back_to_back_ranges", )),
             Cut(DOCS,
                 replace=(("", "ZeRO stage 1 and 2, `BF16_Optimizer`, and the fp16/bf16\noptimizers without ZeRO",
@@ -331,8 +331,8 @@ SERIES = (
                 statements=(("LayerGradNormsAdapter.__init__", r"self\.trigger = TriggerState"),
                             ("LayerGradNormsAdapter.__init__", r"trigger = setup\.config\.trigger"),
                             ("LayerGradNormsAdapter.__init__", r"self\.wants_loss = "),
-                            ("LayerGradNormsAdapter.__init__",
-                             r"history = trigger\.history"), ("LayerGradNormsAdapter.__init__", r"self\.recorder = "),
+                            ("LayerGradNormsAdapter.__init__", r"ring_steps = trigger\.history"),
+                            ("LayerGradNormsAdapter.__init__", r"self\.recorder = "),
                             ("LayerGradNormsAdapter._end", r"if self\.latch\.broken:"), ("LayerGradNormsAdapter._end",
                                                                                          r"fired = self\.trigger"),
                             ("LayerGradNormsAdapter._end",

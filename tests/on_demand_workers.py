@@ -123,10 +123,10 @@ AGREED_LOSSES = {  # each rank's report (None: none; a tensor: a device loss), a
 
 
 def agreed_losses() -> Dict[str, float]:
-    """``trigger.agreed_loss`` over the real 2-rank gloo group, for each of ``AGREED_LOSSES``."""
+    """``reduction.agreed_loss`` over the real 2-rank gloo group, for each of ``AGREED_LOSSES``."""
     from deepspeed import comm as dist
 
-    from deepspeed_patch.spikes.trigger import agreed_loss
+    from deepspeed_patch.statistics.reduction import agreed_loss
 
     return {name: agreed_loss(reports[dist.get_rank()]).item() for name, (reports, _) in AGREED_LOSSES.items()}
 

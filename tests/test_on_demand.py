@@ -226,7 +226,7 @@ def test_a_trigger_on_the_loss_alone_never_reads_the_global_norm():
     state = TriggerState(TriggerConfig(grad_norm_factor=None, loss_factor=2.0, window=5, capture_steps=1))
     fired = []
     for step, loss in enumerate([1.0, 1.1, 0.9, 1.0, 1.05, 1.0, 9.0], start=1):
-        state.report_loss(loss)
+        state.loss.report(loss)
         fired.append(state.after_step(step, Unreadable(), False))
     assert fired[:-1] == [None] * 6
     assert fired[-1]["fired_at"] == 7 and fired[-1]["reason"].startswith("loss 9")

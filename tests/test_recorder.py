@@ -208,7 +208,7 @@ def test_bad_recorder_keys_are_named(key, value):
 
 
 def test_loss_trigger_waits_for_its_warm_up_and_ignores_unreported_steps():
-    trigger = SpikeTrigger(factor=1e9, window=5, capture_steps=2, on_overflow=True, loss_factor=3.0)
+    trigger = SpikeTrigger(norm_ratio=1e9, window=5, capture_steps=2, on_overflow=True, loss_ratio=3.0)
     losses = [1.0, None, 1.0, 9.0, 1.0, 1.0, 1.1]  # 9.0 within the warm-up; step 2 reported nothing
     assert [trigger.update(step, 1.0, False, loss) for step, loss in enumerate(losses, 1)] == [None] * 7
     assert trigger.update(8, 1.0, False, 4.0)["reason"] == "loss 4 > 3.0 x median 1"

@@ -265,11 +265,11 @@ class LayerGradNormsAdapter:
         ``engine.step()`` of that step or after it; it is judged at the end of the next optimizer step. For
         ``skip_step``, before ``engine.step()`` of that step (``before_step``), whose skip it decides; a loss
         reported after its step (``before_step=False``, as Megatron's training-log hook does) goes to the trigger
-        alone. Both judge the largest loss any rank reported (``trigger.agreed_loss``), so ranks reporting other
+        alone. Both judge the largest loss any rank reported (``reduction.agreed_loss``), so ranks reporting other
         values, or none, still decide together. Without a ``loss_factor`` or ``skip_step`` (``wants_loss`` false)
         the loss is ignored, not read: a device tensor stays there."""
         if self.trigger.trigger is not None and self.trigger.trigger.loss_ratio is not None:
-            self.trigger.report_loss(loss)
+            self.trigger.loss.report(loss)
         if self.remedy_step is not None and before_step:
             self.remedy_step.remedies.report_loss(loss)
 

@@ -88,7 +88,7 @@ class Remedies:
 
     def report_loss(self, loss: Union[float, torch.Tensor]) -> None:
         if self.skip is not None:
-            self.skip.report_loss(loss)
+            self.skip.loss.report(loss)
 
     def decide(self, reduced: torch.Tensor, gradient_scale: float, clip_divisor: Callable[[float], float]) -> Action:
         """The step's action from its ``reduced`` table (host, the gradient's rows first), whose gradient carries
@@ -122,7 +122,7 @@ class Remedies:
         the next step's norm."""
         self.pending = None
         if self.skip is not None:
-            self.skip.loss = None
+            self.skip.loss.drop()
         return Action(adaptive=self.adaptive is not None, skipping=self.skip is not None)
 
     def active(self) -> List[Tuple[str, Union[AdaptiveClipping, SkipStep]]]:

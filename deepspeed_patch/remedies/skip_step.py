@@ -14,7 +14,7 @@ deviation). A non-finite loss or norm on a step the loss scaler did not skip is 
 of its window.
 
 Its inputs are the same on every rank: the global norm from the step's reduced table, and the largest loss any
-rank of the process group reported for the step (``trigger.agreed_loss``: one 8-byte MAX all-reduce per step over
+rank of the process group reported for the step (``reduction.agreed_loss``: one 8-byte MAX all-reduce per step over
 the group the step is reduced over, made whether or not a loss was reported), so every rank takes the same decision
 even where the ranks report their own losses.
 
@@ -24,13 +24,11 @@ first step.
 
 import statistics
 from collections import deque
-from typing import Optional, Tuple, Union
-
-import torch
+from typing import Optional, Tuple
 
 from ..config import SkipStepConfig
 from ..spikes.spike_rule import judge_outlier
-from ..spikes.trigger import agreed_loss, reported_loss
+from ..statistics.reduction import ReportedLoss, reported_loss
 
 MIN_JUDGED = 20
 """OLMo-core's least number of values before any is judged (or half the window, if larger)."""
@@ -46,16 +44,13 @@ class SkipStep:
         self.least = min(config.window, max(MIN_JUDGED, config.window // 2))
         self.losses: deque = deque(maxlen=config.window)
         self.norms: deque = deque(maxlen=config.window)
-        self.loss: Union[None, float, torch.Tensor] = None
-
-    def report_loss(self, loss: Union[float, torch.Tensor]) -> None:
-        """The loss of the step about to be taken, the same on every rank; read when the step is judged."""
-        self.loss = loss.detach() if isinstance(loss, torch.Tensor) else float(loss)
+        self.loss = ReportedLoss(process_group)
+        """The loss reported for the step about to be taken, judged with its global norm."""
 
     def judge(self, global_norm: float) -> Optional[str]:
         """Why the step whose global gradient norm is ``global_norm`` is skipped, or ``None``; the loss reported
         since the last step (if any) is judged with it."""
-        loss, self.loss = reported_loss(agreed_loss(self.loss, self.process_group)), None
+        loss = reported_loss(self.loss.agree())
         reasons = [
             reason for reason in (self._outlier("loss", loss, self.losses),
                                   self._outlier("grad norm", global_norm, self.norms)) if reason

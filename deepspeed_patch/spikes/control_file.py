@@ -6,10 +6,8 @@
 or change their interval and layers, applied by every rank at the same step.
 
 Rank 0 alone reads it (the other ranks may not see the same file system), and only a collective can tell the
-others, at the same step. So a poll costs one all-reduce of one integer, issued without waiting at one poll and read
-at the next (``interval`` steps later): no rank waits for another, and on an accelerator the host reads a pinned copy
-the device made right after the all-reduce (no synchronisation with the device). While the statistics are off, no
-other collective of this package runs to carry it, and DeepSpeed's own cannot without changing their results.
+others at the same step: while the statistics are off, no other collective of this package runs to carry it, and
+DeepSpeed's own cannot without changing their results. Its cost and timing are ``ControlFile``'s.
 """
 
 import json

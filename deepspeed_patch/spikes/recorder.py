@@ -11,16 +11,13 @@ preallocated ring of K tables written in place, beside the step's scales. A quie
 host copy. When the trigger fires, every rank reduces the whole ring in one reduction (that of one measured
 step), and each recorded step becomes a result shaped like ``get_layer_grad_norms()``, every bucket.
 
-The level before the window: a spike's cause may have begun before the ring's K steps (a learning rate set too
-high and held there), and a signal raised over the whole ring sits at its own median there. So each step that
-leaves the ring is folded into a block of K steps, and the last ``BEFORE_BLOCKS`` blocks are kept beside the
-ring: per bucket and signal the sum over the block's steps of the squared norm (the gradient's divided by its
-step's loss scale) and of the non-finite count. Sums of squares add across ranks as across steps, so the blocks
-are reduced with the ring, in the same reduction, and each becomes the root mean square of its steps' norms (the
-square root taken after the reduction). A step the loss scaler skipped (an fp16 overflow, the same on every rank)
-stays out of its block's sums: a block's norm is the root mean square over its finite steps only, and a block of
-overflowed steps alone has no norm (NaN). The first recorded step at a fire carries them, oldest first, under
-``"before"``. A block's status row carries its first and last step as a step's does.
+The level before the window: a cause may have begun before the ring's K steps (a learning rate set too high and
+held there). So each step that leaves the ring is folded into a block of K steps, and the last ``BEFORE_BLOCKS``
+blocks are kept beside the ring: per bucket and signal, the sums over the block's finite steps (an fp16 overflow
+stays out) of the squared norm (divided by its step's loss scale) and of the non-finite count. They add across
+ranks as across steps, so the blocks are reduced with the ring, and each becomes the root mean square of its
+steps' norms (NaN for a block of overflowed steps alone), carried oldest first under ``"before"`` by the first
+recorded step at a fire; a block's status row carries its first and last step.
 """
 
 import math

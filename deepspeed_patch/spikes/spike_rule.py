@@ -27,21 +27,14 @@ class SpikeTrigger:
     (``loss_factor``) times its own running median, or (``on_overflow``) when the loss scaler has skipped
     ``overflow_steps`` steps in a row; and not again within ``cooldown`` steps of a fire.
 
-    Routine dynamic loss scaling skips a step now and then: a scale that grows until the gradient overflows
-    (one or two skipped steps in a row, with DeepSpeed's default hysteresis of 2), and at the start of a run
-    the search for a scale from a large initial one. So an overflow fires only once ``overflow_steps`` steps
-    in a row were skipped, and a streak of skipped steps that begins at step 1 (the search) never fires. A run
-    resumed from a checkpoint restores its loss scale: its skipped steps count from the first. A non-finite
-    gradient norm on a step the scaler did not skip is no routine: it fires at once.
-
-    The refractory period keeps a sustained spike, which the lagging median sees on every step, from firing
-    on every step: after a fire at step F the next can come at step ``F + cooldown`` at the earliest. The
-    windows go on filling meanwhile.
-
-    The windows live in memory: they start empty at every start, a resume from a checkpoint included, and
-    a median is judged once its window holds ``min(window, WARM_UP)`` values. Until then (the warm-up) only
-    an overflow fires it. Saving the windows with the checkpoint would need call sites in the engine's
-    checkpoint methods, beyond the optimizer step this package hooks.
+    Routine dynamic loss scaling skips a step now and then (a scale grown until the gradient overflows, and the
+    search for a scale at the start of a run), so an overflow fires only after ``overflow_steps`` skipped steps in
+    a row, and a streak that begins at step 1 never does; a resumed run restores its scale, so its skipped steps
+    count from the first. A non-finite norm on a step the scaler did not skip fires at once. After a fire at step
+    F the next comes at ``F + cooldown`` at the earliest: a sustained spike, which the lagging median sees on every
+    step, fires once. The windows live in memory and start empty at every start, a resume included (keeping them
+    would need call sites in the engine's checkpoint methods); a median is judged once its window holds
+    ``min(window, WARM_UP)`` values, and until then only an overflow fires.
     """
 
     def __init__(self,

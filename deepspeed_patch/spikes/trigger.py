@@ -5,22 +5,19 @@
 """The trigger's state across steps: the spike trigger, the loss reported since the last step, and its fires
 with the steps the flight recorder held at each.
 
-It changes only with what is the same on every rank of the process group (the global gradient norm, the loss
-scaler's overflow, the largest loss any of them reported: ``agreed_loss``), so they all fire at the same step,
+It changes only with what is the same on every rank of the process group (the global norm, the loss scaler's
+overflow, the largest loss any of them reported: ``reduction.agreed_loss``), so they all fire at the same step,
 whatever the training loop reports on each and whatever a reader of the results does on one of them.
 """
 
 import logging
-import math
 from typing import Dict, List, Optional, Union
 
 import torch
-from deepspeed import comm as dist
-from deepspeed.accelerator import get_accelerator
 
 from ..config import TriggerConfig
 from ..outputs.process_rank import rank_of_process
-from ..statistics.reduction import INF_CODE, NAN_CODE, REPLICATED, decode_maxima
+from ..statistics.reduction import ReportedLoss, reported_loss
 from .spike_rule import SpikeTrigger
 
 logger = logging.getLogger(__name__)
@@ -49,7 +46,7 @@ class TriggerState:
                                         config.loss_factor,
                                         cooldown=config.refractory_steps(),
                                         overflow_steps=config.overflow_steps)
-        self.loss: Union[None, float, torch.Tensor] = None
+        self.loss = ReportedLoss(process_group)  # judged at the end of the next optimizer step
         self.fires: Dict[int, List[dict]] = {}
         """Each kept fire's newly recorded steps, by the step it fired at, oldest fire first."""
         self.published_until = 0
@@ -57,21 +54,15 @@ class TriggerState:
         self.reduced_loss: Optional[torch.Tensor] = None
         """The last step's all-reduced loss, referenced until the next (``reduction._LAST_REDUCED`` says why)."""
 
-    def report_loss(self, loss: Union[float, torch.Tensor]) -> None:
-        """The training loop's loss on this rank; judged at the end of the next optimizer step, as the largest
-        any rank reported (``agreed_loss``). A device tensor is kept as it is and read with the global norm, in
-        the step's one host copy."""
-        self.loss = loss.detach() if isinstance(loss, torch.Tensor) else float(loss)
-
     def after_step(self, step: int, global_norm, overflow: bool) -> Optional[dict]:
         """Feed the trigger the step's global gradient norm (the same on every rank) and the largest loss the
         ranks reported since the last step; what fired, or ``None``."""
-        loss, self.loss = self.loss, None
         if self.trigger is None:
             return None
         watched_norm = global_norm if self.trigger.norm_ratio is not None else None  # not read when not watched
+        loss = None
         if self.trigger.loss_ratio is not None:
-            loss = self.reduced_loss = agreed_loss(loss, self.process_group)
+            loss = self.reduced_loss = self.loss.agree()
         norm, loss = _on_host(watched_norm, loss)
         loss = reported_loss(loss)
         fired = self.trigger.update(step, norm, bool(overflow), loss)
@@ -101,38 +92,6 @@ class TriggerState:
         if fire is None:
             return self.fires[next(reversed(self.fires))] if self.fires else None
         return self.fires.get(fire)
-
-
-def agreed_loss(loss: Union[None, float, torch.Tensor],
-                process_group: object = None) -> Union[None, float, torch.Tensor]:
-    """The largest loss any rank of ``process_group`` reported since the last step, the same on each of them, on
-    the device: one MAX all-reduce of one float64, on every step the trigger or ``skip_step`` watches the loss,
-    whether this rank reported one or not (``-inf``: none), so that ranks reporting their own losses, or some none,
-    still make one decision. A non-finite loss travels as ``reduction``'s codes (NaN over +inf; ``-inf`` as NaN),
-    and so fires on every rank.
-
-    ``process_group`` is the adapter's: the group its reductions run over, which the failure latch spreads over
-    (``steps.FailureLatch``), so after a failure every rank that stops measuring stops this all-reduce at the same
-    step, and no rank outside the group waits for it. Under pipeline parallelism it holds every stage, the last
-    (the loss's) included. ``REPLICATED`` (each rank holds the whole model and reduces nothing), one process, or
-    no communication set up: the loss as this rank reported it."""
-    if process_group is REPLICATED or not dist.is_initialized() or dist.get_world_size(group=process_group) == 1:
-        return loss
-    device = get_accelerator().current_device_name()
-    if loss is None:
-        value = torch.full((1, ), -math.inf, dtype=torch.float64, device=device)
-    else:
-        value = loss.reshape(1).double().to(device) if isinstance(loss, torch.Tensor) else \
-            torch.tensor([loss], dtype=torch.float64, device=device)
-        value = value.nan_to_num(nan=NAN_CODE, posinf=INF_CODE, neginf=NAN_CODE)
-    dist.all_reduce(value, op=dist.ReduceOp.MAX, group=process_group)
-    return decode_maxima(value)
-
-
-def reported_loss(agreed: Union[None, float, torch.Tensor]) -> Optional[float]:
-    """``agreed_loss``'s value on the host: ``None`` where no rank reported a loss (its ``-inf``)."""
-    value = None if agreed is None else float(agreed)
-    return None if value == -math.inf else value
 
 
 def _on_host(*values) -> List[Optional[float]]:

@@ -26,9 +26,13 @@ agree with that or with each other (gloo's MAX keeps or drops a NaN depending on
 NCCL's drops it), so ``reduce_stats`` codes NaN and +inf as finite float64 values above any gradient
 statistic's range before the MAX all-reduce (NaN above +inf above every finite value) and decodes them
 after: the order, and with it the result, no longer depends on the backend or on the rank.
+
+The loss the training loop reports is combined here too (``ReportedLoss``, ``agreed_loss``): one MAX all-reduce
+of one float64, its non-finite values coded as the maxima's.
 """
 
 import math
+from typing import Optional, Union
 
 import torch
 from deepspeed import comm as dist
@@ -75,3 +79,51 @@ def decode_maxima(maxima: torch.Tensor) -> torch.Tensor:
     """The reduced maxima with NaN and +inf restored from their codes (in place)."""
     maxima.masked_fill_(maxima >= NAN_CODE, math.nan)
     return maxima.masked_fill_(maxima >= INF_CODE, math.inf)
+
+
+class ReportedLoss:
+    """The loss this rank reported since a step last read it; agreed over ``process_group``, the adapter's."""
+
+    def __init__(self, process_group: object = None) -> None:
+        self.process_group = process_group
+        self.value: Union[None, float, torch.Tensor] = None
+
+    def report(self, loss: Union[float, torch.Tensor]) -> None:
+        """Keep ``loss`` as it is: a device tensor is read with the step's other values, in one host copy."""
+        self.value = loss.detach() if isinstance(loss, torch.Tensor) else float(loss)
+
+    def agree(self) -> Union[None, float, torch.Tensor]:
+        """The largest loss any rank reported (``agreed_loss``), the same on each; the rank's own is then dropped."""
+        loss, self.value = self.value, None
+        return agreed_loss(loss, self.process_group)
+
+    def drop(self) -> None:
+        """Forget the reported loss unjudged (a step the loss scaler skipped)."""
+        self.value = None
+
+
+def agreed_loss(loss: Union[None, float, torch.Tensor],
+                process_group: object = None) -> Union[None, float, torch.Tensor]:
+    """The largest loss any rank of ``process_group`` reported, the same on each, on the device: one MAX all-reduce
+    of one float64 on every step the loss is watched, whether this rank reported one or not (``-inf``: none), so
+    ranks reporting their own losses, or some none, decide together. A non-finite loss travels as ``reduction``'s
+    codes (NaN over +inf) and fires on every rank. ``process_group`` is the one the failure latch spreads over
+    (``steps.FailureLatch``): ranks that stop measuring stop this all-reduce at the same step; under pipeline
+    parallelism it holds every stage. ``REPLICATED``, or one process: the loss as this rank reported it."""
+    if process_group is REPLICATED or not dist.is_initialized() or dist.get_world_size(group=process_group) == 1:
+        return loss
+    device = get_accelerator().current_device_name()
+    if loss is None:
+        value = torch.full((1, ), -math.inf, dtype=torch.float64, device=device)
+    else:
+        value = loss.reshape(1).double().to(device) if isinstance(loss, torch.Tensor) else \
+            torch.tensor([loss], dtype=torch.float64, device=device)
+        value = value.nan_to_num(nan=NAN_CODE, posinf=INF_CODE, neginf=NAN_CODE)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX, group=process_group)
+    return decode_maxima(value)
+
+
+def reported_loss(agreed: Union[None, float, torch.Tensor]) -> Optional[float]:
+    """``agreed_loss``'s value on the host: ``None`` where no rank reported a loss (its ``-inf``)."""
+    value = None if agreed is None else float(agreed)
+    return None if value == -math.inf else value

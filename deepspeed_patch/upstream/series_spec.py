@@ -296,12 +296,18 @@ SERIES = (
     PullRequest(
         "06",
         "trigger-flight-recorder",
-        ("spikes/__init__.py", "spikes/trigger.py", "spikes/recorder.py", "spikes/spike_rule.py",
-         "spikes/control_file.py", "outputs/jsonl_dump.py"),
+        ("spikes/__init__.py", "spikes/trigger.py", "spikes/recorder.py",
+         "spikes/spike_rule.py", "spikes/control_file.py", "outputs/jsonl_dump.py"),
         (),
         history_sites=True,
         control_sites=True,
         cuts=(
+            # the loss the training loop reports, agreed over the ranks (the trigger's loss_factor, skip_step)
+            Cut("statistics/reduction.py",
+                drop=("ReportedLoss", "agreed_loss", "reported_loss"),
+                docstrings=(("", "\n\nThe loss the training loop reports is combined here too (``ReportedLoss``, "
+                             "``agreed_loss``): one MAX all-reduce\nof one float64, its non-finite values coded as "
+                             "the maxima's.", ""), )),
             # live control: engine.set_layer_grad_norms() and the control file
             Cut("adapters/__init__.py", drop=(CONTROL, ), replace=(("", f'"{CONTROL}", ', ""), )),
             Cut("adapters/base.py", drop=("LayerGradNormsAdapter.set_options", )),
@@ -332,9 +338,10 @@ SERIES = (
                             ("LayerGradNormsAdapter.__init__", r"trigger = setup\.config\.trigger"),
                             ("LayerGradNormsAdapter.__init__", r"self\.wants_loss = "),
                             ("LayerGradNormsAdapter.__init__", r"ring_steps = trigger\.history"),
-                            ("LayerGradNormsAdapter.__init__", r"self\.recorder = "),
-                            ("LayerGradNormsAdapter._end", r"if self\.latch\.broken:"), ("LayerGradNormsAdapter._end",
-                                                                                         r"fired = self\.trigger"),
+                            ("LayerGradNormsAdapter.__init__",
+                             r"self\.recorder = "), ("LayerGradNormsAdapter._end",
+                                                     r"if self\.latch\.broken:"), ("LayerGradNormsAdapter._end",
+                                                                                   r"fired = self\.trigger"),
                             ("LayerGradNormsAdapter._end",
                              r"norm = "), ("LayerGradNormsAdapter._end",
                                            r"if fired is not None:"), ("LayerGradNormsAdapter._close",

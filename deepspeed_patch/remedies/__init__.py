@@ -3,5 +3,6 @@
 
 # DeepSpeed Team
 """The opt-in remedies, decided from the step's reduced table before the optimizer steps (``remedies``):
-AdaGC's per-bucket clipping (``adaptive_clipping``) and skipping an outlier step (``skip_step``).
+AdaGC's per-bucket clipping (``adaptive_clipping``) and skipping an outlier step (``skip_step``), carried out in
+each optimizer step by ``remedy_step``.
 """

@@ -39,7 +39,6 @@ class SkipStep:
 
     def __init__(self, config: SkipStepConfig, process_group: object = None) -> None:
         """``process_group``: the ranks whose tables a step reduces, over which the loss is agreed too."""
-        self.process_group = process_group
         self.sigma = config.sigma
         self.least = min(config.window, max(MIN_JUDGED, config.window // 2))
         self.losses: deque = deque(maxlen=config.window)

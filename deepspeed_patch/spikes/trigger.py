@@ -36,7 +36,6 @@ class TriggerState:
 
     def __init__(self, config: Optional[TriggerConfig], process_group: object = None) -> None:
         """``process_group``: the ranks whose tables a step reduces, over which the loss is agreed too."""
-        self.process_group = process_group
         self.trigger = None
         if config is not None:
             self.trigger = SpikeTrigger(config.grad_norm_factor,

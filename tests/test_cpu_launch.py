@@ -1,0 +1,49 @@
+"""``run_script`` launches a script again after torch's gloo exit abort, once, and after nothing else: the launcher
+is faked, so each case says which launches ended how."""
+
+import subprocess
+from typing import List
+
+import pytest
+
+from megatron_integration import cpu_launch
+
+ABORTED = subprocess.CompletedProcess([], 250, "step 3\n",
+                                      f"exits with return code = -6\n{cpu_launch.GLOO_EXIT_ABORT}\n")
+CLEAN = subprocess.CompletedProcess([], 0, "step 3\n", "")
+FAILED = subprocess.CompletedProcess([], 1, "", "Traceback (most recent call last):\nValueError: layers\n")
+ABORTED_OTHERWISE = subprocess.CompletedProcess([], 250, "", "exits with return code = -6\n")
+
+
+def fake_launcher(monkeypatch, outcomes: List[subprocess.CompletedProcess]) -> List[list]:
+    """The launches ``run_script`` makes, answered by ``outcomes`` in order."""
+    launches = []
+
+    def run(command, **kwargs):
+        launches.append(command)
+        return outcomes[len(launches) - 1]
+
+    monkeypatch.setattr(cpu_launch.subprocess, "run", run)
+    return launches
+
+
+def test_an_exit_abort_is_launched_again_with_a_warning(monkeypatch):
+    launches = fake_launcher(monkeypatch, [ABORTED, CLEAN])
+    with pytest.warns(UserWarning, match="gloo exit abort"):
+        result = cpu_launch.run_script("script.py")
+    assert result is CLEAN and len(launches) == 2
+
+
+def test_two_exit_aborts_in_a_row_fail(monkeypatch):
+    launches = fake_launcher(monkeypatch, [ABORTED, ABORTED, CLEAN])
+    with pytest.warns(UserWarning):
+        result = cpu_launch.run_script("script.py")
+    assert result is ABORTED and len(launches) == 2
+
+
+@pytest.mark.parametrize("outcome", [CLEAN, FAILED, ABORTED_OTHERWISE],
+                         ids=["clean", "error", "abort-without-message"])
+def test_anything_else_is_launched_once(monkeypatch, recwarn, outcome):
+    launches = fake_launcher(monkeypatch, [outcome, CLEAN])
+    assert cpu_launch.run_script("script.py") is outcome and len(launches) == 1
+    assert not [w for w in recwarn if "gloo exit abort" in str(w.message)]

@@ -160,7 +160,7 @@ class LayerGradNormsConfig(StrictConfigModel):
 
     enabled: StrictBool = False
     """Measure per-layer statistics. Without the block, or with ``false``, nothing changes: the remedies are off
-    whatever their sub-blocks say (``master_switch``); a trigger or control file may switch measuring on later."""
+    whatever their sub-blocks say (``master_switch``)."""
 
     layers: Optional[Tuple[LayerToken, ...]] = None
     """Layers to report: ``"all"`` (stored as ``None``) or a selection, see ``parse_layer_spec``."""
@@ -189,11 +189,12 @@ class LayerGradNormsConfig(StrictConfigModel):
     each a result key of its own. Empty: off."""
 
     trigger: Optional[TriggerConfig] = None
-    """Switch full capture on after a spike; see ``TriggerConfig``."""
+    """Switch full capture on after a spike, with ``enabled`` false too; see ``TriggerConfig``."""
 
     control_file: Optional[str] = None
     """A JSON file (``enabled``, ``interval``, ``layers``) that rank 0 reads every ``control_interval``
-    steps and broadcasts: switch the statistics on or off from outside a running job."""
+    steps and broadcasts: switch the statistics on or off from outside a running job, one started with ``enabled``
+    false too."""
 
     control_interval: int = Field(10, ge=1)
 
@@ -346,7 +347,7 @@ def _describe(err: ValidationError, block: dict) -> str:
 
 
 def _model_at(location: tuple) -> type:
-    """The model of the nested block at ``location`` (``("trigger",)``: ``TriggerConfig``)."""
+    """The model of the nested block at ``location``, its keys from the top block down."""
     model = LayerGradNormsConfig
     for part in location:
         annotation = model.model_fields[part].annotation

@@ -242,8 +242,8 @@ def test_a_failing_callback_stops_itself_alone_logged_once():
     values of step 1 stay, none after."""
     record = plain_variant("faulty")
     assert record["failures"] == [f"layer_grad_norms: LayerGradNormsCallback's logging failed at step {FAULTY_STEP} "
-                                  "on rank 0; it is switched off on this rank, training, the statistics, the "
-                                  "trigger, the recorder and the other readers go on"]
+                                  "on rank 0; it is switched off on this rank, training, the statistics and the "
+                                  "other readers go on"]
     logged = [any(tag.startswith("layer-grad-norms/") for tag in entry) for entry in training_logs(record)]
     assert logged == [True, False, False]
     assert sorted(step for tag, steps in record["tensorboard"].items() if tag == "train/loss" for step in steps) == [
@@ -268,8 +268,8 @@ def test_a_full_disk_under_the_trainers_tensorboard_stops_that_integration_alone
     assert "error" not in record, record.get("error")
     (message, ) = record["failures"]
     assert message.startswith("layer_grad_norms: the Trainer's TensorBoardCallback failed at step ")
-    assert message.endswith(" on rank 0; it is switched off on this rank, training, the statistics, the trigger, "
-                            "the recorder and the other readers go on")
+    assert message.endswith(" on rank 0; it is switched off on this rank, training, the statistics and the other "
+                            "readers go on")
     assert_norms_add_up(record)  # every step's values in log_history
     assert console_lines(record) == console_lines(plain_variant("without the callback"))
     subprocess.run(["rm", "-rf", *[os.path.join(full_disk, name) for name in os.listdir(full_disk)]], check=True)

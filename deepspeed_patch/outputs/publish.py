@@ -9,8 +9,7 @@ Each reader is one class of one small interface (``Reader``), as DeepSpeed's ``m
 backend: the JSONL dump (``jsonl_dump.JsonlDump``) and DeepSpeed's monitors (``monitor.MonitorEvents``) here; outside
 DeepSpeed, the Megatron hook's TensorBoard runs and the Hugging Face Trainer callback's logs. Each is called through
 a ``Consumer``: a reader that fails (a full disk, a writer's error) logs one traceback and stops itself on its
-rank; it never changes what the ranks do next: training, the statistics, the trigger, the recorder and the other
-readers go on.
+rank; it never changes what the ranks do next: training, the statistics and the other readers go on.
 """
 
 import logging
@@ -67,7 +66,7 @@ class Consumer:
             at = "" if step is None else f" at step {step}"
             logger.exception(
                 "layer_grad_norms: %s failed%s on rank %d; it is switched off on this rank, training, the "
-                "statistics, the trigger, the recorder and the other readers go on", self.name, at, rank_of_process())
+                "statistics and the other readers go on", self.name, at, rank_of_process())
             self.failed = True
             self._abandon()
 

@@ -55,7 +55,7 @@ class Measurement:
         self.kinds = tuple(kinds)
         blocks = self.table[:-1].view(1 + len(kinds), num_buckets, -1)
         self.kind_stats = dict(zip(kinds, blocks[1:]))
-        """The rows of each optimizer statistic (``optimizer_stats``), views of the one table."""
+        """The rows of each statistic ``kinds`` names, views of the one table."""
         self.num_partitions = num_partitions
         self.extra = extra
         self.observed = set()

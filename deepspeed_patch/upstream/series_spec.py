@@ -297,10 +297,9 @@ SERIES = (
         "06",
         "trigger-flight-recorder",
         ("spikes/__init__.py", "spikes/trigger.py", "spikes/recorder.py",
-         "spikes/spike_rule.py", "spikes/control_file.py", "outputs/jsonl_dump.py"),
+         "spikes/spike_rule.py", "outputs/jsonl_dump.py"),
         (),
         history_sites=True,
-        control_sites=True,
         cuts=(
             # the loss the training loop reports, agreed over the ranks (the trigger's loss_factor, skip_step)
             Cut("statistics/reduction.py",
@@ -308,22 +307,43 @@ SERIES = (
                 docstrings=(("", "\n\nThe loss the training loop reports is combined here too (``ReportedLoss``, "
                              "``agreed_loss``): one MAX all-reduce\nof one float64, its non-finite values coded as "
                              "the maxima's.", ""), )),
-            # live control: engine.set_layer_grad_norms() and the control file
-            Cut("adapters/__init__.py", drop=(CONTROL, ), replace=(("", f'"{CONTROL}", ', ""), )),
-            Cut("adapters/base.py", drop=("LayerGradNormsAdapter.set_options", )),
-            Cut("statistics/steps.py", drop=("StepSchedule.set_options", )),
-            Cut("config.py",
-                drop=("TriggerConfig", "DumpConfig", "LayerGradNormsConfig.trigger",
-                      "LayerGradNormsConfig.control_file", "LayerGradNormsConfig.control_interval",
-                      "LayerGradNormsConfig.dump")),
+            # the earlier modules' docstrings, where they name the trigger, the recorder and live control
             Cut("statistics/steps.py",
-                statements=(("StepSchedule.__init__", r"self\.control = "), ("StepSchedule.__init__",
-                                                                             r"self\.capture: "),
-                            ("StepSchedule.next_step", r"settings = "), ("StepSchedule.next_step", r"if settings:")),
+                docstrings=(("", "the trigger's capture window (from the global norm), and a failure "
+                             "announced through a\nreduction.", "and a failure announced through a reduction."),
+                            ("FailureLatch", "next reduction, a measured step's or the recorder's at a fire, and",
+                             "next reduction, and"), ("FailureLatch", " (the loss's, ``reduction.agreed_loss``)",
+                                                      ""))),
+            Cut("statistics/result.py",
+                docstrings=(("", "A measured step (``measurement.Measurement.finish``) and each step the flight "
+                             "recorder reduces at a fire\n(``recorder.FlightRecorder.replay``) carry, beside their "
+                             "table, their scales", "A measured step (``measurement.Measurement.finish``) carries, "
+                             "beside its table, its scales"), )),
+            Cut("outputs/publish.py",
+                docstrings=(("", ", the JSONL\ndump (rank 0) and DeepSpeed's monitors;",
+                             " and DeepSpeed's\nmonitors;"),
+                            ("", "the JSONL dump (``jsonl_dump.JsonlDump``) and ", ""))),
+            Cut("adapters/base.py",
+                docstrings=(("LayerGradNormsAdapter.end_step", "record it, reduce and publish a measured step, feed "
+                             "the\n        trigger, and when it fires reduce the recorded steps. What leads to a "
+                             "collective here (``reporting``,\n        the fire)", "reduce and publish a measured "
+                             "step. What leads to a\n        collective here (``reporting``)"), )),
+            Cut("adapters/param_grads.py",
+                docstrings=(("", " The engine keeps\nno global norm here; with a flight recorder "
+                             "(``trigger.history``) "
+                             "every step is read, and the trigger gets\nthe global norm from that table (the whole "
+                             "model on every rank), with the one host sync it needs anyway.", ""), )),
+            Cut("adapters/refusals.py",
+                docstrings=(("check_param_grads", "; and there, the trigger needs the recorder,\n    which reads "
+                             "every step's norm (the engine keeps none).", "."), )),
+            Cut("config.py", drop=("TriggerConfig", "DumpConfig", "LayerGradNormsConfig.trigger",
+                                   "LayerGradNormsConfig.dump")),
+            Cut("statistics/steps.py",
+                statements=(("StepSchedule.__init__", r"self\.capture: "), ),
                 replace=(("StepSchedule.next_step", "return on_interval or self.capturing()", "return on_interval"),
                          ("StepSchedule.reported_keys", "self.layer_map.keys if self.capturing() else self.selected",
                           "self.selected")),
-                drop=("StepSchedule.capturing", "StepSchedule.open_capture", "StepSchedule._apply_control")),
+                drop=("StepSchedule.capturing", "StepSchedule.open_capture")),
             Cut("outputs/publish.py",
                 statements=(("Publisher.__init__", r"self\.dump = None"), ("Publisher.__init__", r"if dump and "),
                             ("Publisher.publish", r"if capture is not None:")),
@@ -371,17 +391,16 @@ SERIES = (
                 drop=("ParamGradAdapter.read_at_end", "ParamGradAdapter.global_norm")),
             Cut("adapters/__init__.py", drop=(HISTORY, ), replace=(("", f'"{HISTORY}", ', ""), )),
             Cut("adapters/attach.py",
-                replace=(("attach", "if not (config.enabled or config.trigger is not None or config.control_file is "
-                          "not None):", "if not config.enabled:"),
-                         ("attach", "return None  # a trigger or a control file can switch measuring on later: they "
-                          "need the adapter", "return None")),
+                replace=(("attach", "if not (config.enabled or config.trigger is not None):",
+                          "if not config.enabled:"),
+                         ("attach", "return None  # a trigger can switch measuring on later: they need the adapter",
+                          "return None")),
                 statements=(("_param_grad_adapter", r"check_param_grad_trigger\("), )),
             Cut("adapters/refusals.py",
                 statements=(("check_param_grads", r"if config\.trigger is not None"), ),
                 drop=("check_param_grad_trigger", )),
-            Cut(INIT, replace=(("", f"{HISTORY}, ", ""), ("", f'"{HISTORY}", ', ""))),
-            Cut(INIT, replace=(("", f", {CONTROL}\n", "\n"), ("", f'"{CONTROL}", ', ""))),
-            Cut(DOCS, rows=("trigger", "control_file", "control_interval", "dump")),
+            Cut(INIT, replace=(("", f", {HISTORY}\n", "\n"), ("", f'"{HISTORY}", ', ""))),
+            Cut(DOCS, rows=("trigger", "dump")),
         ),
     ),
     PullRequest(
@@ -433,6 +452,11 @@ SERIES = (
         (),
         cuts=(
             Cut("statistics/partition_stats.py",
+                docstrings=(("", "In one read by a fused kernel where one is available (C++ and OpenMP on the host, "
+                             "``partition_stats_cpu``;\nTriton on CUDA and ROCm, ``partition_stats_triton``), else "
+                             "with stock PyTorch operators over the spans\n(``accumulate_spans``), with the same "
+                             "results.", "With stock PyTorch operators over the spans (``accumulate_spans``)."),
+                            ("", " and which kernel reads it; the probe that picks the kernel runs then too.", ".")),
                 replace=(("chunk_partition", "kernel=kernel or _best_kernel(device))", "kernel=kernel or STOCK)"),
                          ("accumulate_partition",
                           "    if chunking.kernel == STOCK or flat.dtype not in KERNEL_DTYPES or not "
@@ -463,12 +487,17 @@ SERIES = (
         (),
         remedy_sites=True,
         cuts=(
+            Cut("adapters/bf16.py", docstrings=(("", ": adaptive clipping scales all of it, on every rank.", "."), )),
+            Cut("spikes/spike_rule.py",
+                docstrings=(("judge_outlier", "the rule of the spike trigger and of ``skip_step``, which differ in\n"
+                             "    ``bound(recent)`` alone (the limit and how to say it)", "the spike trigger's rule, "
+                             "``bound(recent)``\n    its limit and how to say it"), )),
             Cut("config.py",
                 drop=("AdaptiveClippingConfig", "SkipStepConfig", "LayerGradNormsConfig.adaptive_clipping",
                       "LayerGradNormsConfig.skip_step", "LayerGradNormsConfig.acts", "REMEDIES", "master_switch"),
                 replace=(("load_config", "return master_switch(config)", "return config"), ),
                 docstrings=(("LayerGradNormsConfig", ": the remedies are off\n    whatever their sub-blocks "
-                             "say (``master_switch``); a", ";\n    a"), )),
+                             "say (``master_switch``).", "."), )),
             Cut("statistics/statistics.py",
                 replace=(("bucket_results", ",\n                   factors: Optional[Sequence[float]] = None)", ")"),
                          ("bucket_results", "multiplier if factors is None else multiplier * factors[position[key]]",
@@ -569,6 +598,30 @@ SERIES = (
                 replace=(("attach", " or config.acts()):", "):"), ("attach", ", a remedy acts: they need the adapter",
                                                                    ": they need the adapter")),
                 statements=(("attach", r"check_remedies\b"), )),
+        ),
+    ),
+    PullRequest(
+        "10",
+        "live-control",
+        ("spikes/control_file.py", ),
+        (),
+        control_sites=True,
+        cuts=(
+            Cut("spikes/__init__.py", docstrings=(("", ", the control file.", "."), )),
+            Cut("adapters/__init__.py", drop=(CONTROL, ), replace=(("", f'"{CONTROL}", ', ""), )),
+            Cut("adapters/base.py", drop=("LayerGradNormsAdapter.set_options", )),
+            Cut("config.py", drop=("LayerGradNormsConfig.control_file", "LayerGradNormsConfig.control_interval")),
+            Cut("statistics/steps.py",
+                statements=(("StepSchedule.__init__", r"self\.control = "), ("StepSchedule.next_step", r"settings = "),
+                            ("StepSchedule.next_step", r"if settings:")),
+                docstrings=(("", "a runtime switch every rank makes at the same step, the control file (read by "
+                             "rank 0\nand broadcast), ", ""), ),
+                drop=("StepSchedule.set_options", "StepSchedule._apply_control")),
+            Cut("adapters/attach.py",
+                replace=(("attach", " or config.control_file is not None", ""),
+                         ("attach", "a trigger or a control file can switch", "a trigger can switch"))),
+            Cut(INIT, replace=(("", f", {CONTROL}\n", "\n"), ("", f'"{CONTROL}", ', ""))),
+            Cut(DOCS, rows=("control_file", "control_interval")),
         ),
     ),
 )

@@ -167,6 +167,11 @@ def _capability(node: ast.AST, facts: Dict[str, bool]) -> Optional[bool]:
     return None
 
 
+def _reads_fact(node: ast.AST, facts: Dict[str, bool]) -> bool:
+    """Whether ``node`` reads a ``capabilities`` fact anywhere."""
+    return any(_capability(inner, facts) is not None for inner in ast.walk(node))
+
+
 def _static(node: ast.AST, facts: Dict[str, bool]) -> Optional[bool]:
     """The value of a condition that the facts decide, else ``None``."""
     known = _capability(node, facts)
@@ -220,10 +225,10 @@ def _fold_once(text: str, facts: Dict[str, bool]) -> Optional[str]:
             lines[node.lineno - 1:node.end_lineno] = replacement
             return "".join(lines)
     for node in ast.walk(tree):
-        # a decided dict entry (a table of conditions): an entry decided False goes
+        # a decided dict entry (a table of conditions): an entry a fact decides False goes, a literal False stays
         if isinstance(node, ast.Dict):
             for key, value in zip(node.keys, node.values):
-                if _static(value, facts) is False and key is not None:
+                if _static(value, facts) is False and key is not None and _reads_fact(value, facts):
                     start = _offset(lines, key.lineno, key.col_offset)
                     end = _offset(lines, value.end_lineno, value.end_col_offset)
                     rest = text[end:]

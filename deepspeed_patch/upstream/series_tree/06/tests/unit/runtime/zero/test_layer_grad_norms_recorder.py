@@ -55,7 +55,7 @@ def check_recorder(zero_stage, dtype):
         engine.step()
         history = engine.get_layer_grad_norms_history()
         if step < SPIKE_STEP:
-            assert history is None, step
+            assert history is None and engine.get_layer_grad_norms() is None, step  # enabled: false
             continue
         assert [entry["step"] for entry in history] == list(range(SPIKE_STEP - HISTORY + 1, SPIKE_STEP + 1))
         if step == SPIKE_STEP:

@@ -34,4 +34,4 @@ elif engine.global_rank == 0:
         print(f"{key!s:>6}  norm {layer['norm']:.3e}  min {layer['min']:+.3e}  max {layer['max']:+.3e}")
 
 engine.destroy()
-deepspeed.comm.destroy_process_group()  # a clean exit: no communication thread is left to abort
+deepspeed.comm.destroy_process_group()  # the communication backend released before exit

@@ -56,7 +56,8 @@ thread (``ProcessGroupGloo::runLoop``) drops its reference to a collective's ten
 wait has returned; where it drops the last one of a tensor Python created, it takes the GIL to free the
 Python object, and if the interpreter is exiting by then, Python ends the thread with ``pthread_exit``,
 whose unwinding through a ``noexcept`` destructor aborts the process ("terminate called without an active
-exception"). Held here, the worker's release is a count decrement: the last reference is Python's.
+exception"). Held here, the worker's release of these is a count decrement: the last reference is Python's. That
+spares these tensors only: a run whose all-reduced tensors are all held still aborts at exit now and then.
 (``upstream/bug_reports/gloo_exit_abort.md``.)"""
 
 

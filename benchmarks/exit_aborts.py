@@ -1,16 +1,18 @@
 """How often a 2-rank launch that finished its training aborts at exit, with and without the block.
 
-The script launched is the README's quickstart made longer (20 ZeRO-2 steps) and ending as most user
-scripts and the HF Trainer do: without ``destroy_process_group``. Launches alternate, with the
+The script launched is the README's quickstart made longer (20 ZeRO-2 steps, ``--steps``) and ending as most user
+scripts and the HF Trainer do: without ``destroy_process_group`` (``--destroy``: with it). Launches alternate, with the
 ``layer_grad_norms`` block and without it, on one port, one at a time, through DeepSpeed's launcher
 (``deepspeed --num_gpus 2``), as a user runs it. Per launch it keeps the launcher's return code, the
 return code of the rank the launcher reports as failed (it stops the other one), whether each rank
 finished its steps, and whether "terminate called" was printed.
 
-    python benchmarks/exit_aborts.py --rounds 30 --label NAME [--trace] [--before-tree DIR]
+    python benchmarks/exit_aborts.py --rounds 30 --label NAME [--trace] [--before-tree DIR] [--held]
+        [--steps N] [--destroy]
 
-writes ``results/exit_aborts_<label>.md`` and ``.json`` (after every launch). ``--before-tree``: a third
-configuration, the block on with the package of another checkout (before a fix). Leave the machine
+writes ``results/exit_aborts_<label>.md`` and ``.json`` (after every launch). ``--before-tree``: a further
+configuration, the block on with the package of another checkout (before a fix); ``--held``: one without the block
+but with two all-reduces of tensors kept referenced after each step, as the statistics' are. Leave the machine
 otherwise alone meanwhile: the abort is timing-dependent.
 """
 
@@ -29,7 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.common import machine, write_results  # noqa: E402
 
 STEPS = 20
-SCRIPT = f"""
+SCRIPT = """
 import os
 import deepspeed
 import torch
@@ -43,33 +45,45 @@ model.add_module("embed", torch.nn.Linear(16, 32))
 model.add_module("layers", torch.nn.Sequential(*[torch.nn.Linear(32, 32) for _ in range(6)]))
 model.add_module("head", torch.nn.Linear(32, 1))
 
-ds_config = {{
+ds_config = {
     "train_micro_batch_size_per_gpu": 4,
     "gradient_clipping": 1.0,
-    "zero_optimization": {{"stage": 2}},
-    "optimizer": {{"type": "AdamW", "params": {{"lr": 1e-3, "torch_adam": True}}}},
-}}
+    "zero_optimization": {"stage": 2},
+    "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
+}
 if os.environ["EXIT_ABORTS_BLOCK"] == "1":
-    ds_config["layer_grad_norms"] = {{"enabled": True, "layers": "0,1,mid,-2,-1", "interval": 1}}
+    ds_config["layer_grad_norms"] = {"enabled": True, "layers": "0,1,mid,-2,-1", "interval": 1}
 engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
 
-for _ in range({STEPS}):
+HELD = []  # the held configuration's tensors, referenced as the statistics keep theirs (reduction._LAST_REDUCED)
+for _ in range(int(os.environ["EXIT_ABORTS_STEPS"])):
     x = torch.randn(4, 16)
     loss = engine(x).pow(2).mean()
     engine.backward(loss)
     engine.step()
+    if os.environ["EXIT_ABORTS_HELD"] == "1":
+        HELD[:] = [torch.ones(8, 9), torch.ones(8, 3)]
+        deepspeed.comm.all_reduce(HELD[0])
+        deepspeed.comm.all_reduce(HELD[1], op=deepspeed.comm.ReduceOp.MAX)
 
 stats = engine.get_layer_grad_norms()
-print(f"EXIT_ABORTS rank {{engine.global_rank}} finished, statistics {{stats is not None}}", flush=True)
+print(f"EXIT_ABORTS rank {engine.global_rank} finished, statistics {stats is not None}", flush=True)
+if os.environ["EXIT_ABORTS_DESTROY"] == "1":
+    deepspeed.comm.destroy_process_group()
 """
+ENDING = {"steps": STEPS, "destroy": False}
+"""How a launch ends by default: after ``STEPS`` steps, without ``destroy_process_group``."""
 FAILED_RANK = re.compile(r"--local_rank=(\d+)'?\]? exits with return code = (-?\d+)")
 
 
-def launch(script: str, config: Dict, port: int, trace: str = "") -> Dict:
-    """One launch of ``config`` (its ``block`` on or off, its package ``tree`` on PYTHONPATH): its return
-    codes and what the ranks printed; ``trace``: a library to preload into every process
+def launch(script: str, config: Dict, port: int, trace: str = "", ending: Dict = ENDING) -> Dict:
+    """One launch of ``config`` (its ``block`` on or off, its ``held`` all-reduces, its package ``tree`` on
+    PYTHONPATH) for ``ending["steps"]`` steps, ``ending["destroy"]``: with ``destroy_process_group`` at the end: its
+    return codes and what the ranks printed; ``trace``: a library to preload into every process
     (``terminate_trace.cpp`` prints the thread that calls std::terminate, and its stack)."""
-    env = dict(os.environ, EXIT_ABORTS_BLOCK="1" if config["block"] else "0", PYTHONPATH=config["tree"])
+    env = dict(os.environ, EXIT_ABORTS_BLOCK=str(int(config["block"])), EXIT_ABORTS_HELD=str(int(config["held"])),
+               EXIT_ABORTS_STEPS=str(ending["steps"]), EXIT_ABORTS_DESTROY=str(int(ending["destroy"])),
+               PYTHONPATH=config["tree"])
     if trace:
         env["LD_PRELOAD"] = trace
     started = time.monotonic()
@@ -109,9 +123,10 @@ def aborted(run: Dict) -> bool:
     return run["terminate_called"] > 0 or any("TERMINATE_TRACE" in line for line in run["trace"])
 
 
-def table(label: str, configs: List[Dict], runs: List[Dict], traced: bool) -> List[str]:
+def table(label: str, configs: List[Dict], runs: List[Dict], traced: bool, ending: Dict = ENDING) -> List[str]:
+    destroy = "then `destroy_process_group`" if ending["destroy"] else "no `destroy_process_group`"
     lines = [f"# Exit aborts: {label}", "", machine(), "",
-             f"2 ranks, `deepspeed --num_gpus 2`, ZeRO-2, {STEPS} steps, no `destroy_process_group`; launches "
+             f"2 ranks, `deepspeed --num_gpus 2`, ZeRO-2, {ending['steps']} steps, {destroy}; launches "
              f"rotating through the configurations below, one port, one at a time"
              f"{'; terminate_trace.cpp preloaded' if traced else ''}.", "",
              "| configuration | launches | launcher rc 0 | both ranks finished | a rank aborted (std::terminate) | "
@@ -141,22 +156,31 @@ def main() -> None:
                         help="preload terminate_trace.cpp (built with g++) into every process")
     parser.add_argument("--before-tree", help="a checkout of the package before a fix: a third configuration, "
                         "the block on with that package")
+    parser.add_argument("--held", action="store_true", help="a further configuration: the block off, two "
+                        "all-reduces of tensors kept referenced after each step (as the statistics' are)")
+    parser.add_argument("--steps", type=int, default=STEPS)
+    parser.add_argument("--destroy", action="store_true", help="end with deepspeed.comm.destroy_process_group()")
     args = parser.parse_args()
+    ending = {"steps": args.steps, "destroy": args.destroy}
     here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    configs = [{"name": "block on", "block": True, "tree": here}, {"name": "block off", "block": False, "tree": here}]
+    configs = [{"name": "block on", "block": True, "held": False, "tree": here},
+               {"name": "block off", "block": False, "held": False, "tree": here}]
     if args.before_tree:
-        configs.append({"name": "block on, package before the fix", "block": True, "tree": args.before_tree})
+        configs.append({"name": "block on, package before the fix", "block": True, "held": False,
+                        "tree": args.before_tree})
+    if args.held:
+        configs.append({"name": "block off, two held all-reduces a step", "block": False, "held": True, "tree": here})
     runs: List[Dict] = []
     with tempfile.TemporaryDirectory() as folder:
         script = os.path.join(folder, "exit_aborts_script.py")
         trace = build_trace(folder) if args.trace else ""
         with open(script, "w", encoding="utf-8") as out:
             out.write(SCRIPT)
-        launch(script, configs[0], args.port, trace)  # builds the JIT ops once, uncounted
+        launch(script, configs[0], args.port, trace, ending)  # builds the JIT ops once, uncounted
         remove_buffers(args.port)
         for round_ in range(args.rounds):
             for config in configs[round_ % len(configs):] + configs[:round_ % len(configs)]:
-                runs.append(launch(script, config, args.port, trace))
+                runs.append(launch(script, config, args.port, trace, ending))
                 remove_buffers(args.port)
                 run = runs[-1]
                 print(f"{len(runs):3d} {config['name']}: launcher rc {run['launcher_rc']} finished {run['finished']} "
@@ -164,7 +188,7 @@ def main() -> None:
                 if run["launcher_rc"] or aborted(run):
                     print(run["tail"], *run["trace"], sep="\n", flush=True)
                 # after every launch: a count stopped early still leaves its table
-                write_results(f"exit_aborts_{args.label}", table(args.label, configs, runs, args.trace),
+                write_results(f"exit_aborts_{args.label}", table(args.label, configs, runs, args.trace, ending),
                               {"runs": runs})
 
 

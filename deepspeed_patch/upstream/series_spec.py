@@ -307,35 +307,11 @@ SERIES = (
                 docstrings=(("", "\n\nThe loss the training loop reports is combined here too (``ReportedLoss``, "
                              "``agreed_loss``): one MAX all-reduce\nof one float64, its non-finite values coded as "
                              "the maxima's.", ""), )),
-            # the earlier modules' docstrings, where they name the trigger, the recorder and live control
-            Cut("statistics/steps.py",
-                docstrings=(("", "the trigger's capture window (from the global norm), and a failure "
-                             "announced through a\nreduction.", "and a failure announced through a reduction."),
-                            ("FailureLatch", "next reduction, a measured step's or the recorder's at a fire, and",
-                             "next reduction, and"), ("FailureLatch", " (the loss's, ``reduction.agreed_loss``)",
-                                                      ""))),
             Cut("statistics/result.py",
                 docstrings=(("", "A measured step (``measurement.Measurement.finish``) and each step the flight "
                              "recorder reduces at a fire\n(``recorder.FlightRecorder.replay``) carry, beside their "
                              "table, their scales", "A measured step (``measurement.Measurement.finish``) carries, "
                              "beside its table, its scales"), )),
-            Cut("outputs/publish.py",
-                docstrings=(("", ", the JSONL\ndump (rank 0) and DeepSpeed's monitors;",
-                             " and DeepSpeed's\nmonitors;"),
-                            ("", "the JSONL dump (``jsonl_dump.JsonlDump``) and ", ""))),
-            Cut("adapters/base.py",
-                docstrings=(("LayerGradNormsAdapter.end_step", "record it, reduce and publish a measured step, feed "
-                             "the\n        trigger, and when it fires reduce the recorded steps. What leads to a "
-                             "collective here (``reporting``,\n        the fire)", "reduce and publish a measured "
-                             "step. What leads to a\n        collective here (``reporting``)"), )),
-            Cut("adapters/param_grads.py",
-                docstrings=(("", " The engine keeps\nno global norm here; with a flight recorder "
-                             "(``trigger.history``) "
-                             "every step is read, and the trigger gets\nthe global norm from that table (the whole "
-                             "model on every rank), with the one host sync it needs anyway.", ""), )),
-            Cut("adapters/refusals.py",
-                docstrings=(("check_param_grads", "; and there, the trigger needs the recorder,\n    which reads "
-                             "every step's norm (the engine keeps none).", "."), )),
             Cut("config.py", drop=("TriggerConfig", "DumpConfig", "LayerGradNormsConfig.trigger",
                                    "LayerGradNormsConfig.dump")),
             Cut("statistics/steps.py",
@@ -343,6 +319,11 @@ SERIES = (
                 replace=(("StepSchedule.next_step", "return on_interval or self.capturing()", "return on_interval"),
                          ("StepSchedule.reported_keys", "self.layer_map.keys if self.capturing() else self.selected",
                           "self.selected")),
+                docstrings=(("", "the trigger's capture window (from the global norm), and a failure "
+                             "announced through a\nreduction.", "and a failure announced through a reduction."),
+                            ("FailureLatch", "next reduction, a measured step's or the recorder's at a fire, and",
+                             "next reduction, and"), ("FailureLatch", " (the loss's, ``reduction.agreed_loss``)",
+                                                      "")),
                 drop=("StepSchedule.capturing", "StepSchedule.open_capture")),
             Cut("outputs/publish.py",
                 statements=(("Publisher.__init__", r"self\.dump = None"), ("Publisher.__init__", r"if dump and "),
@@ -352,6 +333,9 @@ SERIES = (
                                 ""), ("Publisher.publish", ", capture: Optional[dict])",
                                       ")"), ("Publisher.publish", "; ``capture``: the fire whose window it is in", ""),
                          ("Publisher.publish", "(self.dump, self.monitor)", "(self.monitor, )")),
+                docstrings=(("", ", the JSONL\ndump (rank 0) and DeepSpeed's monitors;",
+                             " and DeepSpeed's\nmonitors;"),
+                            ("", "the JSONL dump (``jsonl_dump.JsonlDump``) and ", "")),
                 drop=("Publisher.publish_history", )),
             Cut("adapters/base.py",
                 statements=(("LayerGradNormsAdapter.__init__", r"self\.trigger = TriggerState"),
@@ -382,12 +366,20 @@ SERIES = (
                     ("", "(a measured step's reduction, the ring's at a fire)", "(a measured step's reduction)"),
                     ("LayerGradNormsAdapter", "the open measurement, the trigger and the\n    recorder, the published",
                      "the open measurement, the\n    published"),
+                    ("LayerGradNormsAdapter.end_step", "record it, reduce and publish a measured step, feed the\n"
+                     "        trigger, and when it fires reduce the recorded steps. What leads to a collective here "
+                     "(``reporting``,\n        the fire)", "reduce and publish a measured step. What leads to a\n"
+                     "        collective here (``reporting``)"),
                 ),
                 drop=("LayerGradNormsAdapter._replay", "LayerGradNormsAdapter.history",
                       "LayerGradNormsAdapter.report_loss", "LayerGradNormsAdapter.global_norm")),
             Cut("adapters/optimizer.py", drop=("OptimizerAdapter.global_norm", )),
             Cut("adapters/param_grads.py",
                 statements=(("ParamGradAdapter.__init__", r"self\.norm: "), ),
+                docstrings=(("", " The engine keeps\nno global norm here; with a flight recorder "
+                             "(``trigger.history``) every step is read, and the trigger gets\nthe global norm from "
+                             "that table (the whole model on every rank), with the one host sync it needs "
+                             "anyway.", ""), ),
                 drop=("ParamGradAdapter.read_at_end", "ParamGradAdapter.global_norm")),
             Cut("adapters/__init__.py", drop=(HISTORY, ), replace=(("", f'"{HISTORY}", ', ""), )),
             Cut("adapters/attach.py",
@@ -398,6 +390,8 @@ SERIES = (
                 statements=(("_param_grad_adapter", r"check_param_grad_trigger\("), )),
             Cut("adapters/refusals.py",
                 statements=(("check_param_grads", r"if config\.trigger is not None"), ),
+                docstrings=(("check_param_grads", "; and there, the trigger needs the recorder,\n    which reads "
+                             "every step's norm (the engine keeps none).", "."), ),
                 drop=("check_param_grad_trigger", )),
             Cut(INIT, replace=(("", f", {HISTORY}\n", "\n"), ("", f'"{HISTORY}", ', ""))),
             Cut(DOCS, rows=("trigger", "dump")),
@@ -487,7 +481,6 @@ SERIES = (
         (),
         remedy_sites=True,
         cuts=(
-            Cut("adapters/bf16.py", docstrings=(("", ": adaptive clipping scales all of it, on every rank.", "."), )),
             Cut("spikes/spike_rule.py",
                 docstrings=(("judge_outlier", "the rule of the spike trigger and of ``skip_step``, which differ in\n"
                              "    ``bound(recent)`` alone (the limit and how to say it)", "the spike trigger's rule, "
@@ -592,6 +585,7 @@ SERIES = (
                 statements=(("Zero3Adapter.unscale_and_clip_grads", r"self\.scale_buckets\("), ),
                 drop=("Zero3Adapter.spans_to_scale", )),
             Cut("adapters/bf16.py",
+                docstrings=(("", ": adaptive clipping scales all of it, on every rank.", "."), ),
                 drop=("BF16Adapter.act_at_begin", "BF16Adapter.clip_divisor", "BF16Adapter.spans_to_scale")),
             Cut("adapters/refusals.py", drop=("BOTH_REMEDIES", "REMEDY_FAMILIES", "check_remedies")),
             Cut("adapters/attach.py",

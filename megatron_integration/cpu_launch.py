@@ -180,8 +180,9 @@ def run_script(script: str, num_ranks: int = 2, timeout: float = 600, cwd: Optio
                exit_abort_retries: int = 1) -> subprocess.CompletedProcess:
     """``deepspeed --num_gpus num_ranks script`` (CPU ranks), its output captured; its shared-memory buffers
     removed whatever happens. A launch that fails by torch's gloo exit abort (``exit_aborted``) is launched again,
-    up to ``exit_abort_retries`` times, with a warning: that abort is torch's, counted as often with the
-    statistics as without (docs/supported.md), and rare enough that two in a row say something else is wrong."""
+    up to ``exit_abort_retries`` times, with a warning: that abort is torch's, made likelier by any collective near
+    the exit, the statistics' included (docs/supported.md), and rare enough that two in a row say something else is
+    wrong."""
     for attempt in range(exit_abort_retries + 1):
         result = _launch_script(script, num_ranks, timeout, cwd)
         if attempt == exit_abort_retries or not exit_aborted(result):

@@ -116,7 +116,7 @@ class TriggerConfig(StrictConfigModel):
     (``engine.get_layer_grad_norms_history()``); 0: no recorder."""
     loss_factor: Optional[float] = Field(None, gt=1.0)
     """Fire also when the loss the training loop reports (``report_loss``; the largest any rank reported, all-reduced
-    on every step: ``reduction.agreed_loss``) exceeds this many times its running median; ``None``: not watched."""
+    on every step: ``reduction.agreed_losses``) exceeds this many times its running median; ``None``: not watched."""
 
     def refractory_steps(self) -> int:
         """``cooldown``, or its default."""

@@ -122,13 +122,13 @@ AGREED_LOSSES = {  # each rank's report (None: none; a tensor: a device loss), a
 }
 
 
-def agreed_losses() -> Dict[str, float]:
-    """``reduction.agreed_loss`` over the real 2-rank gloo group, for each of ``AGREED_LOSSES``."""
+def agreed_over_two_ranks() -> Dict[str, float]:
+    """``reduction.agreed_losses`` (one slot) over the real 2-rank gloo group, for each of ``AGREED_LOSSES``."""
     from deepspeed import comm as dist
 
-    from deepspeed_patch.statistics.reduction import agreed_loss
+    from deepspeed_patch.statistics.reduction import agreed_losses
 
-    return {name: agreed_loss(reports[dist.get_rank()]).item() for name, (reports, _) in AGREED_LOSSES.items()}
+    return {name: agreed_losses([reports[dist.get_rank()]])[0].item() for name, (reports, _) in AGREED_LOSSES.items()}
 
 
 def run_on_demand(workdir: str, extended: bool = False) -> Dict[str, Any]:
@@ -185,6 +185,6 @@ def run_on_demand(workdir: str, extended: bool = False) -> Dict[str, Any]:
     results["monitor"] = train(engine, 2)
     results["global_samples"] = engine.global_samples
     engine.destroy()
-    results["agreed_losses"] = agreed_losses()
+    results["agreed_losses"] = agreed_over_two_ranks()
     results["nan"] = nan_reductions()
     return results

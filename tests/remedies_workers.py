@@ -20,6 +20,7 @@ import torch
 import deepspeed_patch.remedies.remedy_step
 from megatron_integration.tiny_gpt import TinyGPT
 from reference import averaged_gradients, bucket_stats, reference_bucket
+from setup_workers import counting_collectives
 from zero_workers import (
     DEFAULT_CASE,
     DTYPES,
@@ -87,8 +88,10 @@ def one_step(engine, case: Dict[str, Any], step: int, record: Dict[str, Any]) ->
             dist.all_reduce(mean)
             record["losses"].append(mean.item() / world_size)
             engine.layer_grad_norms.report_loss(mean / world_size)
-        with failing_scaling(step == case["fail_scaling_at"]):
+        with failing_scaling(step == case["fail_scaling_at"]), counting_collectives() as calls:
             engine.step()
+        if len(losses) == case["gas"]:
+            record["collectives"].append(calls[0])
     after = full_weights(engine.module)
     key_of = reference_key(case)
     record["applied"].append(bucket_stats({name: before[name] - after[name] for name in before}, key_of))
@@ -140,7 +143,7 @@ class failing_scaling:
 
 def new_record() -> Dict[str, list]:
     return {"applied": [], "unchanged": [], "measured": [], "skipped_steps": [], "reference": [], "losses": [],
-            "loss_scales": [], "global_norm": []}
+            "loss_scales": [], "global_norm": [], "collectives": []}
 
 
 def train(case: Dict[str, Any]) -> Dict[str, Any]:

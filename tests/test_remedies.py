@@ -31,6 +31,7 @@ ADAPTIVE = {"enabled": True, "warmup_steps": 2, "factor": 0.9, "beta": 0.5}
 SKIP = {"enabled": True, "sigma": 6.0, "window": 4}
 BOTH = {"skip_step": SKIP, "adaptive_clipping": ADAPTIVE}
 TRIGGER = {"grad_norm_factor": 1e12, "window": 3, "capture_steps": 1, "history": 3}
+LOSS_TRIGGER = {"grad_norm_factor": 1e12, "loss_factor": 3.0, "window": 3, "capture_steps": 1}
 """A trigger that never fires by itself: only a skipped step opens its capture and reduces its recorder."""
 BF16_OPTIMIZER = {"stage": 1, "dtype": "bf16", "grad_accum_dtype": "fp32"}
 APPLIED_TOLERANCE = 1e-3
@@ -78,6 +79,9 @@ CASES = {  # by launch: its world size, and "x" for the extended tier
         # its grid stays DeepSpeed's model-parallel unit for the engines built after it in the process)
         "z2_fp32_adaptive_group_by_partial": adaptive(block=GROUP_BY),
         "z1_bf16_optimizer_adaptive": adaptive(**BF16_OPTIMIZER),
+        # skip_step alone, and beside a trigger watching the loss: one loss all-reduce a step serves both
+        "z2_fp32_skip_spike_2": skipping(block={"skip_step": SKIP}),
+        "z2_fp32_skip_spike_loss_trigger": skipping(block={"skip_step": SKIP, "trigger": LOSS_TRIGGER}),
         "tp2_zero1_adaptive": adaptive(model="tp", stage=1),
     },
     "1x": {  # a universal checkpoint (DeepSpeed's conversion, of Adam's state only), a resume without the optimizer's
@@ -352,6 +356,21 @@ def test_skipped_step_fires_the_capture_and_shows_in_dump():
     assert dumped and all(line["skipped"] for line in dumped)
 
 
+def test_skip_step_and_a_loss_trigger_share_one_loss_all_reduce():
+    """``skip_step`` and a trigger watching the loss, on 2 ranks: each step's losses are agreed in one MAX all-reduce
+    (``reduction.LossAgreement``), so the trigger adds no collective to ``skip_step``'s steps; and it judges the loss
+    it was handed, firing on the spiked loss at the step ``skip_step`` skips."""
+    case = CASES["2"]["z2_fp32_skip_spike_loss_trigger"]
+    checked = 0
+    for alone, both in zip(ok("2", "z2_fp32_skip_spike_2"), ok("2", "z2_fp32_skip_spike_loss_trigger")):
+        assert len(both["collectives"]) == case["steps"]
+        assert both["collectives"] == alone["collectives"]
+        captured = both["measured"][case["spike_step"]]["trigger"]
+        assert captured["fired_at"] == case["spike_step"] and captured["reason"].startswith("loss"), captured
+        checked += 1
+    assert checked == 2
+
+
 @pytest.mark.parametrize("name", ["z2_fp32_keys_off", "z2_fp32_master_switch_off"])
 def test_keys_off_is_bit_identical(name):
     """Both keys present and off, or both on under ``"enabled": false`` (the master switch): the same weights, bit
@@ -476,8 +495,8 @@ def test_a_bucket_without_a_norm_in_the_warm_up_is_clipped_globally_until_it_has
     references = [{key: {"norm": norm} for key, norm in norms.items()} for norms in steps]
     expected = adagc_factors(references, clip, config, set(), [1.0] * len(steps))
     checked = 0
-    for norms, want in zip(steps, expected):
-        action = remedies.decide(reduced_table([norms["dense"], norms["expert"]]), 1.0,
+    for step, (norms, want) in enumerate(zip(steps, expected), start=1):
+        action = remedies.decide(step, reduced_table([norms["dense"], norms["expert"]]), 1.0,
                                  lambda norm: max((norm + 1e-6) / clip, 1.0))
         coefficient = 1.0 if action.factors is not None else min(1.0, clip / (action.global_norm + 1e-6))
         remedies.applied(coefficient)
@@ -500,7 +519,7 @@ def test_parameters_group_by_leaves_out_have_an_average_of_their_own():
     remedies = Remedies(config, ["0", "1"], num_rows=3)
     assert remedies.adaptive.keys == ["0", "1", UNMATCHED]
     table = reduced_table([1.0, 2.0, 2.0])
-    action = remedies.decide(table, 1.0, lambda norm: 1.0)
+    action = remedies.decide(1, table, 1.0, lambda norm: 1.0)
     assert action.global_norm == 3.0
     remedies.applied(1.0)
-    assert len(remedies.decide(table, 1.0, lambda norm: 1.0).factors) == 3
+    assert len(remedies.decide(2, table, 1.0, lambda norm: 1.0).factors) == 3

@@ -43,6 +43,7 @@ from ..spikes.recorder import FlightRecorder, Replay
 from ..spikes.trigger import FireSelector, History, TriggerState
 from ..statistics.layer_map import LayerMap
 from ..statistics.measurement import Measurement
+from ..statistics.reduction import LossAgreement
 from ..statistics.statistics import empty_stats, table_rows
 from ..statistics.steps import FailureLatch, StepSchedule
 
@@ -78,7 +79,9 @@ class LayerGradNormsAdapter:
         ZeRO-3 sub-group); ``device``: where the statistics are computed (that of the partitions)."""
         self.schedule = StepSchedule(setup.config, setup.layer_map, setup.completed_steps)
         self.latch = FailureLatch()
-        self.trigger = TriggerState(setup.config.trigger, setup.process_group)
+        self.losses = LossAgreement(setup.process_group)
+        """The losses ``report_loss`` hands its readers, agreed over the ranks in one all-reduce a step."""
+        self.trigger = TriggerState(setup.config.trigger, self.losses)
         self.publisher = Publisher(setup.config.dump, setup.monitor)
         self.layer_map = setup.layer_map
         self.process_group = setup.process_group
@@ -265,10 +268,10 @@ class LayerGradNormsAdapter:
         ``engine.step()`` of that step or after it; it is judged at the end of the next optimizer step. For
         ``skip_step``, before ``engine.step()`` of that step (``before_step``), whose skip it decides; a loss
         reported after its step (``before_step=False``, as Megatron's training-log hook does) goes to the trigger
-        alone. Both judge the largest loss any rank reported (``reduction.agreed_loss``), so ranks reporting other
+        alone. Both judge the largest loss any rank reported (``reduction.agreed_losses``), so ranks reporting other
         values, or none, still decide together. Without a ``loss_factor`` or ``skip_step`` (``wants_loss`` false)
         the loss is ignored, not read: a device tensor stays there."""
-        if self.trigger.trigger is not None and self.trigger.trigger.loss_ratio is not None:
+        if self.trigger.loss is not None:
             self.trigger.loss.report(loss)
         if self.remedy_step is not None and before_step:
             self.remedy_step.remedies.report_loss(loss)

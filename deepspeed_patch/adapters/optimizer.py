@@ -31,7 +31,7 @@ class OptimizerAdapter(LayerGradNormsAdapter):
         """The optimizer's ``clip_grad`` while adaptive clipping replaces it for one step
         (``suspend_global_clipping``)."""
         super().__init__(setup, num_partitions, device)
-        remedies = Remedies.wanted(setup.config, self.layer_map.keys, self.layer_map.num_rows, setup.process_group)
+        remedies = Remedies.wanted(setup.config, self.layer_map.keys, self.layer_map.num_rows, self.losses)
         if remedies is not None:
             self.remedy_step = RemedyStep(remedies, self, self.latch, setup.process_group)
 

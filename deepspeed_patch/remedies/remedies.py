@@ -24,6 +24,7 @@ from typing import Callable, Hashable, List, Optional, Sequence, Tuple, Union
 import torch
 
 from ..config import LayerGradNormsConfig
+from ..statistics.reduction import LossAgreement
 from ..statistics.statistics import SUMSQ
 from .adaptive_clipping import AdaptiveClipping
 from .skip_step import SkipStep
@@ -66,13 +67,13 @@ class Remedies:
                  config: LayerGradNormsConfig,
                  keys: Sequence[Hashable],
                  num_rows: int,
-                 process_group: object = None) -> None:
+                 losses: Optional[LossAgreement] = None) -> None:
         """``keys``: the buckets, the first rows of a table of ``num_rows`` gradient rows (one more: ``UNMATCHED``);
-        ``process_group``: the ranks whose tables a step reduces (``skip_step`` agrees the loss over them)."""
+        ``losses``: the adapter's, over which ``skip_step`` agrees the loss (one of its own by default)."""
         buckets = list(keys) + [UNMATCHED] * (num_rows - len(keys))
         self.adaptive = (AdaptiveClipping(config.adaptive_clipping, buckets)
                          if config.adaptive_clipping.enabled else None)
-        self.skip = SkipStep(config.skip_step, process_group) if config.skip_step.enabled else None
+        self.skip = SkipStep(config.skip_step, losses) if config.skip_step.enabled else None
         self.num_buckets = num_rows
         self.pending: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
         """The decided step's pre-clip norms and factors, until the optimizer has applied it (``applied``)."""
@@ -83,20 +84,21 @@ class Remedies:
     def wanted(config: LayerGradNormsConfig,
                keys: Sequence[Hashable],
                num_rows: int,
-               process_group: object = None) -> Optional["Remedies"]:
-        return Remedies(config, keys, num_rows, process_group) if config.acts() else None
+               losses: Optional[LossAgreement] = None) -> Optional["Remedies"]:
+        return Remedies(config, keys, num_rows, losses) if config.acts() else None
 
     def report_loss(self, loss: Union[float, torch.Tensor]) -> None:
         if self.skip is not None:
             self.skip.loss.report(loss)
 
-    def decide(self, reduced: torch.Tensor, gradient_scale: float, clip_divisor: Callable[[float], float]) -> Action:
-        """The step's action from its ``reduced`` table (host, the gradient's rows first), whose gradient carries
+    def decide(self, step: int, reduced: torch.Tensor, gradient_scale: float,
+               clip_divisor: Callable[[float], float]) -> Action:
+        """``step``'s action from its ``reduced`` table (host, the gradient's rows first), whose gradient carries
         ``gradient_scale``; ``clip_divisor(norm)``: what DeepSpeed's global clipping divides the gradient by for a
         global norm ``norm``. The adaptive averages move once the step is applied (``applied``)."""
         norms = reduced[:self.num_buckets, SUMSQ].sqrt() / gradient_scale
         global_norm = math.sqrt(reduced[:self.num_buckets, SUMSQ].sum().item()) / gradient_scale
-        reason = self.skip.judge(global_norm) if self.skip is not None else None
+        reason = self.skip.judge(step, global_norm) if self.skip is not None else None
         factors = None
         self.pending = None
         if self.adaptive is not None and reason is None and math.isfinite(global_norm):

@@ -83,7 +83,7 @@ class RemedyStep:
         if reduced is None:  # a rank failed to measure: finish switches the statistics off on every rank
             return
         with self.latch.failing_locally("deciding the remedies", step):
-            action = self.remedies.decide(reduced, measurement.gradient_scale, self.optimizer.clip_divisor)
+            action = self.remedies.decide(step, reduced, measurement.gradient_scale, self.optimizer.clip_divisor)
             measurement.action, self.scaling = action, self._laid_on_spans(action)
             if action.skipped:
                 if rank_of_process() == 0:  # the same decision on every rank: one line

@@ -14,9 +14,9 @@ deviation). A non-finite loss or norm on a step the loss scaler did not skip is 
 of its window.
 
 Its inputs are the same on every rank: the global norm from the step's reduced table, and the largest loss any
-rank of the process group reported for the step (``reduction.agreed_loss``: one 8-byte MAX all-reduce per step over
-the group the step is reduced over, made whether or not a loss was reported), so every rank takes the same decision
-even where the ranks report their own losses.
+rank of the process group reported for the step (``reduction.LossAgreement``: one MAX all-reduce per step over the
+group the step is reduced over, made whether or not a loss was reported, which agrees the trigger's loss too where
+it watches one), so every rank takes the same decision even where the ranks report their own losses.
 
 Both windows are in the checkpoint (``state_dict``), as OLMo-core keeps its own: a resumed run judges from its
 first step.
@@ -28,7 +28,7 @@ from typing import Optional, Tuple
 
 from ..config import SkipStepConfig
 from ..spikes.spike_rule import judge_outlier
-from ..statistics.reduction import ReportedLoss, reported_loss
+from ..statistics.reduction import LossAgreement, reported_loss
 
 MIN_JUDGED = 20
 """OLMo-core's least number of values before any is judged (or half the window, if larger)."""
@@ -37,19 +37,19 @@ MIN_JUDGED = 20
 class SkipStep:
     """The windows of the loss and of the global norm, and the decision of each step."""
 
-    def __init__(self, config: SkipStepConfig, process_group: object = None) -> None:
-        """``process_group``: the ranks whose tables a step reduces, over which the loss is agreed too."""
+    def __init__(self, config: SkipStepConfig, losses: Optional[LossAgreement] = None) -> None:
+        """``losses``: the adapter's, over which the loss is agreed (one of its own, for one process, by default)."""
         self.sigma = config.sigma
         self.least = min(config.window, max(MIN_JUDGED, config.window // 2))
         self.losses: deque = deque(maxlen=config.window)
         self.norms: deque = deque(maxlen=config.window)
-        self.loss = ReportedLoss(process_group)
+        self.loss = (losses or LossAgreement()).reader()
         """The loss reported for the step about to be taken, judged with its global norm."""
 
-    def judge(self, global_norm: float) -> Optional[str]:
-        """Why the step whose global gradient norm is ``global_norm`` is skipped, or ``None``; the loss reported
+    def judge(self, step: int, global_norm: float) -> Optional[str]:
+        """Why ``step``, whose global gradient norm is ``global_norm``, is skipped, or ``None``; the loss reported
         since the last step (if any) is judged with it."""
-        loss = reported_loss(self.loss.agree())
+        loss = reported_loss(self.loss.agree(step))
         reasons = [
             reason for reason in (self._outlier("loss", loss, self.losses),
                                   self._outlier("grad norm", global_norm, self.norms)) if reason

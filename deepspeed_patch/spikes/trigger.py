@@ -6,7 +6,7 @@
 with the steps the flight recorder held at each.
 
 It changes only with what is the same on every rank of the process group (the global norm, the loss scaler's
-overflow, the largest loss any of them reported: ``reduction.agreed_loss``), so they all fire at the same step,
+overflow, the largest loss any of them reported: ``reduction.agreed_losses``), so they all fire at the same step,
 whatever the training loop reports on each and whatever a reader of the results does on one of them.
 """
 
@@ -17,7 +17,7 @@ import torch
 
 from ..config import TriggerConfig
 from ..outputs.process_rank import rank_of_process
-from ..statistics.reduction import ReportedLoss, reported_loss
+from ..statistics.reduction import LossAgreement, reported_loss
 from .spike_rule import SpikeTrigger
 
 logger = logging.getLogger(__name__)
@@ -34,8 +34,8 @@ KEPT_FIRES = 16
 class TriggerState:
     """Whether a step fires the trigger; the fires so far and their recorded steps, each step kept once."""
 
-    def __init__(self, config: Optional[TriggerConfig], process_group: object = None) -> None:
-        """``process_group``: the ranks whose tables a step reduces, over which the loss is agreed too."""
+    def __init__(self, config: Optional[TriggerConfig], losses: Optional[LossAgreement] = None) -> None:
+        """``losses``: the adapter's, over which the loss is agreed (one of its own, for one process, by default)."""
         self.trigger = None
         if config is not None:
             self.trigger = SpikeTrigger(config.grad_norm_factor,
@@ -45,13 +45,14 @@ class TriggerState:
                                         config.loss_factor,
                                         cooldown=config.refractory_steps(),
                                         overflow_steps=config.overflow_steps)
-        self.loss = ReportedLoss(process_group)  # judged at the end of the next optimizer step
+        self.loss = None
+        """Its reader of the loss where it watches one (``loss_factor``): judged at the end of the next step."""
+        if config is not None and config.loss_factor is not None:
+            self.loss = (losses or LossAgreement()).reader()
         self.fires: Dict[int, List[dict]] = {}
         """Each kept fire's newly recorded steps, by the step it fired at, oldest fire first."""
         self.published_until = 0
         """The newest step a fire's recorded steps included: a later fire's start after it."""
-        self.reduced_loss: Optional[torch.Tensor] = None
-        """The last step's all-reduced loss, referenced until the next (``reduction._LAST_REDUCED`` says why)."""
 
     def after_step(self, step: int, global_norm, overflow: bool) -> Optional[dict]:
         """Feed the trigger the step's global gradient norm (the same on every rank) and the largest loss the
@@ -60,8 +61,8 @@ class TriggerState:
             return None
         watched_norm = global_norm if self.trigger.norm_ratio is not None else None  # not read when not watched
         loss = None
-        if self.trigger.loss_ratio is not None:
-            loss = self.reduced_loss = self.loss.agree()
+        if self.loss is not None:
+            loss = self.loss.agree(step)
         norm, loss = _on_host(watched_norm, loss)
         loss = reported_loss(loss)
         fired = self.trigger.update(step, norm, bool(overflow), loss)

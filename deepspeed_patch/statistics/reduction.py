@@ -27,12 +27,12 @@ NCCL's drops it), so ``reduce_stats`` codes NaN and +inf as finite float64 value
 statistic's range before the MAX all-reduce (NaN above +inf above every finite value) and decodes them
 after: the order, and with it the result, no longer depends on the backend or on the rank.
 
-The loss the training loop reports is combined here too (``ReportedLoss``, ``agreed_loss``): one MAX all-reduce
-of one float64, its non-finite values coded as the maxima's.
+The loss the training loop reports is combined here too (``LossAgreement``, ``agreed_losses``): one MAX all-reduce
+of one float64 a reader, at most one a step, its non-finite values coded as the maxima's.
 """
 
 import math
-from typing import Optional, Union
+from typing import List, Optional, Sequence, Tuple, Union
 
 import torch
 from deepspeed import comm as dist
@@ -82,49 +82,81 @@ def decode_maxima(maxima: torch.Tensor) -> torch.Tensor:
     return maxima.masked_fill_(maxima >= INF_CODE, math.inf)
 
 
-class ReportedLoss:
-    """The loss this rank reported since a step last read it; agreed over ``process_group``, the adapter's."""
+class LossAgreement:
+    """The losses this rank reported since they were last agreed, one slot per reader (``ReportedLoss``), agreed over
+    ``process_group`` (the adapter's) at most once a step: the first reader to ask at a step agrees every slot in
+    one all-reduce (``agreed_losses``), and a later reader at that step reads its own slot of it."""
 
     def __init__(self, process_group: object = None) -> None:
         self.process_group = process_group
-        self.value: Union[None, float, torch.Tensor] = None
+        self.values: List[Union[None, float, torch.Tensor]] = []
+        """Each reader's loss reported since the last agreement, ``None`` where none was."""
+        self.agreed: Optional[Tuple[int, List[Union[None, float, torch.Tensor]]]] = None
+        """The step of the last agreement and its result, each slot's, the same on every rank; its tensor is
+        referenced until the next agreement (``_LAST_REDUCED`` says why)."""
+
+    def reader(self) -> "ReportedLoss":
+        """A new reader, with its own slot (at start-up: every rank adds the same readers, in the same order)."""
+        self.values.append(None)
+        return ReportedLoss(self, len(self.values) - 1)
+
+    def agree(self, step: int) -> List[Union[None, float, torch.Tensor]]:
+        """Every slot's loss agreed at ``step``: one MAX all-reduce the first time a reader asks at this step, whatever
+        the other readers do; the ranks' own losses are then dropped."""
+        if self.agreed is None or self.agreed[0] != step:
+            values, self.values = self.values, [None] * len(self.values)
+            self.agreed = step, agreed_losses(values, self.process_group)
+        return self.agreed[1]
+
+
+class ReportedLoss:
+    """One reader's loss: what this rank reported since the reader last judged one, agreed with every other
+    reader's slot of its ``LossAgreement``."""
+
+    def __init__(self, agreement: LossAgreement, slot: int) -> None:
+        self.agreement = agreement
+        self.slot = slot
 
     def report(self, loss: Union[float, torch.Tensor]) -> None:
         """Keep ``loss`` as it is: a device tensor is read with the step's other values, in one host copy."""
-        self.value = loss.detach() if isinstance(loss, torch.Tensor) else float(loss)
+        self.agreement.values[self.slot] = loss.detach() if isinstance(loss, torch.Tensor) else float(loss)
 
-    def agree(self) -> Union[None, float, torch.Tensor]:
-        """The largest loss any rank reported (``agreed_loss``), the same on each; the rank's own is then dropped."""
-        loss, self.value = self.value, None
-        return agreed_loss(loss, self.process_group)
+    def agree(self, step: int) -> Union[None, float, torch.Tensor]:
+        """The largest loss any rank reported to this reader before ``step`` was agreed, the same on each."""
+        return self.agreement.agree(step)[self.slot]
 
     def drop(self) -> None:
         """Forget the reported loss unjudged (a step the loss scaler skipped)."""
-        self.value = None
+        self.agreement.values[self.slot] = None
 
 
-def agreed_loss(loss: Union[None, float, torch.Tensor],
-                process_group: object = None) -> Union[None, float, torch.Tensor]:
-    """The largest loss any rank of ``process_group`` reported, the same on each, on the device: one MAX all-reduce
-    of one float64 on every step the loss is watched, whether this rank reported one or not (``-inf``: none), so
-    ranks reporting their own losses, or some none, decide together. A non-finite loss travels as ``reduction``'s
-    codes (NaN over +inf) and fires on every rank. ``process_group`` is the one the failure latch spreads over
-    (``steps.FailureLatch``): ranks that stop measuring stop this all-reduce at the same step; under pipeline
-    parallelism it holds every stage. ``REPLICATED``, or one process: the loss as this rank reported it."""
+def agreed_losses(losses: Sequence[Union[None, float, torch.Tensor]],
+                  process_group: object = None) -> List[Union[None, float, torch.Tensor]]:
+    """The largest of each slot of ``losses`` any rank of ``process_group`` reported, the same on each, on the device:
+    one MAX all-reduce of one float64 a slot on every step the loss is watched, whether this rank reported one or not
+    (``-inf``: none), so ranks reporting their own losses, or some none, decide together. A non-finite loss travels
+    as ``reduction``'s codes (NaN over +inf) and fires on every rank. ``process_group`` is the one the failure latch
+    spreads over (``steps.FailureLatch``): ranks that stop measuring stop this all-reduce at the same step; under
+    pipeline parallelism it holds every stage. ``REPLICATED``, or one process: the losses as this rank has them."""
     if process_group is REPLICATED or not dist.is_initialized() or dist.get_world_size(group=process_group) == 1:
-        return loss
+        return list(losses)
     device = get_accelerator().current_device_name()
+    values = torch.cat([_coded(loss, device) for loss in losses])
+    dist.all_reduce(values, op=dist.ReduceOp.MAX, group=process_group)
+    decode_maxima(values)
+    return [values[slot:slot + 1] for slot in range(len(losses))]
+
+
+def _coded(loss: Union[None, float, torch.Tensor], device) -> torch.Tensor:
+    """One slot of ``agreed_losses``' all-reduce: the loss in float64, non-finite values coded; ``-inf``: none."""
     if loss is None:
-        value = torch.full((1, ), -math.inf, dtype=torch.float64, device=device)
-    else:
-        value = loss.reshape(1).double().to(device) if isinstance(loss, torch.Tensor) else \
-            torch.tensor([loss], dtype=torch.float64, device=device)
-        value = value.nan_to_num(nan=NAN_CODE, posinf=INF_CODE, neginf=NAN_CODE)
-    dist.all_reduce(value, op=dist.ReduceOp.MAX, group=process_group)
-    return decode_maxima(value)
+        return torch.full((1, ), -math.inf, dtype=torch.float64, device=device)
+    value = loss.reshape(1).double().to(device) if isinstance(loss, torch.Tensor) else \
+        torch.tensor([loss], dtype=torch.float64, device=device)
+    return value.nan_to_num(nan=NAN_CODE, posinf=INF_CODE, neginf=NAN_CODE)
 
 
 def reported_loss(agreed: Union[None, float, torch.Tensor]) -> Optional[float]:
-    """``agreed_loss``'s value on the host: ``None`` where no rank reported a loss (its ``-inf``)."""
+    """An ``agreed_losses`` slot's value on the host: ``None`` where no rank reported a loss (its ``-inf``)."""
     value = None if agreed is None else float(agreed)
     return None if value == -math.inf else value

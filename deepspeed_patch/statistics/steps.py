@@ -88,7 +88,7 @@ class FailureLatch:
     "Every rank" is every rank of the adapter's process group, the one its reductions run over: the whole world
     under ZeRO, one data-parallel replica's model-parallel group under pipeline or tensor parallelism without ZeRO,
     this rank alone where each holds the whole model (``REPLICATED``). Every other collective of the statistics
-    runs over that group as well (the loss's, ``reduction.agreed_loss``), so ranks that switched off together stop
+    runs over that group as well (the loss's, ``reduction.agreed_losses``), so ranks that switched off together stop
     every collective together, and no rank outside the group waits for one.
     """
 

@@ -303,10 +303,10 @@ SERIES = (
         cuts=(
             # the loss the training loop reports, agreed over the ranks (the trigger's loss_factor, skip_step)
             Cut("statistics/reduction.py",
-                drop=("ReportedLoss", "agreed_loss", "reported_loss"),
-                docstrings=(("", "\n\nThe loss the training loop reports is combined here too (``ReportedLoss``, "
-                             "``agreed_loss``): one MAX all-reduce\nof one float64, its non-finite values coded as "
-                             "the maxima's.", ""), )),
+                drop=("LossAgreement", "ReportedLoss", "agreed_losses", "_coded", "reported_loss"),
+                docstrings=(("", "\n\nThe loss the training loop reports is combined here too (``LossAgreement``, "
+                             "``agreed_losses``): one MAX all-reduce\nof one float64 a reader, at most one a step, its "
+                             "non-finite values coded as the maxima's.", ""), )),
             Cut("statistics/result.py",
                 docstrings=(("", "A measured step (``measurement.Measurement.finish``) and each step the flight "
                              "recorder reduces at a fire\n(``recorder.FlightRecorder.replay``) carry, beside their "
@@ -322,7 +322,7 @@ SERIES = (
                 docstrings=(("", "the trigger's capture window (from the global norm), and a failure "
                              "announced through a\nreduction.", "and a failure announced through a reduction."),
                             ("FailureLatch", "next reduction, a measured step's or the recorder's at a fire, and",
-                             "next reduction, and"), ("FailureLatch", " (the loss's, ``reduction.agreed_loss``)",
+                             "next reduction, and"), ("FailureLatch", " (the loss's, ``reduction.agreed_losses``)",
                                                       "")),
                 drop=("StepSchedule.capturing", "StepSchedule.open_capture")),
             Cut("outputs/publish.py",
@@ -339,6 +339,7 @@ SERIES = (
                 drop=("Publisher.publish_history", )),
             Cut("adapters/base.py",
                 statements=(("LayerGradNormsAdapter.__init__", r"self\.trigger = TriggerState"),
+                            ("LayerGradNormsAdapter.__init__", r"self\.losses = "),
                             ("LayerGradNormsAdapter.__init__", r"trigger = setup\.config\.trigger"),
                             ("LayerGradNormsAdapter.__init__", r"self\.wants_loss = "),
                             ("LayerGradNormsAdapter.__init__", r"ring_steps = trigger\.history"),

@@ -10,6 +10,7 @@ import deepspeed
 import pytest
 import torch
 from deepspeed.accelerator import get_accelerator
+from deepspeed.runtime.base_optimizer import ZeROOptimizer
 from deepspeed.runtime.layer_grad_norms import LayerGradNormsConfigError
 from deepspeed.utils import safe_get_full_grad
 from unit.common import DistributedTest
@@ -52,6 +53,14 @@ def skip_unsupported(dtype):
         pytest.skip("bf16 is not supported by this accelerator")
 
 
+def loss_scales(engine, dtype):
+    """The loss scale the optimizer divides the gradient by, and the one the gradient carries: in fp16 both are the
+    optimizer's, but without ZeRO ``DeepSpeedEngine.backward`` does not scale the loss (only a ``ZeROOptimizer``'s),
+    so those gradients carry none, and what the optimizer applies is divided by its loss scale once more."""
+    divides = engine.optimizer.loss_scale if dtype == torch.float16 else 1.0
+    return divides, divides if isinstance(engine.optimizer, ZeROOptimizer) else 1.0
+
+
 def reference_grads(engine, loss_scale):
     """Per layer, the full unscaled gradient DeepSpeed gathers after backward, in float64."""
     grads = {}
@@ -71,8 +80,8 @@ def check_steps(zero_stage, dtype, clip):
     checked = 0
     for step, batch in enumerate(loader, start=1):
         engine.backward(engine(batch[0], batch[1]))
-        loss_scale = engine.optimizer.loss_scale if dtype == torch.float16 else 1.0
-        reference = reference_grads(engine, loss_scale)
+        divides, carries = loss_scales(engine, dtype)
+        reference = reference_grads(engine, carries)
         engine.step()
         stats = engine.get_layer_grad_norms()
         assert stats is not None and stats["step"] == step
@@ -86,7 +95,8 @@ def check_steps(zero_stage, dtype, clip):
         if stats["overflow"]:
             continue
         total = math.sqrt(sum(grad.norm()**2 for grad in reference.values()))
-        expected_coef = min(1.0, clip / (total + 1e-6)) if clip > 0 else 1.0
+        ratio = (total * carries / divides + 1e-6) / clip if clip > 0 else 0.0  # DeepSpeed's clip ratio
+        expected_coef = carries / (divides * max(1.0, ratio))
         assert stats["clip_coef"] == pytest.approx(expected_coef, rel=tolerance)
         for key, measured in stats["pre_clip"].items():
             assert stats["post_clip"][key]["norm"] == pytest.approx(measured["norm"] * stats["clip_coef"])

@@ -77,9 +77,9 @@ def movement(run: Dict, control: Dict, step: int, after: int) -> Dict[str, Dict[
         moved[signal] = {}
         for layer, values in layers.items():
             level = statistics.median(values[step - 1 - BEFORE:step - 1])
-            window = range(step - 1, step + after)
-            moved[signal][layer] = {"vs_before": [values[index] / level for index in window],
-                                    "vs_control": [values[index] / baseline[signal][layer][index] for index in window]}
+            around = range(step - 1, step + after)
+            moved[signal][layer] = {"vs_before": [values[index] / level for index in around],
+                                    "vs_control": [values[index] / baseline[signal][layer][index] for index in around]}
     return moved
 
 

@@ -7,7 +7,7 @@ rate times 3 or 10, for one step or held), with clipping off or at 1.0. A signal
 steps 100-102 over its level (the median of steps 92-99), of the injected layer (layer 1) or the median over layers
 for a cause of every layer. The quiet rows are the same run without a cause, steps 30-120: ``step to step``, a
 step's norm over the median of the 8 before it (the largest, over layers); ``drift``, a step's norm over the median
-of steps 16 to 9 before it (a window's end against the level before an 8-step window).
+of steps 16 to 9 before it (the last of 8 recorded steps against the level before them).
 
     python benchmarks/adam_dynamics.py [--out benchmarks/results/adam_dynamics.md]
 """
@@ -64,7 +64,7 @@ def table() -> str:
     lines = [header, "|" + "---|" * (2 + len(ORDER))]
     for run_name, run in RUNS.items():
         calm = train(Cause(), run)
-        for label, lag in (("quiet, step to step", 1), ("quiet, drift over a window", 9)):
+        for label, lag in (("quiet, step to step", 1), ("quiet, drift over 8 recorded steps", 9)):
             lines.append(f"| {run_name} | {label} | " + " | ".join(f"{quiet(calm, signal, lag):.2f}"
                                                                   for signal in ORDER) + " |")
         for cause_name, cause in CAUSES.items():

@@ -67,7 +67,7 @@ def quotes(found: Dict[str, object]) -> Dict[str, List[str]]:
     """The passages each page must hold, whitespace aside."""
     normformer = (f"from {found['preln_first']:.2f} at layer 0 to {found['preln_last']:.2f} at layer 11, so the "
                   f"first two layers get {found['preln_ratio']:.2f}x the gradient of the last two")
-    rose_most = re.search(r"layer \d+ rose most, \S+ its level before the window at step \d+",
+    rose_most = re.search(r"layer \d+ rose most, \S+ its level before the recorded steps at step \d+",
                           found["spike_answer"])[0]
     lr_answer = found["lr_spike_answer"].split("; first above")[0]
     lr_low, lr_high = found["lr_spike_rise"]

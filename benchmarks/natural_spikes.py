@@ -20,10 +20,10 @@ The ground-truth rule (``truth_answer``), for one fire of the trigger at step F:
    the median of the ``LOSS_WINDOW`` steps before it (none: the fire had no loss spike, and S is F).
 2. A signal of a bucket (the gradient, ``exp_avg``, ``exp_avg_sq``, the update; every bucket, those outside the
    layers included) leaves its level at step t when its norm there is above ``DEPARTURE`` times its level, the
-   median of its norms over the ``LEVEL_STEPS`` steps before t, or non-finite. One factor for every signal.
+   median of its norms over the ``LEVEL_STEPS`` steps before t, or non-finite. One threshold for every signal.
 3. The answer is the earliest step t in ``[S - LOOK_BACK, S]`` at which any signal of any bucket left its level;
    at one step, the gradient before the moments before the update (Adam's order of cause: the moments and the
-   update are computed from the gradient); the buckets whose that signal left at t are named, the largest factor
+   update are computed from the gradient); the buckets whose that signal left at t are named, the largest rise
    first. The look-back is bounded: nothing before ``S - LOOK_BACK`` is a cause.
 
 The lead time of a fire is S minus the first step in ``[S - LOOK_BACK, S]`` at which any bucket's gradient left its
@@ -88,7 +88,7 @@ def read_truth(path: str) -> List[Dict[str, Any]]:
 
 
 def departure(values: Sequence[float], index: int) -> Optional[float]:
-    """The factor over its level (``LEVEL_STEPS`` before it) at which ``values[index]`` left it (inf: non-finite);
+    """The rise over its level (``LEVEL_STEPS`` before it) at which ``values[index]`` left it (inf: non-finite);
     ``None`` where it did not, or has no level."""
     level_values = [value for value in values[max(0, index - LEVEL_STEPS):index] if math.isfinite(value)]
     value = values[index]
@@ -97,31 +97,31 @@ def departure(values: Sequence[float], index: int) -> Optional[float]:
     if len(level_values) < LEVEL_STEPS // 2:
         return None
     level = statistics.median(level_values)
-    factor = value / level if level > 0 else (math.inf if value > 0 else 1.0)
-    return factor if factor > DEPARTURE else None
+    rise = value / level if level > 0 else (math.inf if value > 0 else 1.0)
+    return rise if rise > DEPARTURE else None
 
 
 def departures_at(truth: List[Dict[str, Any]], step: int, signal: str) -> Dict[str, float]:
-    """Each bucket whose ``signal`` left its level at ``step``, with its factor."""
+    """Each bucket whose ``signal`` left its level at ``step``, with its rise."""
     found = {}
     for bucket in truth[step - 1][signal]:
         values = [line[signal].get(bucket, math.nan) for line in truth[:step]]
-        factor = departure(values, step - 1)
-        if factor is not None:
-            found[bucket] = factor
+        rise = departure(values, step - 1)
+        if rise is not None:
+            found[bucket] = rise
     return found
 
 
 def first_departure(truth: List[Dict[str, Any]], spike: int,
                     signals: Sequence[str] = SIGNALS) -> Optional[Dict[str, Any]]:
     """The earliest departure of ``signals`` in ``[spike - LOOK_BACK, spike]`` (rule 3 of the module's docstring):
-    ``signal``, ``buckets`` (largest factor first), ``factors``, ``step``; ``None`` where none left its level."""
+    ``signal``, ``buckets`` (largest rise first), ``rises``, ``step``; ``None`` where none left its level."""
     for step in range(max(1, spike - LOOK_BACK), spike + 1):
         for signal in signals:
             found = departures_at(truth, step, signal)
             if found:
                 buckets = sorted(found, key=lambda bucket: -found[bucket])
-                return {"signal": signal, "buckets": buckets, "factors": [found[b] for b in buckets], "step": step}
+                return {"signal": signal, "buckets": buckets, "rises": [found[b] for b in buckets], "step": step}
     return None
 
 
@@ -222,8 +222,8 @@ def _claim_cell(claim: Optional[Dict[str, Any]]) -> str:
 def _truth_cell(first: Optional[Dict[str, Any]]) -> str:
     if first is None:
         return "none"
-    buckets = ", ".join(f"{bucket} ({factor:.1f}x)" for bucket, factor in
-                        zip(first["buckets"][:3], first["factors"][:3]))
+    buckets = ", ".join(f"{bucket} ({rise:.1f}x)" for bucket, rise in
+                        zip(first["buckets"][:3], first["rises"][:3]))
     more = f" +{len(first['buckets']) - 3}" if len(first["buckets"]) > 3 else ""
     return f"{first['signal']} of {buckets}{more} @{first['step']}"
 
@@ -280,30 +280,30 @@ QUIET_FROM = 300
 QUIET_MARGIN = (20, 40)
 
 
-def quiet_factors(truth: List[Dict[str, Any]], signal: str) -> List[float]:
+def quiet_rises(truth: List[Dict[str, Any]], signal: str) -> List[float]:
     """Each bucket's norm of ``signal`` over its level (the median of the ``LEVEL_STEPS`` before), at the quiet
     steps of a run: how far the rule's ``DEPARTURE`` is above the noise."""
     near = {step for jump in loss_jumps([line["loss"] for line in truth])
             for step in range(jump - QUIET_MARGIN[0], jump + QUIET_MARGIN[1])}
-    factors = []
+    rises = []
     for bucket in truth[0][signal]:
         values = [line[signal][bucket] for line in truth]
-        factors += [values[index] / statistics.median(values[index - LEVEL_STEPS:index])
+        rises += [values[index] / statistics.median(values[index - LEVEL_STEPS:index])
                     for index in range(QUIET_FROM, len(values)) if index + 1 not in near]
-    return factors
+    return rises
 
 
 def noise_table(folders: Sequence[str]) -> List[str]:
-    """Per signal, over every run's quiet steps and buckets: the 99th percentile and the largest factor, and how
+    """Per signal, over every run's quiet steps and buckets: the 99th percentile and the largest rise, and how
     many bucket-steps were above ``DEPARTURE`` (false departures of the rule)."""
     truths = [read_truth(os.path.join(folder, "truth.jsonl")) for folder in folders]
     lines = [f"| signal | quiet bucket-steps | 99th percentile | largest | above {DEPARTURE:g}x |",
              "|---|---|---|---|---|"]
     for signal in SIGNALS:
-        factors = sorted(factor for truth in truths for factor in quiet_factors(truth, signal))
-        if factors:
-            lines.append(f"| {signal} | {len(factors)} | {factors[int(0.99 * len(factors))]:.2f} | "
-                         f"{factors[-1]:.2f} | {sum(factor > DEPARTURE for factor in factors)} |")
+        rises = sorted(rise for truth in truths for rise in quiet_rises(truth, signal))
+        if rises:
+            lines.append(f"| {signal} | {len(rises)} | {rises[int(0.99 * len(rises))]:.2f} | "
+                         f"{rises[-1]:.2f} | {sum(rise > DEPARTURE for rise in rises)} |")
     return lines
 
 

@@ -28,7 +28,8 @@ from common import machine, write_results  # noqa: E402
 from scenario_workers import MODEL, launch_runs  # noqa: E402
 
 BEFORE = 8
-"""The steps before the spike whose median is a signal's level: the recorder's window in the scenarios."""
+"""The steps before the spike whose median is a signal's level: as many as a fire's recorded steps in the
+scenarios (``trigger.history``)."""
 HIT_LAYER = 1
 """The layer whose gradient the per-layer injections scale."""
 GRADIENT_FACTORS = (3, 10, 100)
@@ -76,9 +77,9 @@ def movement(run: Dict, control: Dict, step: int, after: int) -> Dict[str, Dict[
         moved[signal] = {}
         for layer, values in layers.items():
             level = statistics.median(values[step - 1 - BEFORE:step - 1])
-            window = range(step - 1, step + after)
-            moved[signal][layer] = {"vs_before": [values[index] / level for index in window],
-                                    "vs_control": [values[index] / baseline[signal][layer][index] for index in window]}
+            around = range(step - 1, step + after)
+            moved[signal][layer] = {"vs_before": [values[index] / level for index in around],
+                                    "vs_control": [values[index] / baseline[signal][layer][index] for index in around]}
     return moved
 
 
@@ -156,7 +157,7 @@ def main() -> None:
         f"S = {step} one injection: layer {HIT_LAYER}'s gradient (a hook on its parameters' gradients, every "
         "rank, before the reduction), or the loss (every layer's gradient), times the factor; or the learning rate "
         "10x for step S only. Each value is a layer's norm of that signal at that step over its level before: the "
-        f"median of steps S-{BEFORE} to S-1 of the same run (what a judge of the recorded window sees); "
+        f"median of steps S-{BEFORE} to S-1 of the same run (what a judge of the recorded steps sees); "
         "'/ control' divides by the same step of a run without the injection (same seed and data) instead. "
         "'update/weight' is the update's norm over the weights' norm. The raw numbers, every layer, are in "
         "spike_calibration.json, written beside this table (not kept in git).", ""]

@@ -9,10 +9,10 @@ is a phase of the logs (``tags.ALL_PHASES``): the gradient's ``pre_clip`` and ``
 what ``spike`` judges and ``plot --history`` draws. The buckets outside the transformer layers (the embedding, the
 final norm, the output head, by their names) are read beside the layers (``Fire.outside``), for ``spike`` to judge.
 
-Each fire also gets what the log holds of every signal before its recorded window, the level ``spike`` judges it
+Each fire also gets what the log holds of every signal before its recorded steps, the level ``spike`` judges them
 against: the recorder's blocks of steps that left the ring (the dump's first recorded line of the fire carries
 them under ``"before"``, ``deepspeed_patch.spikes.recorder``), and the steps measured at the configured interval before
-the window (the live lines of the dump, the live runs of TensorBoard).
+the recorded steps (the live lines of the dump, the live runs of TensorBoard).
 """
 
 from dataclasses import dataclass, field
@@ -37,7 +37,7 @@ from .log_sources import LogSourceError, Points, dump_records, is_dump, scalar_s
 from .tensorboard_reader import json_bucket, latest_per_step, read_layer_series
 
 Block = Tuple[int, int, float]
-"""A recorder's block before the window: its first and last step, and the root mean square of its norms."""
+"""A recorder's block before the recorded steps: its first and last step, and the root mean square of its norms."""
 
 
 @dataclass
@@ -50,9 +50,9 @@ class Fire:
     reason: Optional[str] = None
     series: Dict[str, Dict[LayerId, Points]] = field(default_factory=dict)
     blocks: Dict[str, Dict[LayerId, List[Block]]] = field(default_factory=dict)
-    """Each signal's recorder blocks before the window (``deepspeed_patch.spikes.recorder``), oldest first."""
+    """Each signal's recorder blocks before the recorded steps (``deepspeed_patch.spikes.recorder``), oldest first."""
     interval: Dict[str, Dict[LayerId, Points]] = field(default_factory=dict)
-    """Each signal's steps measured at the configured interval before the window, in step order."""
+    """Each signal's steps measured at the configured interval before the recorded steps, in step order."""
     outside: Dict[str, Dict[str, Points]] = field(default_factory=dict)
     """Each signal's recorded steps of the buckets outside the layers (``"embed"``, ``"head"``), by name."""
 
@@ -68,7 +68,7 @@ class Fire:
         return list(self.norms) + names
 
     @property
-    def window(self) -> Tuple[Optional[int], Optional[int]]:
+    def recorded(self) -> Tuple[Optional[int], Optional[int]]:
         """The first and the last recorded step (``None`` where none was recorded)."""
         steps = [step for points in self.norms.values() for step, _ in points]
         return (min(steps), max(steps)) if steps else (None, None)
@@ -97,13 +97,14 @@ def read_fires(source: str) -> List[Fire]:
 
 
 def _add_interval_steps(source: str, fires) -> None:
-    """Each fire's ``interval``: every layer's steps the log holds before the fire's window, of each signal."""
+    """Each fire's ``interval``: every layer's steps the log holds before the fire's recorded steps, of each
+    signal."""
     try:
         series = read_layer_series(source)
     except LogSourceError:
         return
     for fire in fires:
-        start = fire.window[0]
+        start = fire.recorded[0]
         if start is None:
             continue
         for signal in ALL_PHASES:

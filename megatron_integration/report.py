@@ -47,7 +47,7 @@ def _verdict(comparison: Dict) -> str:
 
 
 def fire_steps(spikes: Sequence[Dict]) -> List[Tuple[int, int]]:
-    """The steps around each fire (``spike.localise``), left out of the medians: its recorded window, and as many
+    """The steps around each fire (``spike.localise``), left out of the medians: its recorded steps, and as many
     steps after the fire (the capture that follows it)."""
     return [(spike["steps"][0], 2 * spike["fired_at"] - spike["steps"][0] + 1) for spike in spikes if spike["steps"]]
 

@@ -2,19 +2,20 @@
 
 A fire's recorded steps (``fires.read_fires``) hold every bucket's pre-clip gradient norm (the layers, and those
 outside them by their names), and, with ``optimizer_statistics``, its update, update-to-weight ratio and Adam
-moments; the log may hold more of each signal from before the recorded window: the recorder's blocks
+moments; the log may hold more of each signal from before the recorded steps: the recorder's blocks
 (``deepspeed_patch.spikes.recorder``) and the steps measured at the configured interval.
 
-Each signal of each bucket is judged against its level just before a step (``judge``), not against the window's
-own median, which a cause that began before the window raises with the rest: a learning rate set too high and held
-there leaves the update at its own median throughout the window. A level is the median of the observations in the
-``LEVEL_STEPS`` steps before: the recorder's blocks or the interval steps, whichever is denser where both reach
-(``before``), and in the window the recorded steps too. A signal that left its level abruptly before the window, no
-further back than the horizon (``LOOK_BACK_WINDOWS``), and stayed away from it to the window departed before the
-window, at the first step the data show; else it departs at its first window step above its ``THRESHOLDS`` factor
-times its level, or non-finite. The gradient and its running averages share one scale; Adam's moments are judged
-without their growth from zero (``MOMENTS``). Where the log holds fewer than ``MIN_BASELINE`` observations before
-the window, the window's own median is the last resort. Every judgement names the baseline it used.
+Each signal of each bucket is judged against its level just before a step (``judge``), not against the recorded
+steps' own median, which a cause that began before them raises with the rest: a learning rate set too high and held
+there leaves the update at its own median throughout the recorded steps. A level is the median of the observations
+in the ``LEVEL_STEPS`` steps before: the recorder's blocks or the interval steps, whichever is denser where both
+reach (``before``), and, from the second recorded step on, the recorded steps before it too. A signal that left its
+level abruptly before the recorded steps, no further back than the horizon (``LOOK_BACK_RINGS``), and stayed away
+from it up to them departed before them, at the first step the data show; else it departs at its first recorded
+step above its ``THRESHOLDS`` ratio times its level, or non-finite. The gradient and its running averages share one
+scale; Adam's moments are judged without their growth from zero (``MOMENTS``). Where the log holds fewer than
+``MIN_BASELINE`` observations before the recorded steps, their own median is the last resort. Every judgement names
+the baseline it used.
 
 Which signal moved first (``attribute``, where the log holds the update or a moment): the earliest departure of any
 signal of any bucket. A tie at one step goes to the gradient (the step's update follows from its gradient), then the
@@ -26,7 +27,7 @@ which (``localise_all``); a loss fire that does is one incident, said once, with
 
 Where in the model the gradient rose (``localise``): the layers whose pre-clip norm went non-finite first, at or
 before the fire (an overflow's origin); else the layer that rose most over its baseline and the first above
-``RISE_FACTOR`` x it. The section's lines are wrapped at ``LINE_WIDTH``; ``report --json`` holds every detail.
+``RISE_THRESHOLD`` x it. The section's lines are wrapped at ``LINE_WIDTH``; ``report --json`` holds every detail.
 """
 
 import math
@@ -44,26 +45,27 @@ THRESHOLDS = {"pre_clip": 2.0, "exp_avg": 2.0, "exp_avg_sq": 4.0, "update": 2.0,
 """A signal departs above this many times its level. The gradient and its two running averages are on one scale:
 2x the gradient's norm, which quiet training moves up to 1.6x against its level (``benchmarks/adam_dynamics.py``,
 the table in docs/spikes.md); ``exp_avg`` averages the gradient (2x), ``exp_avg_sq`` its square (2x squared: 4x).
-A running average is then named ahead of the gradient it averages only where it rose by the gradient's own factor
-first. The update and its ratio to the weights (Adam's normalised step: up to 1.1x in quiet training, 2.9x for a 3x
-learning rate) are on the same scale, 2x: at 1.5x they were named ahead of the gradient on 24 of the natural suite's
-56 fires whose independent ground truth has the gradient first (``benchmarks/natural_spikes.py``); at 2x the report
-agrees with that truth on 42 of 56 (22 at 1.5x)."""
-RISE_FACTOR = THRESHOLDS["pre_clip"]
+A running average is then named ahead of the gradient it averages only where it rose past the gradient's own
+threshold first. The update and its ratio to the weights (Adam's normalised step: up to 1.1x in quiet training, 2.9x
+for a 3x learning rate) are on the same scale, 2x: at 1.5x they were named ahead of the gradient on 24 of the
+natural suite's 56 fires whose independent ground truth has the gradient first (``benchmarks/natural_spikes.py``); at
+2x the report agrees with that truth on 42 of 56 (22 at 1.5x)."""
+RISE_THRESHOLD = THRESHOLDS["pre_clip"]
 """A layer's gradient has risen at a step once its norm there is above this many times its own baseline."""
 MIN_BASELINE = 3
 """The fewest finite observations that make a baseline: the median of one or two steps is a single noisy step."""
 LEVEL_STEPS = 16
-"""A signal's level before the window (or before an observation) is the median of its observations in the 16 steps
-before it, and at least of the last ``MIN_BASELINE``: recent, so that a slow drift is followed, and a step change is
-not averaged away."""
-LOOK_BACK_WINDOWS = 4
-"""The horizon: no cause is dated more than 4 recorded windows (4 x the recorder's K steps) before its fire. The
-trigger fires again at most ``cooldown`` steps (by default ``max(capture_steps + 1, K)``) after its last fire while a
-spike lasts, and its running median absorbs a raised level within its ``window``: a cause that began further back
-and still lasts has had its own fire, which this one continues (``continues``) or, beyond the horizon, is judged
-at its level, not as a departure. Four windows hold the demo's lr spike's second fire (21 steps after its cause,
-K = 8) and stay within the recorder's 8 blocks before the window."""
+"""A signal's level before the recorded steps (or before an observation) is the median of its observations in the
+16 steps before it, and at least of the last ``MIN_BASELINE``: recent, so that a slow drift is followed, and a step
+change is not averaged away."""
+LOOK_BACK_RINGS = 4
+"""The horizon: no cause is dated more than 4 rings before its fire, 4 x the fire's recorded steps (K, the ring's
+size, ``trigger.history``, once the ring is full). The trigger fires again at most ``cooldown`` steps (by default
+``max(capture_steps + 1, K)``) after its last fire while a spike lasts, and its running median absorbs a raised
+level within its ``window``: a cause that began further back and still lasts has had its own fire, which this one
+continues (``continues``) or, beyond the horizon, is judged at its level, not as a departure. Four rings hold the
+demo's lr spike's second fire (21 steps after its cause, K = 8) and stay within the recorder's 8 blocks before the
+recorded steps."""
 MOMENTS = ("exp_avg", "exp_avg_sq")
 """Adam's running averages, which grow from zero: ``1 - beta ** t`` of their level at step t, bias-uncorrected.
 For every beta, ``(1 - beta ** b) / (1 - beta ** a) <= b / a``: their values are judged divided by their step
@@ -83,14 +85,14 @@ loss."""
 
 @dataclass(frozen=True)
 class Observation:
-    """A signal's norm before the window: one interval step (``first == last``), or a recorder block's root mean
-    square over steps ``first`` to ``last``."""
+    """A signal's norm before the recorded steps: one interval step (``first == last``), or a recorder block's root
+    mean square over steps ``first`` to ``last``."""
 
     first: int
     last: int
     value: float
     source: str
-    """``"recorder"`` (a block), ``"interval"`` (a measured step) or ``"window"`` (a recorded step)."""
+    """``"recorder"`` (a block), ``"interval"`` (a measured step) or ``"recorded"`` (a recorded step)."""
 
 
 @dataclass(frozen=True)
@@ -99,26 +101,26 @@ class Baseline:
 
     level: float
     source: str
-    """``"recorder"``, ``"interval"``, ``"recent"`` (the steps just before a window step, recorded ones among them),
-    or ``"window"``: the window's median, the last resort."""
+    """``"recorder"``, ``"interval"``, ``"recent"`` (the steps just before a recorded step, recorded ones among
+    them), or ``"recorded"``: the recorded steps' median, the last resort."""
     steps: Tuple[int, int]
     count: int
 
     def describe(self) -> str:
-        """``against interval steps 92-99``, ``against its recorder blocks before the window (steps 61-92)``,
-        ``against the window's median``."""
+        """``against interval steps 92-99``, ``against its recorder blocks (steps 61-92) before the recorded
+        steps``, ``against the recorded steps' median``."""
         first, last = self.steps
-        if self.source == "window":
-            return "against the window's median"
+        if self.source == "recorded":
+            return "against the recorded steps' median"
         if self.source == "recent":
             return f"against steps {first}-{last} just before it"
         if self.source == "interval":
             return f"against interval steps {first}-{last}"
-        return f"against its recorder blocks before the window (steps {first}-{last})"
+        return f"against its recorder blocks (steps {first}-{last}) before the recorded steps"
 
     @property
     def noun(self) -> str:
-        return "its median" if self.source == "window" else "its level before the window"
+        return "its median" if self.source == "recorded" else "its level before the recorded steps"
 
 
 def rise_over(value: float, baseline: float) -> float:
@@ -132,7 +134,7 @@ def rise_over(value: float, baseline: float) -> float:
 
 
 def before(fire: Fire, signal: str, layer) -> List[Observation]:
-    """A signal's observations before the window, in step order: the interval steps where they are at least as
+    """A signal's observations before the recorded steps, in step order: the interval steps where they are at least as
     dense as the recorder's blocks over the steps the blocks cover, else the blocks; beyond the blocks' steps, the
     interval steps."""
     blocks = [Observation(first, last, value, "recorder") for first, last, value in
@@ -153,17 +155,18 @@ def _median_of(observations: Sequence[Observation]) -> Optional[Baseline]:
     if len(finite) < MIN_BASELINE:
         return None
     sources = {seen.source for seen in finite}
-    source = "recent" if "window" in sources else "recorder" if "recorder" in sources else "interval"
+    source = "recent" if "recorded" in sources else "recorder" if "recorder" in sources else "interval"
     return Baseline(statistics.median(seen.value for seen in finite), source, (finite[0].first, finite[-1].last),
                     len(finite))
 
 
-def window_baseline(points: Points, fired_at: int) -> Optional[Baseline]:
-    """The median of the window's finite values before ``fired_at`` (``None`` with fewer than ``MIN_BASELINE``)."""
+def recorded_baseline(points: Points, fired_at: int) -> Optional[Baseline]:
+    """The median of the recorded steps' finite values before ``fired_at`` (``None`` with fewer than
+    ``MIN_BASELINE``)."""
     earlier = [value for step, value in points if step < fired_at and math.isfinite(value)]
     if len(earlier) < MIN_BASELINE:
         return None
-    return Baseline(statistics.median(earlier), "window", (points[0][0], fired_at - 1), len(earlier))
+    return Baseline(statistics.median(earlier), "recorded", (points[0][0], fired_at - 1), len(earlier))
 
 
 def level_before(observed: Sequence[Observation]) -> Optional[Baseline]:
@@ -177,53 +180,54 @@ def level_before(observed: Sequence[Observation]) -> Optional[Baseline]:
 
 
 def baseline_of(points: Points, observed: Sequence[Observation], fired_at: int) -> Optional[Baseline]:
-    """A signal's level before the window (``level_before``), or the window's median where fewer than
-    ``MIN_BASELINE`` observations before it are finite; ``None`` where neither can be taken."""
-    return level_before(observed) or window_baseline(points, fired_at)
+    """A signal's level before the recorded steps (``level_before``), or the recorded steps' median where fewer
+    than ``MIN_BASELINE`` observations before them are finite; ``None`` where neither can be taken."""
+    return level_before(observed) or recorded_baseline(points, fired_at)
 
 
 def judge(points: Points, observed: Sequence[Observation], fired_at: int, threshold: float,
           horizon: Optional[int] = None) -> Dict:
     """One signal of one layer: its ``baseline`` and its ``departure`` (``None`` where it did not depart, or has no
-    baseline): ``step``, ``steps`` (the observation's, a block's range before the window), ``way`` (``"rose"`` or
-    ``"went non-finite"``), ``factor`` over the level, ``before_window`` and ``baseline`` (its ``describe``).
+    baseline): ``step``, ``steps`` (the observation's, a block's range before the recorded steps), ``way``
+    (``"rose"`` or ``"went non-finite"``), ``rise`` over the level, ``before_recorded`` and ``baseline`` (its
+    ``describe``).
 
-    Before the window, from step ``horizon`` on (``LOOK_BACK_WINDOWS``), a departure is abrupt and lasting: an
+    Before the recorded steps, from step ``horizon`` on (``LOOK_BACK_RINGS``), a departure is abrupt and lasting: an
     observation above ``threshold`` times both its level (``level_before`` the observations just before it) and the
-    one before it, or non-finite, that persists to the window: every later observation and the window's first step
-    away from that level too, and, where it rose, the window's median still above ``threshold`` times it (a slow
-    drift is not abrupt; a past episode that ended, an fp16 overflow the loss scaler skipped, does not last). In the
-    window, the first step above ``threshold`` times the level just before it (``level_before`` the observations and
-    the recorded steps before it: a drift inside the window is followed), or non-finite. Against the window's median,
-    only a step after one within those bounds counts: a window at the start of training, where the second moment
-    grows from zero, has it reach its median, not leave it."""
+    one before it, or non-finite, that persists up to the recorded steps: every later observation and the first
+    recorded step away from that level too, and, where it rose, the recorded steps' median still above ``threshold``
+    times it (a slow drift is not abrupt; a past episode that ended, an fp16 overflow the loss scaler skipped, does
+    not last). Among the recorded steps, the first above ``threshold`` times the level just before it
+    (``level_before`` the observations and the recorded steps before it: a drift among them is followed), or
+    non-finite. Against the recorded steps' median, only a step after one within those bounds counts: steps recorded
+    at the start of training, where the second moment grows from zero, have it reach its median, not leave it."""
     early = _left_before(points, observed, fired_at, threshold, horizon)
     if early is not None:
         return early
     baseline = baseline_of(points, observed, fired_at)
     if baseline is None:
         return {"baseline": None, "departure": None}
-    reached = baseline.source != "window"
-    recorded = [Observation(step, step, value, "window") for step, value in points]
+    reached = baseline.source != "recorded"
+    recorded = [Observation(step, step, value, "recorded") for step, value in points]
     for index, (step, value) in enumerate(points):
-        level = baseline if baseline.source == "window" else level_before(list(observed) + recorded[:index])
+        level = baseline if baseline.source == "recorded" else level_before(list(observed) + recorded[:index])
         way = _away(value, level.level, threshold)
         if way is None:
             reached = True
         elif reached:
             return {"baseline": baseline, "departure": {
-                "step": step, "steps": [step, step], "way": way, "factor": _factor(value, level.level),
-                "before_window": False, "baseline": level.describe()}}
+                "step": step, "steps": [step, step], "way": way, "rise": _departure_rise(value, level.level),
+                "before_recorded": False, "baseline": level.describe()}}
     return {"baseline": baseline, "departure": None}
 
 
 def _left_before(points: Points, observed: Sequence[Observation], fired_at: int, threshold: float,
                  horizon: Optional[int]) -> Optional[Dict]:
-    """The first abrupt departure before the window, from step ``horizon`` on, that lasts to the window (``judge``),
-    with the level it left."""
-    window = [value for step, value in points if step <= fired_at]
-    finite_window = [value for value in window if math.isfinite(value)]
-    window_level = statistics.median(finite_window) if finite_window else math.nan
+    """The first abrupt departure before the recorded steps, from step ``horizon`` on, that lasts up to them
+    (``judge``), with the level it left."""
+    recorded = [value for step, value in points if step <= fired_at]
+    finite_recorded = [value for value in recorded if math.isfinite(value)]
+    recorded_level = statistics.median(finite_recorded) if finite_recorded else math.nan
     for index, seen in enumerate(observed):
         if horizon is not None and seen.first < horizon:
             continue
@@ -235,14 +239,15 @@ def _left_before(points: Points, observed: Sequence[Observation], fired_at: int,
         way = _away(seen.value, level.level, threshold)
         if way is None or (way == "rose" and seen.value <= threshold * previous):
             continue
-        later = [after.value for after in observed[index + 1:]] + window[:1]
+        later = [after.value for after in observed[index + 1:]] + recorded[:1]
         lasting = all(_away(value, level.level, threshold) for value in later)
         if way == "rose":
-            lasting = lasting and rise_over(window_level, level.level) > threshold
+            lasting = lasting and rise_over(recorded_level, level.level) > threshold
         if lasting:
             return {"baseline": level, "departure": {
                 "step": seen.first, "steps": [seen.first, seen.last], "way": way,
-                "factor": _factor(seen.value, level.level), "before_window": True, "baseline": level.describe()}}
+                "rise": _departure_rise(seen.value, level.level), "before_recorded": True,
+                "baseline": level.describe()}}
     return None
 
 
@@ -253,19 +258,20 @@ def _away(value: float, level: float, threshold: float) -> Optional[str]:
     return "rose" if rise_over(value, level) > threshold else None
 
 
-def _factor(value: float, level: float) -> float:
+def _departure_rise(value: float, level: float) -> float:
+    """A departure's ``rise`` over its level: ``rise_over``, infinite for a non-finite value."""
     return math.inf if not math.isfinite(value) else rise_over(value, level)
 
 
 def _rise(fire: Fire, layer) -> Dict:
     """One layer's gradient against its baseline (``baseline_of``): its rise at its finite steps, the first above
-    ``RISE_FACTOR``, and its first non-finite step up to the fire."""
+    ``RISE_THRESHOLD``, and its first non-finite step up to the fire."""
     points = fire.norms[layer]
     found = baseline_of(points, before(fire, "pre_clip", layer), fire.fired_at)
     level = math.nan if found is None else found.level
     rises = [(step, rise_over(value, level)) for step, value in points if math.isfinite(value) and found]
     peak_step, peak = max(rises, key=lambda rise: rise[1], default=(None, math.nan))  # ties: the earliest
-    first = next((step for step, rise in rises if rise > RISE_FACTOR), None)
+    first = next((step for step, rise in rises if rise > RISE_THRESHOLD), None)
     nonfinite = next((step for step, value in points if step <= fire.fired_at and not math.isfinite(value)), None)
     earlier = sum(1 for step, value in points if step < fire.fired_at and math.isfinite(value))
     return {"baseline": level, "baseline_from": None if found is None else found.describe(),
@@ -349,15 +355,16 @@ def _finding(spike: Dict, broken: Dict, claim: Optional[Dict]) -> str:
                 f"{MIN_BASELINE} needed (a longer trigger.history keeps more)")
     rise = layers[most]
     if first_step is None:
-        if claim and claim["before_window"]:
-            return (f"no layer's gradient rose further in the window (above {RISE_FACTOR:g}x); largest: "
+        if claim and claim["before_recorded"]:
+            return (f"no layer's gradient rose further in the recorded steps (above {RISE_THRESHOLD:g}x); largest: "
                     f"{layer_title(most)}, {rise['peak_rise']:.1f}x")
-        return f"no layer's gradient rose above {RISE_FACTOR:g}x {rise['baseline_noun']}; most: {layer_title(most)}"
-    size = (f"from a zero {rise['baseline_noun'].split()[-1]}" if math.isinf(rise["peak_rise"]) else
+        return f"no layer's gradient rose above {RISE_THRESHOLD:g}x {rise['baseline_noun']}; most: {layer_title(most)}"
+    zero = "median" if rise["baseline_noun"] == "its median" else "level"
+    size = (f"from a zero {zero}" if math.isinf(rise["peak_rise"]) else
             f"{rise['peak_rise']:.1f}x {rise['baseline_noun']}")
     finding = f"{layer_title(most)} rose most, {size} at step {rise['peak_step']}"
     if first != [most] or first_step != rise["peak_step"]:
-        finding += f"; first above {RISE_FACTOR:g}x: {_some_layers(first, len(layers))} at step {first_step}"
+        finding += f"; first above {RISE_THRESHOLD:g}x: {_some_layers(first, len(layers))} at step {first_step}"
     return finding
 
 
@@ -404,9 +411,9 @@ def attribute(fire: Fire, earlier: Optional[Dict] = None) -> Optional[Dict]:
 
 
 def horizon_of(fire: Fire) -> Optional[int]:
-    """The earliest step a cause of ``fire`` may be dated: ``LOOK_BACK_WINDOWS`` recorded windows before it."""
-    first, last = fire.window
-    return None if first is None else fire.fired_at - LOOK_BACK_WINDOWS * (last - first + 1)
+    """The earliest step a cause of ``fire`` may be dated: ``LOOK_BACK_RINGS`` times its recorded steps before it."""
+    first, last = fire.recorded
+    return None if first is None else fire.fired_at - LOOK_BACK_RINGS * (last - first + 1)
 
 
 def _without_growth(signal: str, points: Points, observed: Sequence[Observation]) -> Tuple[Points, List[Observation]]:
@@ -421,7 +428,7 @@ def _without_growth(signal: str, points: Points, observed: Sequence[Observation]
 def _order(signal: str, found: Dict) -> tuple:
     """Departures in the order they are known to have come: by the last step of their observation (a recorder
     block's departure may have come at any of its steps), then ``SIGNALS``' order, then the larger first."""
-    return found["steps"][1], found["step"], SIGNALS.index(signal), -found["factor"]
+    return found["steps"][1], found["step"], SIGNALS.index(signal), -found["rise"]
 
 
 def verdict(attribution: Dict, earlier: Optional[Dict] = None) -> Optional[Dict]:
@@ -431,7 +438,7 @@ def verdict(attribution: Dict, earlier: Optional[Dict] = None) -> Optional[Dict]
     step, counted over the layers; ``"layers"``: a few, none apart), ``where`` (``"every layer"``, ``"most layers"``,
     ``"layer 3"``, ``"layers 2, 5"``, ``"the head bucket"``), ``layers`` (those
     that departed at that step, the largest departure first), ``count`` and ``of`` (of the layers judged in that
-    signal), ``step``, ``steps``, ``way``, ``before_window``, ``baseline`` (which one it was judged against),
+    signal), ``step``, ``steps``, ``way``, ``before_recorded``, ``baseline`` (which one it was judged against),
     ``continues`` (the step of the earlier fire it continues, or ``None``), ``words`` (``update of every layer (12
     of 12) rose first, step 100``) and ``line`` (the words and the baseline: the answer's start)."""
     first = attribution["first"]
@@ -442,11 +449,11 @@ def verdict(attribution: Dict, earlier: Optional[Dict] = None) -> Optional[Dict]
              if judged["departures"].get(signal)}
     judged = [layer for layer, row in attribution["layers"].items() if signal in row["departures"]]
     together = sorted((layer for layer, move in found.items() if move["step"] == step),
-                      key=lambda layer: -found[layer]["factor"])
-    factors = [found[layer]["factor"] for layer in together]
+                      key=lambda layer: -found[layer]["rise"])
+    rises = [found[layer]["rise"] for layer in together]
     in_layers = [layer for layer in together if is_layer(layer)]
     judged_layers = [layer for layer in judged if is_layer(layer)]
-    if len(together) == 1 or factors[0] >= STANDS_APART * factors[1]:
+    if len(together) == 1 or rises[0] >= STANDS_APART * rises[1]:
         scope, where = "layer", bucket_title(together[0])
         together = together[:1]
     elif len(in_layers) > MOST_LAYERS * len(judged_layers):
@@ -463,7 +470,7 @@ def verdict(attribution: Dict, earlier: Optional[Dict] = None) -> Optional[Dict]
         continues = earlier["fired_at"]
     claim = {"signal": signal, "signal_name": SIGNAL_NAMES[signal], "scope": scope, "where": where,
              "layers": together, "count": len(together), "of": len(judged), "step": step, "steps": first["steps"],
-             "way": first["way"], "before_window": first["before_window"], "baseline": first["baseline"],
+             "way": first["way"], "before_recorded": first["before_recorded"], "baseline": first["baseline"],
              "continues": continues}
     claim["words"] = _claim_words(claim)
     claim["line"] = f"{claim['words']} {claim['baseline']}"
@@ -472,15 +479,16 @@ def verdict(attribution: Dict, earlier: Optional[Dict] = None) -> Optional[Dict]
 
 def _claim_words(claim: Dict) -> str:
     """``update of every layer (12 of 12) rose first, step 100``; ``gradient of layer 3 rose first (step 150)``;
-    then where it was before the window (the answer adds the baseline, ``line``; figure titles use these words)."""
+    then where it was before the recorded steps (the answer adds the baseline, ``line``; figure titles use these
+    words)."""
     head = f"{claim['signal_name']} of {claim['where']}"
     if claim["scope"] == "layer":
         line = f"{head} {claim['way']} first (step {claim['step']})"
     else:
         line = f"{head} ({claim['count']} of {claim['of']}) {claim['way']} first, step {claim['step']}"
-    if claim["before_window"]:
+    if claim["before_recorded"]:
         first, last = claim["steps"]
-        line += " before the recorded window" + (f" (in steps {first}-{last})" if last != first else "")
+        line += " before the recorded steps" + (f" (in steps {first}-{last})" if last != first else "")
     return line
 
 
@@ -604,7 +612,7 @@ def _row(rise: Dict) -> str:
         row = f"baseline too short ({rise['baseline_points']} finite norms before the fire, {MIN_BASELINE} needed)"
     else:
         first = rise["first_risen"]
-        above = f"never above {RISE_FACTOR:g}x" if first is None else f"above {RISE_FACTOR:g}x from step {first}"
+        above = f"never above {RISE_THRESHOLD:g}x" if first is None else f"above {RISE_THRESHOLD:g}x from step {first}"
         row = (f"{rise['peak_rise']:8.2f}x at step {rise['peak_step']}, {rise['rise_at_fire']:8.2f}x at the fire, "
                f"{above} {rise['baseline_from']}")
     if rise["first_nonfinite"] is not None:

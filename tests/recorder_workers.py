@@ -27,7 +27,7 @@ HISTORY = 4
 TRIGGER = {"grad_norm_factor": 3.0, "window": 5, "capture_steps": 1, "history": HISTORY}
 OVERFLOW_IN_BLOCK = (2, 11)
 """An fp16 overflow that the loss scaler skips at step 2 (one: no fire), and the spike that fires at step 11: the
-overflowed step lies in the first recorder block before the window."""
+overflowed step lies in the first recorder block before the recorded steps."""
 FULL_DISK = "full"
 """The folder of the work directory where the tests mount a small tmpfs (as root), a full disk for the dump."""
 

@@ -74,7 +74,7 @@ def test_at_one_step_the_gradient_comes_before_the_moments_and_the_update():
 
 
 def test_agreement_needs_the_signal_a_bucket_and_the_step_and_names_each_difference():
-    first = {"signal": "grad", "buckets": ["1", "head"], "factors": [5.0, 3.0], "step": 90}
+    first = {"signal": "grad", "buckets": ["1", "head"], "rises": [5.0, 3.0], "step": 90}
     claim = {"signal": "pre_clip", "layers": [1], "step": 91}
     assert ns.agreement(claim, first, fired_at=95) == (True, "")
     assert ns.agreement({**claim, "signal": "exp_avg"}, first, fired_at=95) == (
@@ -164,7 +164,7 @@ def test_the_ground_truth_s_moments_are_deepspeed_s(early_run):
 
 
 CLEAR_OF_NOISE = 2.5
-"""A truth whose first departure is above this factor stands clear of its rule's noise: over the suite's quiet steps
+"""A truth whose first departure rose above this stands clear of its rule's noise: over the suite's quiet steps
 a bucket's gradient passes 2x its level once in about 400 bucket-steps, 2.5x once in about 1,700
 (``benchmarks/results/natural_spikes.md``), so a 16-step look-back over 6 buckets holds a 2x noise departure about
 one time in four, a 2.5x one about one time in eighteen."""
@@ -185,7 +185,7 @@ def test_the_report_names_the_truth_s_signal_on_every_fire_and_agrees_where_the_
     signals = [(row["fired_at"], row["answer"], ns._truth_cell(row["first"])) for row in spiked
                if "signal" in row["why"] or row["first"] is None]
     assert not signals, signals
-    clear = [row for row in spiked if max(row["first"]["factors"]) >= CLEAR_OF_NOISE]
+    clear = [row for row in spiked if max(row["first"]["rises"]) >= CLEAR_OF_NOISE]
     disagreements = [(row["fired_at"], row["answer"], ns._truth_cell(row["first"])) for row in clear
                      if not row["agree"]]
     assert not disagreements, disagreements

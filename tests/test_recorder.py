@@ -121,7 +121,7 @@ def test_the_dump_has_one_line_per_recorded_step(workdir):
     with open(record["case"]["dump"]) as dump:
         lines = [json.loads(line) for line in dump]
     assert [line["step"] for line in lines if line.get("history")] == [4, 5, 6, 7, 8, 9, 10, 11]
-    assert [line["step"] for line in lines if not line.get("history")] == [8, 12]  # the capture windows
+    assert [line["step"] for line in lines if not line.get("history")] == [8, 12]  # the captured steps
     assert lines[0]["pre_clip"]["0"]["norm"] == pytest.approx(record["on"]["history"][6][0]["pre_clip"][0]["norm"])
 
 
@@ -162,7 +162,7 @@ def test_ring_memory_is_history_and_blocks_times_buckets(workdir):
 
 @pytest.mark.parametrize("world_size", WORLDS)
 @pytest.mark.parametrize("name", STATISTICS_CASES)
-def test_the_level_before_the_window_matches_the_reference(workdir, world_size, name):
+def test_the_level_before_the_recorded_steps_matches_the_reference(workdir, world_size, name):
     """Each fire's first recorded step carries the steps that left the ring, in blocks of ``HISTORY`` steps: per
     bucket, the root mean square of the plain-PyTorch reference's pre-clip norms over the block's steps (the fp16
     case's gradients unscaled step by step)."""

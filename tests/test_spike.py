@@ -219,9 +219,9 @@ def test_plot_history_without_a_fire_says_so(tmp_path, capsys):
     assert "no fire of the trigger with a flight recorder" in capsys.readouterr().err
 
 
-# Localisation on windows built here, each layer's norms varying from step to step: the expected rises come from
+# Localisation on recorded steps built here, each layer's norms varying from step to step: the expected rises come from
 # numpy's median of the layer's own finite norms before the fire.
-WINDOW = range(3, FIRE + 1)
+RECORDED = range(3, FIRE + 1)
 
 
 def varying(layer: int, step: int) -> float:
@@ -229,8 +229,8 @@ def varying(layer: int, step: int) -> float:
     return base_norm(layer) * (1.0 + 0.15 * ((7 * step + 3 * layer) % 5))
 
 
-def window_fire(norms: Dict, steps=WINDOW, reason: str = None) -> Fire:
-    """A fire at ``FIRE`` whose window holds ``steps``; ``norms[(layer, step)]`` replaces the varying norm."""
+def recorded_fire(norms: Dict, steps=RECORDED, reason: str = None) -> Fire:
+    """A fire at ``FIRE`` whose recorded steps are ``steps``; ``norms[(layer, step)]`` replaces the varying norm."""
     return Fire(FIRE, reason, {"pre_clip": {layer: [(step, norms.get((layer, step), varying(layer, step)))
                                                     for step in steps] for layer in range(LAYERS)}})
 
@@ -248,7 +248,7 @@ def test_localise_judges_each_layer_against_its_own_varying_median():
     """Layer 4 is 2.5x its varying norm at step 8 and 12x at the fire, layer 1 4x at the fire: layer 4 rose first
     and most, by numpy's median of its own norms before the fire."""
     spiked = {(4, 8): 2.5 * varying(4, 8), (4, FIRE): 12 * varying(4, FIRE), (1, FIRE): 4 * varying(1, FIRE)}
-    fire = window_fire(spiked)
+    fire = recorded_fire(spiked)
     spike = localise(fire)
     expected = expected_rises(fire)
     checked = 0
@@ -273,7 +273,7 @@ def test_a_layer_gone_non_finite_is_named_before_the_largest_rise():
     """Layer 1 is NaN from step 9, layer 3 inf at the fire, layer 4 50x at the fire: layer 1 is named, although its
     rise cannot be measured and layer 4 rose most among the finite norms."""
     nan, inf = float("nan"), float("inf")
-    fire = window_fire({(1, 9): nan, (1, FIRE): nan, (3, FIRE): inf, (4, FIRE): 50 * varying(4, FIRE)},
+    fire = recorded_fire({(1, 9): nan, (1, FIRE): nan, (3, FIRE): inf, (4, FIRE): 50 * varying(4, FIRE)},
                        reason="overflow")
     spike = localise(fire)
     assert spike["nonfinite_first"] == [1] and spike["nonfinite_step"] == 9
@@ -290,8 +290,8 @@ def test_a_layer_gone_non_finite_is_named_before_the_largest_rise():
 def test_a_rise_from_a_zero_baseline_is_infinite():
     """Layer 2's gradient was exactly zero before the fire (a frozen or unused layer) and is 0.01 at the fire: an
     infinite rise, above layer 4's 30x; layer 5, zero throughout, did not rise."""
-    zeros = {(layer, step): 0.0 for layer in (2, 5) for step in WINDOW}
-    fire = window_fire({**zeros, (2, FIRE): 0.01, (4, FIRE): 30 * varying(4, FIRE)})
+    zeros = {(layer, step): 0.0 for layer in (2, 5) for step in RECORDED}
+    fire = recorded_fire({**zeros, (2, FIRE): 0.01, (4, FIRE): 30 * varying(4, FIRE)})
     spike = localise(fire)
     two, five = spike["layers"][2], spike["layers"][5]
     assert two["baseline"] == 0 and math.isinf(two["peak_rise"]) and two["peak_step"] == FIRE
@@ -305,7 +305,7 @@ def test_a_rise_from_a_zero_baseline_is_infinite():
 @pytest.mark.parametrize("before", [0, 1, 2])
 def test_a_baseline_shorter_than_three_steps_is_refused(before):
     """With ``before`` steps recorded before the fire, no layer is judged, and the answer says why."""
-    fire = window_fire({(4, FIRE): 40 * varying(4, FIRE)}, steps=range(FIRE - before, FIRE + 1))
+    fire = recorded_fire({(4, FIRE): 40 * varying(4, FIRE)}, steps=range(FIRE - before, FIRE + 1))
     spike = localise(fire)
     assert spike["rose_most"] is None and spike["rose_first"] == [] and spike["first_step"] is None
     assert all(math.isnan(rise["baseline"]) for rise in spike["layers"].values())
@@ -313,7 +313,7 @@ def test_a_baseline_shorter_than_three_steps_is_refused(before):
                                "layer before the fire, 3 needed (a longer trigger.history keeps more)")
     text = format_spikes([spike])
     assert f"baseline too short ({before} finite norms before the fire, 3 needed)" in text
-    judged = localise(window_fire({(4, FIRE): 40 * varying(4, FIRE)}, steps=range(FIRE - 3, FIRE + 1)))
+    judged = localise(recorded_fire({(4, FIRE): 40 * varying(4, FIRE)}, steps=range(FIRE - 3, FIRE + 1)))
     assert judged["rose_most"] == 4  # three are enough
 
 
@@ -348,8 +348,8 @@ def test_a_fire_without_layer_buckets_gets_a_clear_line(tmp_path, capsys):
 KIND_LEVELS = {"param": 10.0, "update": 1e-3, "exp_avg": 1e-2, "exp_avg_sq": 1e-4}
 TIE_ORDER = ["pre_clip", "exp_avg", "exp_avg_sq", "update", UPDATE_TO_WEIGHT]
 """The order that breaks a tie at one step, as the issue asks: the gradient, the moments, the update, its ratio."""
-AGAINST = "against the window's median"
-"""These logs hold fewer than 3 steps of a layer before the window: the last resort."""
+AGAINST = "against the recorded steps' median"
+"""These logs hold fewer than 3 steps of a layer before the recorded steps: the last resort."""
 SCENARIOS = {
     "update_first": ({("update", 2, 8): 5.0, ("pre_clip", 2, 9): 4.0, ("pre_clip", 2, 10): 10.0,
                       ("exp_avg", 2, 10): 3.0},
@@ -406,7 +406,7 @@ def write_kinds_dump(path: str, moves: Dict) -> None:
     dump = JsonlDump(path, max_bytes=10**7, backups=0)
     for step in range(1, FIRE + 1):
         dump.write(kinds_result(step, list(range(LAYERS)) + ["embed"], moves))
-    for step in WINDOW:
+    for step in RECORDED:
         dump.write({**kinds_result(step, list(range(LAYERS)) + ["embed"], moves, FIRE), "history": True})
 
 
@@ -421,7 +421,7 @@ def write_kinds_tensorboard(logdir: str, moves: Dict) -> None:
     with SummaryWriter(logdir) as writer:
         for step in range(1, FIRE + 1):
             write_tensorboard(writer, kinds_result(step, SELECTED, moves))
-    entries = [logged_result(kinds_result(step, list(range(LAYERS)), moves, FIRE)) for step in WINDOW]
+    entries = [logged_result(kinds_result(step, list(range(LAYERS)), moves, FIRE)) for step in RECORDED]
     for layer in range(LAYERS):
         with SummaryWriter(os.path.join(logdir, history_run_name(FIRE, layer))) as writer:
             for entry in entries:
@@ -450,9 +450,9 @@ def expected_departures(moves: Dict) -> Dict:
     moved = {**moves, **{(UPDATE_TO_WEIGHT, layer, step): factor
                          for (signal, layer, step), factor in moves.items() if signal == "update"}}
     first = {}
-    for (signal, layer, step), factor in sorted(moved.items(), key=lambda move: move[0][2]):
-        if factor > THRESHOLDS[signal]:
-            first.setdefault(layer, {}).setdefault(signal, (step, "rose", factor))
+    for (signal, layer, step), rise in sorted(moved.items(), key=lambda move: move[0][2]):  # over a level of 1
+        if rise > THRESHOLDS[signal]:
+            first.setdefault(layer, {}).setdefault(signal, (step, "rose", rise))
     return first
 
 
@@ -469,10 +469,10 @@ def test_report_names_the_signal_and_layer_that_left_its_median_first(kinds_sour
     checked = 0
     for layer in range(LAYERS):
         judged = attribution["layers"][str(layer)]
-        found = {signal: (move["step"], move["way"], pytest.approx(move["factor"]))
+        found = {signal: (move["step"], move["way"], pytest.approx(move["rise"]))
                  for signal, move in judged["departures"].items() if move}
-        assert found == {signal: (step, way, pytest.approx(factor))
-                         for signal, (step, way, factor) in expected.get(layer, {}).items()}
+        assert found == {signal: (step, way, pytest.approx(rise))
+                         for signal, (step, way, rise) in expected.get(layer, {}).items()}
         moved = expected.get(layer, {})
         assert judged["first"] == min(moved, key=lambda signal: (moved[signal][0], TIE_ORDER.index(signal),
                                                                  -moved[signal][2]), default=None)
@@ -507,13 +507,13 @@ def test_fires_hold_every_signal_of_every_layer(kinds_source):
     assert fire.norms is fire.series["pre_clip"]
     for signal in ("update", UPDATE_TO_WEIGHT):
         assert list(fire.series[signal]) == list(range(LAYERS))
-    entries = {step: kinds_result(step, list(range(LAYERS)), moves) for step in WINDOW}
+    entries = {step: kinds_result(step, list(range(LAYERS)), moves) for step in RECORDED}
     ratio = [(step, pytest.approx(entries[step]["update"][2]["norm"] / entries[step]["param"][2]["norm"], rel=1e-6))
-             for step in WINDOW]
+             for step in RECORDED]
     assert fire.series[UPDATE_TO_WEIGHT][2] == ratio
 
 
-def moved_fire(moves: Dict, signals=TIE_ORDER, steps=WINDOW, levels: Dict = None) -> Fire:
+def moved_fire(moves: Dict, signals=TIE_ORDER, steps=RECORDED, levels: Dict = None) -> Fire:
     """A fire of ``signals`` only, each layer's at ``levels[(signal, layer, step)]`` or 1, times its move."""
     return Fire(FIRE, None, {signal: {layer: [(step, (levels or {}).get((signal, layer, step), 1.0) *
                                                moves.get((signal, layer, step), 1.0)) for step in steps]
@@ -521,7 +521,7 @@ def moved_fire(moves: Dict, signals=TIE_ORDER, steps=WINDOW, levels: Dict = None
 
 
 def test_a_signal_that_starts_outside_its_bounds_has_not_left_its_median():
-    """A window from step 1: every layer's second moment grows from zero (below half its median at steps 1 and 2)
+    """Steps recorded from step 1: every layer's second moment grows from zero (below half its median at steps 1 and 2)
     and its gradient shrinks from 5x its later size. Neither left its median; the update did, at step 9."""
     levels = {("exp_avg_sq", layer, step): float(step) for layer in range(LAYERS) for step in range(1, FIRE + 1)}
     levels.update({("pre_clip", layer, 1): 5.0 for layer in range(LAYERS)})
@@ -560,7 +560,7 @@ def test_plot_history_draws_the_update_to_weight_ratio_beside_the_gradient(kinds
     assert len(lines) == LAYERS + 1  # every layer, and the fire's mark
     assert [line.get_label() for line in lines if line.get_linewidth() > 2] == ["layer 2"]  # the first to move
     thick = next(line for line in lines if line.get_linewidth() > 2)
-    assert list(thick.get_xdata()) == list(WINDOW)
+    assert list(thick.get_xdata()) == list(RECORDED)
     assert len(norm_axis.get_lines()) == LAYERS + 1 and rise_axis.images[0].get_array().shape == (LAYERS, 8)
     assert norm_axis.get_title().splitlines()[-1] == "update of layer 2 rose first (step 8)"  # the answer's words
     assert " ".join(ratio_axis.get_title().split()).endswith("first to move: update of layer 2")  # wrapped
@@ -607,12 +607,12 @@ def adam_run(kind: str, factor: float, layer=None, steps: int = 1):
 
 def test_a_gradient_spike_in_one_layer_names_that_layer_against_the_interval_steps():
     """Layer 1's gradient 30x at step 60 (the demo's --spike): the gradient of layer 1, alone, against the interval
-    steps before the window; the moments and the update follow from it."""
+    steps before the recorded steps; the moments and the update follow from it."""
     spike = localise(fire_of(adam_run("gradient", 30.0, 1), CAUSE_STEP))
     claim = spike["attribution"]["verdict"]
-    assert {key: claim[key] for key in ("signal", "scope", "where", "layers", "step", "way", "before_window")} == {
+    assert {key: claim[key] for key in ("signal", "scope", "where", "layers", "step", "way", "before_recorded")} == {
         "signal": "pre_clip", "scope": "layer", "where": "layer 1", "layers": [1], "step": CAUSE_STEP,
-        "way": "rose", "before_window": False}
+        "way": "rose", "before_recorded": False}
     assert claim["baseline"] == f"against steps {CAUSE_STEP - 16}-{CAUSE_STEP - 1} just before it"  # the 16 before
     assert spike["attribution"]["answer"].startswith(f"gradient of layer 1 rose first (step {CAUSE_STEP}) against "
                                                      "steps")
@@ -630,22 +630,22 @@ def test_a_learning_rate_spike_is_every_layer_s_update():
 
 
 @pytest.mark.parametrize("before", ["interval", "recorder"])
-def test_a_learning_rate_held_too_high_is_named_before_the_window(before):
-    """The learning rate 10x from step 60 on, the fire at step 74 (window 67-74): the update sat at its own median
-    throughout the window, yet it is named, every layer, at the first step the data show it left its level: step 60
-    from the interval steps, the recorder block holding step 60 from the recorder's blocks."""
+def test_a_learning_rate_held_too_high_is_named_before_the_recorded_steps(before):
+    """The learning rate 10x from step 60 on, the fire at step 74 (recorded steps 67-74): the update sat at its own
+    median throughout the recorded steps, yet it is named, every layer, at the first step the data show it left its
+    level: step 60 from the interval steps, the recorder block holding step 60 from the recorder's blocks."""
     series = adam_run("lr", 10.0, None, 100)
     fired_at = CAUSE_STEP + 14
     claim = localise(fire_of(series, fired_at, before=before))["attribution"]["verdict"]
-    assert claim["before_window"] and claim["scope"] == "every" and claim["signal"] in ("update", UPDATE_TO_WEIGHT)
+    assert claim["before_recorded"] and claim["scope"] == "every" and claim["signal"] in ("update", UPDATE_TO_WEIGHT)
     if before == "interval":
         assert claim["step"] == CAUSE_STEP and claim["baseline"].startswith("against interval steps")
     else:
         first, last = claim["steps"]
         assert first <= CAUSE_STEP <= last and claim["baseline"].startswith("against its recorder blocks")
-    assert "before the recorded window" in claim["line"]
+    assert "before the recorded steps" in claim["line"]
     blind = localise(fire_of(series, fired_at, before="none"))["attribution"]["verdict"]
-    assert blind is None or blind["signal"] not in ("update", UPDATE_TO_WEIGHT)  # the window alone cannot see it
+    assert blind is None or blind["signal"] not in ("update", UPDATE_TO_WEIGHT)  # the recorded steps alone miss it
 
 
 def test_a_fire_inside_a_sustained_spike_names_the_fire_it_continues():

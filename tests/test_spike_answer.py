@@ -2,7 +2,7 @@
 overflow blamed on itself, the buckets outside the layers, one incident said once; and the demo's early spikes.
 
 The fires here are built from known series (each signal of each bucket at a level set here, the log's interval
-steps before the window and the recorded window), so that the cause is known; the demo's runs (``extended``) are
+steps before the recorded steps and the recorded steps), so that the cause is known; the demo's runs (``extended``) are
 real ZeRO-2 runs on 2 CPU ranks with a gradient spike injected into one layer early in training.
 """
 
@@ -13,11 +13,11 @@ import pytest
 
 from megatron_integration.cli import main
 from megatron_integration.fires import Fire
-from megatron_integration.spike import LINE_WIDTH, LOOK_BACK_WINDOWS, THRESHOLDS, localise, localise_all, verdicts
+from megatron_integration.spike import LINE_WIDTH, LOOK_BACK_RINGS, THRESHOLDS, localise, localise_all, verdicts
 
 LAYERS = 4
 K = 8
-"""The recorded window's steps, as the recorder's ``trigger.history``."""
+"""The fire's recorded steps, as many as the recorder's ``trigger.history`` (its ring's size)."""
 SIGNALS = ("pre_clip", "exp_avg", "exp_avg_sq", "update")
 BETAS = {"exp_avg": 0.9, "exp_avg_sq": 0.999}
 """AdamW's defaults: the demo's optimizer."""
@@ -36,8 +36,8 @@ def steady(signal: str, bucket, step: int) -> float:
 
 def make_fire(fired_at: int, level: Level = steady, moves: Dict = None, reason: str = None,
               outside: Iterable[str] = (), first: int = 1) -> Fire:
-    """The fire at ``fired_at`` of a log holding every step from ``first`` (the interval steps before the window,
-    then the window of ``K`` steps): each signal of each layer (and of each bucket named in ``outside``) at
+    """The fire at ``fired_at`` of a log holding every step from ``first`` (the interval steps before the recorded
+    steps, then the ``K`` recorded steps): each signal of each layer (and of each bucket named in ``outside``) at
     ``level``, times ``moves[(signal, bucket, step)]``; a move of ``None`` makes that value non-finite."""
     moves = moves or {}
 
@@ -48,12 +48,12 @@ def make_fire(fired_at: int, level: Level = steady, moves: Dict = None, reason: 
             found.append((step, math.inf if move is None else level(signal, bucket, step) * move))
         return found
 
-    window, earlier = range(fired_at - K + 1, fired_at + 1), range(first, fired_at - K + 1)
+    recorded, earlier = range(fired_at - K + 1, fired_at + 1), range(first, fired_at - K + 1)
     fire = Fire(fired_at, reason)
     for signal in SIGNALS:
-        fire.series[signal] = {layer: points(signal, layer, window) for layer in range(LAYERS)}
+        fire.series[signal] = {layer: points(signal, layer, recorded) for layer in range(LAYERS)}
         fire.interval[signal] = {layer: points(signal, layer, earlier) for layer in range(LAYERS)}
-        fire.outside[signal] = {name: points(signal, name, window) for name in outside}
+        fire.outside[signal] = {name: points(signal, name, recorded) for name in outside}
     return fire
 
 
@@ -63,10 +63,10 @@ def claim_of(fire: Fire, earlier: Dict = None) -> Dict:
 
 @pytest.mark.parametrize("spike_step", [15, 30])
 def test_adam_s_moments_growing_from_zero_are_no_departure(spike_step):
-    """A gradient spike 30x in layer 3 at step 15 or 30, while layer 0's gradient drifts up 1.5x over the window
-    (below its 2x) and the moments, bias-uncorrected, still grow from zero: the answer is the gradient of layer 3,
-    not layer 0's moments two to four steps before it (issue 44: the demo's spikes at 30 and 15 named
-    ``exp_avg_sq of layer 0`` at step 28 and ``exp_avg of layers 0, 1`` at step 11)."""
+    """A gradient spike 30x in layer 3 at step 15 or 30, while layer 0's gradient drifts up 1.5x over the
+    recorded steps (below its 2x) and the moments, bias-uncorrected, still grow from zero: the answer is the
+    gradient of layer 3, not layer 0's moments two to four steps before it (issue 44: the demo's spikes at 30 and 15
+    named ``exp_avg_sq of layer 0`` at step 28 and ``exp_avg of layers 0, 1`` at step 11)."""
     def drifting(signal: str, bucket, step: int) -> float:
         drift = 1 + 0.5 * min(max((step - spike_step + K) / (K - 2), 0), 1) if bucket == 0 else 1.0
         return steady(signal, bucket, step) * drift**(2 if signal == "exp_avg_sq" else 1)
@@ -74,7 +74,7 @@ def test_adam_s_moments_growing_from_zero_are_no_departure(spike_step):
     moves = {("pre_clip", 3, spike_step): 30.0, ("exp_avg", 3, spike_step): 3.0, ("exp_avg_sq", 3, spike_step): 9.0}
     spike = localise(make_fire(spike_step, drifting, moves))
     claim = spike["attribution"]["verdict"]
-    assert (claim["signal"], claim["where"], claim["step"], claim["before_window"]) == (
+    assert (claim["signal"], claim["where"], claim["step"], claim["before_recorded"]) == (
         "pre_clip", "layer 3", spike_step, False)
     assert spike["attribution"]["layers"][0]["first"] is None  # layer 0's moments did not depart
     raw = drifting("exp_avg_sq", 0, spike_step - 2) / drifting("exp_avg_sq", 0, (spike_step - K) // 2)
@@ -83,23 +83,23 @@ def test_adam_s_moments_growing_from_zero_are_no_departure(spike_step):
 
 def test_no_cause_is_dated_beyond_the_horizon():
     """Every layer's gradient raised 5x from step 41 and held there; at step 99 layer 2's gradient spikes 30x. The
-    raise at step 41 is 58 steps before the fire, beyond the horizon (``LOOK_BACK_WINDOWS`` windows of ``K``): the
+    raise at step 41 is 58 steps before the fire, beyond the horizon (``LOOK_BACK_RINGS`` rings of ``K``): the
     answer is layer 2 at step 99, judged against the raised level just before it."""
     def raised(signal: str, bucket, step: int) -> float:
         return steady(signal, bucket, step) * (5.0 if signal == "pre_clip" and step >= 41 else 1.0)
 
     fire = make_fire(99, raised, {("pre_clip", 2, 99): 30.0})
-    assert 99 - 41 > LOOK_BACK_WINDOWS * K
+    assert 99 - 41 > LOOK_BACK_RINGS * K
     claim = claim_of(fire)
-    assert (claim["signal"], claim["where"], claim["step"], claim["before_window"]) == (
+    assert (claim["signal"], claim["where"], claim["step"], claim["before_recorded"]) == (
         "pre_clip", "layer 2", 99, False)
     within = claim_of(make_fire(60, raised))  # 19 steps after the raise: within the horizon, and lasting
-    assert (within["where"], within["step"], within["before_window"]) == ("every layer", 41, True)
+    assert (within["where"], within["step"], within["before_recorded"]) == ("every layer", 41, True)
 
 
-def test_a_departure_that_ended_before_the_window_is_not_the_cause():
+def test_a_departure_that_ended_before_the_recorded_steps_is_not_the_cause():
     """Layer 1's gradient 10x at steps 80-82 only, then back; layer 2's 30x at the fire: the earlier episode did
-    not last to the window."""
+    not last up to the recorded steps."""
     moves = {**{("pre_clip", 1, step): 10.0 for step in (80, 81, 82)}, ("pre_clip", 2, 99): 30.0}
     claim = claim_of(make_fire(99, moves=moves))
     assert (claim["where"], claim["step"]) == ("layer 2", 99)

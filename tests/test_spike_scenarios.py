@@ -57,7 +57,7 @@ SCENARIOS: Dict[str, Scenario] = {
                                                   "factor": 1000}]},
                         Answer("update", EVERY, FAULT_STEP)),
     # the lr held 1000x from HELD_FROM: the gradient fires at once; the loss spike that fires after the cooldown
-    # has its cause before its recorded window, and is the fire judged
+    # has its cause before its recorded steps, and is the fire judged
     "lr_held_too_high": Scenario({"steps": 20, "faults": [{"kind": "lr", "step": HELD_FROM, "factor": 1000}]},
                                  Answer("update", EVERY, HELD_FROM), judged_from=HELD_FROM + TRIGGER["history"] + 1),
     # every rank's batch one repeated token: every layer's gradient at that step
@@ -144,7 +144,7 @@ def test_no_fire_before_the_fault(workdir, name):
     assert min(record["fires"]) >= fault_step(name), record["fires"]
 
 
-def test_the_lr_held_too_high_spikes_the_loss_after_the_recorded_window(workdir):
+def test_the_lr_held_too_high_spikes_the_loss_after_the_recorded_steps(workdir):
     """The scenario's premise: a loss spike fires with the cause (the lr raised at HELD_FROM) before its recorded
     steps."""
     spike = judged_spike(record_of(workdir, "lr_held_too_high")["dump"], "lr_held_too_high")

@@ -11,13 +11,13 @@ preallocated ring of K tables written in place, beside the step's scales. A quie
 host copy. When the trigger fires, every rank reduces the whole ring in one reduction (that of one measured
 step), and each recorded step becomes a result shaped like ``get_layer_grad_norms()``, every bucket.
 
-The level before the window: a cause may have begun before the ring's K steps (a learning rate set too high and
-held there). So each step that leaves the ring is folded into a block of K steps, and the last ``BEFORE_BLOCKS``
+The level before the recorded steps: a cause may have begun before the ring's K steps (a learning rate set too high
+and held there). So each step that leaves the ring is folded into a block of K steps, and the last ``BEFORE_BLOCKS``
 blocks are kept beside the ring: per bucket and signal, the sums over the block's finite steps (an fp16 overflow
-stays out) of the squared norm (divided by its step's loss scale) and of the non-finite count. They add across
-ranks as across steps, so the blocks are reduced with the ring, and each becomes the root mean square of its
-steps' norms (NaN for a block of overflowed steps alone), carried oldest first under ``"before"`` by the first
-recorded step at a fire; a block's status row carries its first and last step.
+stays out) of the squared norm (divided by its step's loss scale) and of the non-finite count. They add across ranks
+as across steps, so the blocks are reduced with the ring, and each becomes the root mean square of its steps' norms
+(NaN for a block of overflowed steps alone), carried oldest first under ``"before"`` by the first recorded step at a
+fire; a block's status row carries its first and last step.
 """
 
 import math
@@ -46,7 +46,7 @@ from ..statistics.statistics import (
 
 BEFORE_BLOCKS = 8
 """Blocks of K steps kept before the ring (``FlightRecorder``): the level of each signal over the 8 K steps before
-the recorded window, 8 x (buckets x (1 + kinds) + 1) x 72 bytes more on the device."""
+the recorded steps, 8 x (buckets x (1 + kinds) + 1) x 72 bytes more on the device."""
 
 
 @dataclass
@@ -61,7 +61,7 @@ class Replay:
     """Slots of the ring in which the ranks recorded different steps, as (lowest, highest) step (``inf`` and
     ``-inf`` where a rank recorded nothing): a rank that missed a push. No result."""
     before: List[dict] = field(default_factory=list)
-    """The blocks of steps that left the ring before the window, oldest first: ``{"steps": [first, last],
+    """The blocks of steps that left the ring before the recorded steps, oldest first: ``{"steps": [first, last],
     "pre_clip": {bucket: {"norm", "nonfinite"}}, kind: {...}}``, each norm the root mean square over the block's
     steps (``FlightRecorder``); a block a rank failed or on which the ranks disagree is left out."""
 

@@ -305,8 +305,8 @@ SERIES = (
             Cut("statistics/reduction.py",
                 drop=("LossAgreement", "ReportedLoss", "agreed_losses", "_coded", "reported_loss"),
                 docstrings=(("", "\n\nThe loss the training loop reports is combined here too (``LossAgreement``, "
-                             "``agreed_losses``): one MAX all-reduce\nof one float64 a reader, at most one a step, its "
-                             "non-finite values coded as the maxima's.", ""), )),
+                             "``agreed_losses``): one MAX all-reduce\nof one float64 a reader, at most one a step, "
+                             "its non-finite values coded as the maxima's.", ""), )),
             Cut("statistics/result.py",
                 docstrings=(("", "A measured step (``measurement.Measurement.finish``) and each step the flight "
                              "recorder reduces at a fire\n(``recorder.FlightRecorder.replay``) carry, beside their "

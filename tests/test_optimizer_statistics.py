@@ -244,7 +244,7 @@ def test_the_update_in_small_windows_matches_the_step():
     checked = 0
     for kernel in (None, STOCK):
         chunking = chunk_partition(slices_of_spans(spans), "cpu", kernel=kernel, chunk=64)
-        statistics = OptimizerStatistics(optimizer, [flat], [chunking], tuple(KINDS), window=97)
+        statistics = OptimizerStatistics(optimizer, [flat], [chunking], tuple(KINDS), piece=97)
         assert statistics.scratch.numel() == 97
         before = flat.detach().clone()
         flat.grad = torch.randn(1000)
@@ -349,7 +349,7 @@ def test_before_the_first_step_the_moments_and_update_are_zero():
     optimizer = torch.optim.AdamW([flat], lr=1e-2)
     chunking = chunk_partition(slices_of_spans([(0, 40, 0), (40, 60, 1)]), "cpu", kernel=STOCK)
     tables = {kind: empty_stats(2, "cpu") for kind in KINDS}
-    OptimizerStatistics(optimizer, [flat], [chunking], tuple(KINDS), window=32).accumulate(tables, skipped=True)
+    OptimizerStatistics(optimizer, [flat], [chunking], tuple(KINDS), piece=32).accumulate(tables, skipped=True)
     assert tables["param"][:, SUMSQ].sum().item() == pytest.approx(flat.detach().double().square().sum().item())
     for kind in KINDS[1:]:
         assert tables[kind][:, NUMEL].tolist() == [40, 60]

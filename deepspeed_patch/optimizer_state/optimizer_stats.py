@@ -10,7 +10,7 @@ The fp32 master partition and its moments have the layout of the flat gradient p
 copy of the partition taken before the step: it is derived from the weights and moments after the step and the
 Adam family's rule (``adam_rule.AdamRule``): on the host by the C++ kernel, which reads each chunk of the weights
 and moments once and folds all requested kinds from it (``accumulate_fused``); elsewhere piece by piece into one
-bounded scratch buffer, each piece read with a chunking of its own window (``cut_into_windows``). Each
+bounded scratch buffer, each piece read with a chunking of its own (``cut_into_pieces``). Each
 partition's tensors, state and chunkings are held by one ``PartitionState``. Optimizers whose state is keyed
 per parameter (no ZeRO) are read the same way, each parameter as a partition of one run
 (``parameter_statistics``).
@@ -26,17 +26,17 @@ from ..statistics.partition_stats import HOST, Chunking, accumulate_partition, c
 from .adam_rule import MOMENTS, NEEDS_ADAM, AdamRule, adam_rule, step_counter
 
 # The most elements one piece of a derived statistic (the update, or zeros) holds in the scratch buffer.
-WINDOW = 1 << 20
+PIECE = 1 << 20
 
 
-def cut_into_windows(slices: PartitionSlices, device, window: int = WINDOW) -> List[Chunking]:
-    """The chunkings of ``slices`` cut into windows of ``window`` elements, each relative to its window's
-    start: window ``k`` reads elements ``[k * window, (k + 1) * window)`` of the partition."""
+def cut_into_pieces(slices: PartitionSlices, device, piece: int = PIECE) -> List[Chunking]:
+    """The chunkings of ``slices`` cut into pieces of ``piece`` elements, each relative to its piece's
+    start: piece ``k`` reads elements ``[k * piece, (k + 1) * piece)`` of the partition."""
     end = max((start + length for start, length in zip(slices.starts, slices.lengths)), default=0)
     buckets = slices.buckets.tolist()
     chunkings = []
-    for low in range(0, end, window):
-        high = low + window
+    for low in range(0, end, piece):
+        high = low + piece
         spans = [(max(start, low) - low, min(start + length, high) - max(start, low), bucket)
                  for start, length, bucket in zip(slices.starts, slices.lengths, buckets)
                  if start < high and start + length > low]
@@ -49,16 +49,16 @@ class PartitionState:
     ``parameter_statistics``), its optimizer state and hyper-parameters, and the chunkings that read them."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, group_id: int, partition: torch.Tensor, chunking: Chunking,
-                 kinds: tuple, window: int) -> None:
+                 kinds: tuple, piece: int) -> None:
         """``group_id``: the parameter group of ``optimizer`` that steps ``partition`` (its hyper-parameters)."""
         self.optimizer = optimizer
         self.group_id = group_id
         self.partition = partition
         self.chunking = chunking
-        self.window = window
+        self.piece = piece
         derived = any(kind != "param" for kind in kinds)
-        self.windows = cut_into_windows(chunking.slices, chunking.chunks.device, window) if derived else []
-        """Per-window chunkings: the update's pieces, and zero moments before the optimizer's first step."""
+        self.pieces = cut_into_pieces(chunking.slices, chunking.chunks.device, piece) if derived else []
+        """Per-piece chunkings: the update's, and zero moments before the optimizer's first step."""
         reads_adam = any(kind in NEEDS_ADAM for kind in kinds)
         self.rule: Optional[AdamRule] = None
         """The step's rule, as its parameter group stood when the step began (``OptimizerStatistics.begin_step``)."""
@@ -105,12 +105,12 @@ class PartitionState:
                                                                         exp_avg_sq[low:high], step))
 
     def _pieces(self, stats: torch.Tensor, scratch: torch.Tensor, fill) -> None:
-        """A derived statistic, window by window: ``fill(low, high, out)`` writes elements ``[low, high)``
-        into the scratch buffer, which that window's chunking then reads."""
-        window = self.window
-        for number, chunking in enumerate(self.windows):
-            low = number * window
-            high = min(low + window, self.partition.numel())
+        """A derived statistic, piece by piece: ``fill(low, high, out)`` writes elements ``[low, high)``
+        into the scratch buffer, which that piece's chunking then reads."""
+        piece = self.piece
+        for number, chunking in enumerate(self.pieces):
+            low = number * piece
+            high = min(low + piece, self.partition.numel())
             out = fill(low, high, scratch[:high - low])
             accumulate_partition(stats, out, chunking)
 
@@ -153,7 +153,7 @@ def parameter_statistics(optimizer: torch.optim.Optimizer, buckets: Sequence[Seq
 
 class OptimizerStatistics:
     """The requested optimizer statistics of an optimizer: one ``PartitionState`` per fp32 master partition (or
-    per parameter: ``parameter_statistics``), and one scratch buffer of at most ``WINDOW`` fp32 elements for the
+    per parameter: ``parameter_statistics``), and one scratch buffer of at most ``PIECE`` fp32 elements for the
     derived ones."""
 
     def __init__(self,
@@ -161,9 +161,9 @@ class OptimizerStatistics:
                  partitions: List[torch.Tensor],
                  chunkings: List[Chunking],
                  kinds: tuple,
-                 window: int = WINDOW,
+                 piece: int = PIECE,
                  group_ids: Optional[Sequence[int]] = None) -> None:
-        """``window``: the scratch buffer's elements (tests make it small); ``group_ids``: the parameter group
+        """``piece``: the scratch buffer's elements (tests make it small); ``group_ids``: the parameter group
         of each partition, where it is not the partition's index (ZeRO-3's sub-groups split a group in several
         partitions)."""
         self.kinds = kinds
@@ -173,12 +173,12 @@ class OptimizerStatistics:
         self.group_ids = sorted(set(group_ids))
         """The parameter groups of ``optimizer`` that the partitions belong to, each once."""
         self.states = [
-            PartitionState(optimizer, group_id, partition, chunking, kinds, window)
+            PartitionState(optimizer, group_id, partition, chunking, kinds, piece)
             for group_id, partition, chunking in zip(group_ids, partitions, chunkings, strict=True)
         ]
-        largest = min(window, max((partition.numel() for partition in partitions), default=0))
+        largest = min(piece, max((partition.numel() for partition in partitions), default=0))
         self.scratch: Optional[torch.Tensor] = None
-        if any(state.windows for state in self.states):
+        if any(state.pieces for state in self.states):
             self.scratch = torch.empty(largest, dtype=torch.float32, device=partitions[0].device)
 
     def begin_step(self) -> None:

@@ -95,7 +95,7 @@ class Publisher:
         self.result = None
 
     def publish(self, result: dict, capture: Optional[dict]) -> None:
-        """The reduced result of the step just measured; ``capture``: the fire whose window it is in."""
+        """The reduced result of the step just measured; ``capture``: the fire capturing it."""
         if capture is not None:
             result["trigger"] = dict(capture)
         self.result = result

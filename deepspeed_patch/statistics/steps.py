@@ -6,7 +6,7 @@
 
 Both decide collectives, so both change only with state that is the same on every rank: the engine's step
 count, the interval, a runtime switch every rank makes at the same step, the control file (read by rank 0
-and broadcast), the trigger's capture window (from the global norm), and a failure announced through a
+and broadcast), the trigger's capture (from the global norm), and a failure announced through a
 reduction.
 """
 

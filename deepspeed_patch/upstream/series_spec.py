@@ -319,7 +319,7 @@ SERIES = (
                 replace=(("StepSchedule.next_step", "return on_interval or self.capturing()", "return on_interval"),
                          ("StepSchedule.reported_keys", "self.layer_map.keys if self.capturing() else self.selected",
                           "self.selected")),
-                docstrings=(("", "the trigger's capture window (from the global norm), and a failure "
+                docstrings=(("", "the trigger's capture (from the global norm), and a failure "
                              "announced through a\nreduction.", "and a failure announced through a reduction."),
                             ("FailureLatch", "next reduction, a measured step's or the recorder's at a fire, and",
                              "next reduction, and"), ("FailureLatch", " (the loss's, ``reduction.agreed_losses``)",
@@ -331,7 +331,7 @@ SERIES = (
                 replace=(("Publisher.__init__", "dump: Optional[DumpConfig], ",
                           ""), ("Publisher.__init__", "``dump``: the block's ``dump`` key (written by rank 0); ",
                                 ""), ("Publisher.publish", ", capture: Optional[dict])",
-                                      ")"), ("Publisher.publish", "; ``capture``: the fire whose window it is in", ""),
+                                      ")"), ("Publisher.publish", "; ``capture``: the fire capturing it", ""),
                          ("Publisher.publish", "(self.dump, self.monitor)", "(self.monitor, )")),
                 docstrings=(("", ", the JSONL\ndump (rank 0) and DeepSpeed's monitors;",
                              " and DeepSpeed's\nmonitors;"),

@@ -1,0 +1,270 @@
+"""The seed of PR 01 against the package, bit for bit: the same training, per-layer numbers compared with ``==``.
+
+    python3 deepspeed_patch/upstream/seed/compare.py [--seed-ds /tmp/seed_ds] [--master /work/dsmaster]
+
+Trains a tiny model (four ``layers.N.`` Linear layers of 768, an ``embed`` and a ``head`` outside the layers,
+two parameter groups) for a few steps under ZeRO-2 (or ``--stage 1``), fp32, with gradient clipping that is
+active at every step, on 2 CPU ranks (gloo), with the same seeds and data in each run:
+
+- ``seed``: DeepSpeed with the seed applied (``--seed-ds``), the ``layer_grad_norms`` key on; ``deepspeed_patch``
+  not importable (checked);
+- ``seed-off``: the same without the key: losses and final weights must equal the ``seed`` run's (no observer
+  effect);
+- ``package-stock``: unmodified DeepSpeed master (``--master``) with ``deepspeed_patch.install()``, the package's
+  statistics forced onto its stock PyTorch path (``partition_stats.accumulate_spans``, what PR 01 ships);
+- ``package-host``: the same with the package's default kernel on the host (the C++/OpenMP one, PR 8's).
+
+Every layer's pre- and post-clip norm, min and max, and ``clip_coef``, ``step`` and ``overflow``, are compared
+with ``==``; a difference is reported in ulps. Each run's rank 0 and rank 1 results are compared too. Exit status
+0 when the seed equals ``package-stock`` exactly and the seed has no observer effect.
+"""
+
+import argparse
+import hashlib
+import json
+import math
+import os
+import socket
+import struct
+import subprocess
+import sys
+import tempfile
+
+HIDDEN = 768
+LAYERS = 4
+STEPS = 4
+BATCH = 4
+CLIP = 0.05
+RUNS = ("seed", "seed-off", "package-stock", "package-host")
+FIELDS = ("norm", "min", "max")
+
+
+def build_model():
+    import torch
+
+    torch.manual_seed(1234)
+    model = torch.nn.Sequential()
+    model.add_module("embed", torch.nn.Linear(64, HIDDEN))
+    model.add_module("layers", torch.nn.Sequential(*[torch.nn.Linear(HIDDEN, HIDDEN) for _ in range(LAYERS)]))
+    model.add_module("head", torch.nn.Linear(HIDDEN, 8))
+    return model
+
+
+def worker(run: str, stage: int, fp16: bool, out: str) -> None:
+    """One rank of one run: train, write the results of rank ``RANK`` to ``out``."""
+    import torch
+
+    if run.startswith("package"):
+        import deepspeed
+
+        import deepspeed_patch
+
+        if deepspeed.__version__ == "0.0.0":  # a source checkout (master) never built: its version.txt, for install()
+            with open(os.path.join(os.path.dirname(os.path.dirname(deepspeed.__file__)), "version.txt")) as handle:
+                deepspeed.__version__ = handle.read().strip()
+
+        deepspeed_patch.install()
+        if run == "package-stock":
+            from deepspeed_patch.statistics import partition_stats
+
+            partition_stats._best_kernel = lambda device: partition_stats.STOCK
+    import deepspeed
+
+    is_seed = os.path.isfile(
+        os.path.join(os.path.dirname(deepspeed.__file__), "runtime", "zero", "layer_grad_norms.py"))
+    assert is_seed == run.startswith("seed"), (run, deepspeed.__file__)
+    assert run.startswith("package") == ("deepspeed_patch" in sys.modules), run
+    deepspeed.init_distributed(dist_backend="gloo")
+    rank = int(os.environ["RANK"])
+    model = build_model()
+    groups = [{
+        "params": [p for n, p in model.named_parameters() if n.endswith("weight")],
+        "weight_decay": 0.01
+    }, {
+        "params": [p for n, p in model.named_parameters() if n.endswith("bias")],
+        "weight_decay": 0.0
+    }]
+    config = {
+        "train_micro_batch_size_per_gpu": BATCH,
+        "gradient_clipping": CLIP,
+        "zero_optimization": {
+            "stage": stage
+        },
+        "optimizer": {
+            "type": "AdamW",
+            "params": {
+                "lr": 1e-3,
+                "torch_adam": True
+            }
+        },
+    }
+    if fp16:  # a small scale window: steps that overflow, and steps at which the loss scale grows
+        config["fp16"] = {"enabled": True, "initial_scale_power": 10, "loss_scale_window": 2, "hysteresis": 1}
+    if run != "seed-off":
+        config["layer_grad_norms"] = {"enabled": True}
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=groups, config=config)
+    data = torch.Generator().manual_seed(99 + rank)
+    losses, results = [], []
+    for _ in range(STEPS * (2 if fp16 else 1)):
+        x = torch.randn(BATCH, 64, generator=data).to(torch.half if fp16 else torch.float)
+        loss = engine(x).sin().pow(2).mean() * 1000.0
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+        results.append(engine.get_layer_grad_norms())
+        if results[-1] is not None:
+            results[-1]["loss_scale"] = float(engine.optimizer.loss_scale)
+    weights = torch.cat([p.detach().reshape(-1).float() for p in engine.module.parameters()])
+    with open(out, "w") as handle:
+        json.dump(
+            {
+                "losses": losses,
+                "results": results,
+                "weights": hashlib.sha256(weights.numpy().tobytes()).hexdigest(),
+                "deepspeed": deepspeed.__file__
+            }, handle)
+    os._exit(0)  # past torch's exit-time gloo abort (upstream/bug_reports/gloo_exit_abort.md): the results are written
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def launch(run: str, stage: int, fp16: bool, pythonpath: str, directory: str) -> list:
+    """Both ranks of ``run``; their results, rank 0 first."""
+    env = dict(os.environ,
+               PYTHONPATH=pythonpath,
+               MASTER_ADDR="127.0.0.1",
+               MASTER_PORT=str(free_port()),
+               WORLD_SIZE="2",
+               TORCH_EXTENSIONS_DIR=os.environ.get("TORCH_EXTENSIONS_DIR", "/tmp/seed_ext"),
+               OMP_NUM_THREADS="1")
+    outs = [os.path.join(directory, f"{run}-{rank}.json") for rank in range(2)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable,
+             os.path.abspath(__file__), "--worker", run, "--stage",
+             str(stage), "--out", outs[rank]] + (["--fp16"] if fp16 else []),
+            env=dict(env, RANK=str(rank), LOCAL_RANK=str(rank)),
+            stdout=subprocess.DEVNULL,
+            stderr=open(outs[rank] + ".log", "w")) for rank in range(2)
+    ]
+    for proc, out in zip(procs, outs):
+        proc.wait(timeout=900)
+        if not os.path.exists(out):
+            sys.exit(f"{run}: rank failed (exit {proc.returncode}); log in {out}.log")
+    loaded = []
+    for out in outs:
+        with open(out) as handle:
+            loaded.append(json.load(handle))
+    return loaded
+
+
+def equal(a, b) -> bool:
+    """``a == b``, or both NaN (JSON keeps no NaN payload): an overflowed step's statistics."""
+    return a == b or (isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b))
+
+
+def ulps(a: float, b: float) -> int:
+    """The distance of two float64 values in units in the last place."""
+    if a == b:
+        return 0
+    if not (math.isfinite(a) and math.isfinite(b)):
+        return -1
+    return abs(_ordered(a) - _ordered(b))
+
+
+def _ordered(x: float) -> int:
+    """The float64 ``x`` as an integer of the same order, consecutive floats consecutive integers."""
+    bits = struct.unpack("<q", struct.pack("<d", x))[0]
+    return bits if bits >= 0 else -(bits & 0x7FFFFFFFFFFFFFFF)
+
+
+def compare(name_a: str, a: list, name_b: str, b: list) -> dict:
+    """Per field, the compared values and how many differ, with the largest difference in ulps."""
+    counts = {}
+    lines = []
+    for step_a, step_b in zip(a, b):
+        assert (step_a is None) == (step_b is None)
+        if step_a is None:
+            continue
+        for field in ("step", "overflow", "clip_coef", "loss_scale"):
+            entry = counts.setdefault(field, [0, 0, 0])
+            entry[0] += 1
+            if not equal(step_a[field], step_b[field]):
+                entry[1] += 1
+                if isinstance(step_a[field], float):
+                    entry[2] = max(entry[2], ulps(step_a[field], step_b[field]))
+                lines.append(f"  step {step_a['step']} {field}: {step_a[field]!r} != {step_b[field]!r}")
+        for phase in ("pre_clip", "post_clip"):
+            if step_a[phase] is None or step_b[phase] is None:  # the seed reads nothing on an overflowed step
+                if (step_a[phase] is None) != (step_b[phase] is None):
+                    lines.append(f"  step {step_a['step']} {phase}: one run only (overflow: {step_a['overflow']})")
+                    counts.setdefault(f"{phase} missing", [0, 0, 0])[1] += 1
+                continue
+            assert set(step_a[phase]) == set(step_b[phase]), (step_a[phase].keys(), step_b[phase].keys())
+            for key in step_a[phase]:
+                for field in FIELDS:
+                    x, y = step_a[phase][key][field], step_b[phase][key][field]
+                    entry = counts.setdefault(f"{phase}.{field}", [0, 0, 0, 0.0])
+                    entry[0] += 1
+                    if not equal(x, y):
+                        entry[1] += 1
+                        entry[2] = max(entry[2], ulps(x, y))
+                        entry[3] = max(entry[3], abs(x - y) / max(abs(x), abs(y)))
+                        lines.append(f"  step {step_a['step']} {phase} {key} {field}: {x!r} != {y!r} "
+                                     f"({ulps(x, y)} ulp)")
+    print(f"{name_a} vs {name_b}:")
+    for field, (total, differing, worst, *relative) in counts.items():
+        worst_text = f", at most {worst} ulp" + (f" (relative {relative[0]:.1e})" if relative else "")
+        print(f"  {field:16s} {total:3d} compared, {differing:3d} differ" + (worst_text if differing else ""))
+    for line in lines[:20]:
+        print(line)
+    return counts
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--worker", choices=RUNS)
+    parser.add_argument("--out")
+    parser.add_argument("--stage", type=int, default=2, choices=(1, 2))
+    parser.add_argument("--fp16", action="store_true", help="fp16 with dynamic loss scaling, twice the steps")
+    parser.add_argument("--seed-ds", default="/tmp/seed_ds")
+    parser.add_argument("--master", default="/work/dsmaster")
+    parser.add_argument("--runs", default=",".join(RUNS))
+    args = parser.parse_args()
+    if args.worker:
+        worker(args.worker, args.stage, args.fp16, args.out)
+        return 0
+    package = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    paths = {"seed": args.seed_ds, "seed-off": args.seed_ds}
+    runs = {}
+    directory = tempfile.mkdtemp(prefix="seed_compare_")  # each rank's results and log, kept
+    for run in args.runs.split(","):
+        path = paths.get(run, f"{package}{os.pathsep}{args.master}")
+        runs[run] = launch(run, args.stage, args.fp16, path, directory)
+        print(f"{run}: ran on {runs[run][0]['deepspeed']}", flush=True)
+    for run, (rank0, rank1) in runs.items():
+        print(f"{run}: rank 0 and rank 1 results identical: {rank0['results'] == rank1['results']}")
+    ok = True
+    if "seed" in runs and "seed-off" in runs:
+        same = all(runs["seed"][r]["losses"] == runs["seed-off"][r]["losses"]
+                   and runs["seed"][r]["weights"] == runs["seed-off"][r]["weights"] for r in range(2))
+        print(f"seed with the key on vs off: losses and final weights bit-identical: {same}")
+        ok &= same
+    for other in ("package-stock", "package-host"):
+        if "seed" in runs and other in runs:
+            counts = compare("seed", runs["seed"][0]["results"], other, runs[other][0]["results"])
+            exact = all(entry[1] == 0 for entry in counts.values())
+            print(f"seed == {other} on every field: {exact}")
+            same_training = runs["seed"][0]["losses"] == runs[other][0]["losses"]
+            print(f"seed and {other} trained identically (losses): {same_training}")
+            if other == "package-stock":
+                ok &= exact
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

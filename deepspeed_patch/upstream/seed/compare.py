@@ -4,7 +4,8 @@
 
 Trains a tiny model (four ``layers.N.`` Linear layers of 768, an ``embed`` and a ``head`` outside the layers,
 two parameter groups) for a few steps under ZeRO-2 (or ``--stage 1``), fp32, with gradient clipping that is
-active at every step, on 2 CPU ranks (gloo), with the same seeds and data in each run:
+active at every step, on 2 CPU ranks (gloo; ``--world 3``: three, an uneven partition), with the same seeds and
+data in each run:
 
 - ``seed``: DeepSpeed with the seed applied (``--seed-ds``), the ``layer_grad_norms`` key on; ``deepspeed_patch``
   not importable (checked);
@@ -15,7 +16,7 @@ active at every step, on 2 CPU ranks (gloo), with the same seeds and data in eac
 - ``package-host``: the same with the package's default kernel on the host (the C++/OpenMP one, PR 8's).
 
 Every layer's pre- and post-clip norm, min and max, and ``clip_coef``, ``step`` and ``overflow``, are compared
-with ``==``; a difference is reported in ulps. Each run's rank 0 and rank 1 results are compared too. Exit status
+with ``==``; a difference is reported in ulps. Each run's ranks' results are compared with rank 0's too. Exit status
 0 when the seed equals ``package-stock`` exactly and the seed has no observer effect.
 """
 
@@ -132,16 +133,16 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def launch(run: str, stage: int, fp16: bool, pythonpath: str, directory: str) -> list:
-    """Both ranks of ``run``; their results, rank 0 first."""
+def launch(run: str, stage: int, fp16: bool, pythonpath: str, directory: str, world: int) -> list:
+    """Every rank of ``run``; their results, rank 0 first."""
     env = dict(os.environ,
                PYTHONPATH=pythonpath,
                MASTER_ADDR="127.0.0.1",
                MASTER_PORT=str(free_port()),
-               WORLD_SIZE="2",
+               WORLD_SIZE=str(world),
                TORCH_EXTENSIONS_DIR=os.environ.get("TORCH_EXTENSIONS_DIR", "/tmp/seed_ext"),
                OMP_NUM_THREADS="1")
-    outs = [os.path.join(directory, f"{run}-{rank}.json") for rank in range(2)]
+    outs = [os.path.join(directory, f"{run}-{rank}.json") for rank in range(world)]
     procs = [
         subprocess.Popen(
             [sys.executable,
@@ -149,7 +150,7 @@ def launch(run: str, stage: int, fp16: bool, pythonpath: str, directory: str) ->
              str(stage), "--out", outs[rank]] + (["--fp16"] if fp16 else []),
             env=dict(env, RANK=str(rank), LOCAL_RANK=str(rank)),
             stdout=subprocess.DEVNULL,
-            stderr=open(outs[rank] + ".log", "w")) for rank in range(2)
+            stderr=open(outs[rank] + ".log", "w")) for rank in range(world)
     ]
     for proc, out in zip(procs, outs):
         proc.wait(timeout=900)
@@ -234,6 +235,7 @@ def main() -> int:
     parser.add_argument("--seed-ds", default="/tmp/seed_ds")
     parser.add_argument("--master", default="/work/dsmaster")
     parser.add_argument("--runs", default=",".join(RUNS))
+    parser.add_argument("--world", type=int, default=2, choices=(2, 3), help="ranks (3: an uneven partition)")
     args = parser.parse_args()
     if args.worker:
         worker(args.worker, args.stage, args.fp16, args.out)
@@ -244,14 +246,15 @@ def main() -> int:
     directory = tempfile.mkdtemp(prefix="seed_compare_")  # each rank's results and log, kept
     for run in args.runs.split(","):
         path = paths.get(run, f"{package}{os.pathsep}{args.master}")
-        runs[run] = launch(run, args.stage, args.fp16, path, directory)
+        runs[run] = launch(run, args.stage, args.fp16, path, directory, args.world)
         print(f"{run}: ran on {runs[run][0]['deepspeed']}", flush=True)
-    for run, (rank0, rank1) in runs.items():
-        print(f"{run}: rank 0 and rank 1 results identical: {rank0['results'] == rank1['results']}")
+    for run, (rank0, *others) in runs.items():
+        same = all(rank0["results"] == other["results"] for other in others)
+        print(f"{run}: every rank's results identical to rank 0's: {same}")
     ok = True
     if "seed" in runs and "seed-off" in runs:
         same = all(runs["seed"][r]["losses"] == runs["seed-off"][r]["losses"]
-                   and runs["seed"][r]["weights"] == runs["seed-off"][r]["weights"] for r in range(2))
+                   and runs["seed"][r]["weights"] == runs["seed-off"][r]["weights"] for r in range(args.world))
         print(f"seed with the key on vs off: losses and final weights bit-identical: {same}")
         ok &= same
     for other in ("package-stock", "package-host"):

@@ -60,6 +60,10 @@ class Action:
         return self.skip_reason is not None
 
 
+ClipDivisor = Callable[[float], float]
+"""What DeepSpeed's global clipping divides the gradient by, for a global norm."""
+
+
 class Remedies:
     """The remedies a ds_config turns on, for one optimizer's buckets."""
 
@@ -91,8 +95,7 @@ class Remedies:
         if self.skip is not None:
             self.skip.loss.report(loss)
 
-    def decide(self, step: int, reduced: torch.Tensor, gradient_scale: float,
-               clip_divisor: Callable[[float], float]) -> Action:
+    def decide(self, step: int, reduced: torch.Tensor, gradient_scale: float, clip_divisor: ClipDivisor) -> Action:
         """``step``'s action from its ``reduced`` table (host, the gradient's rows first), whose gradient carries
         ``gradient_scale``; ``clip_divisor(norm)``: what DeepSpeed's global clipping divides the gradient by for a
         global norm ``norm``. The adaptive averages move once the step is applied (``applied``)."""

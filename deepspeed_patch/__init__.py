@@ -14,18 +14,23 @@ __all__ = ["install", "LayerGradNormsConfig", "LayerGradNormsConfigError", "SUPP
 
 logger = logging.getLogger(__name__)
 
+UPSTREAM_MODULES = ("deepspeed.runtime.layer_grad_norms", "deepspeed.runtime.zero.layer_grad_norms")
+"""Where a DeepSpeed that carries the feature itself has it: the upstream series' sub-package, and PR 01's
+module (``upstream/seed/``). Patching such a DeepSpeed as well would measure every step twice."""
+
 
 def install() -> None:
     """Add ``get_layer_grad_norms()`` and the ``layer_grad_norms`` config block to DeepSpeed.
 
-    Idempotent; does nothing on a DeepSpeed with the upstream patch applied. Raises ``RuntimeError`` on
-    a DeepSpeed release outside ``SUPPORTED_RANGE``, or one that lacks a method or parameter a call site
-    needs (naming it); warns on an untested release inside the range.
+    Idempotent; does nothing on a DeepSpeed that carries the feature itself (``UPSTREAM_MODULES``). Raises
+    ``RuntimeError`` on a DeepSpeed release outside ``SUPPORTED_RANGE``, or one that lacks a method or parameter
+    a call site needs (naming it); warns on an untested release inside the range.
     """
     import deepspeed
 
-    if importlib.util.find_spec("deepspeed.runtime.layer_grad_norms") is not None:
-        logger.info("DeepSpeed carries layer_grad_norms already (the upstream patch): install() leaves it as it is")
+    carried = [name for name in UPSTREAM_MODULES if importlib.util.find_spec(name) is not None]
+    if carried:
+        logger.info("DeepSpeed carries layer_grad_norms already (%s): install() leaves it as it is", carried[0])
         return
     from . import capabilities, patching
 

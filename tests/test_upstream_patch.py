@@ -86,6 +86,7 @@ def test_new_files_follow_deepspeed_conventions():
         assert FormatCode(text, style_config=style)[0] == text, f"{path}: run yapf --style .style.yapf -i"
 
 
+@pytest.mark.extended  # the suite applies and reverts in test_applies_to_a_checkout_with_docs_and_unit_tests
 def test_apply_is_idempotent_and_revert_restores_every_byte(tmp_path):
     root = copy_installed(tmp_path)
     before = digests(root)
@@ -118,6 +119,7 @@ def test_refuses_another_release(tmp_path):
     assert digests(root) == before
 
 
+@pytest.mark.extended  # the suite applies and reverts in test_applies_to_a_checkout_with_docs_and_unit_tests
 def test_a_failing_hunk_changes_nothing(tmp_path):
     root = copy_installed(tmp_path)
     stray = os.path.join(root, "deepspeed", "runtime", "layer_grad_norms", "config.py")
@@ -133,6 +135,7 @@ def test_a_failing_hunk_changes_nothing(tmp_path):
     assert digests(root) == before
 
 
+@pytest.mark.extended  # the suite applies and reverts in test_applies_to_a_checkout_with_docs_and_unit_tests
 def test_revert_takes_out_the_patch_applied(tmp_path):
     """``apply`` keeps the patch it built in the tree (``RECORD``); ``revert`` takes out that one, and refuses,
     changing nothing, once a file it patched was edited."""
@@ -202,12 +205,35 @@ def test_core_correctness_on_the_patched_copy_without_install(patched_copy):
             assert f"PASSED tests/test_zero_stats.py::{test}[2-{name}]" in lines, f"{test}[2-{name}]"
 
 
+def install_in(root: str) -> subprocess.CompletedProcess:
+    """``deepspeed_patch.install()`` in a fresh process whose ``deepspeed`` is the copy under ``root``: it checks
+    that the engine was not patched, and prints the module of its ``get_layer_grad_norms`` (``None``: none)."""
+    script = ("import logging; logging.basicConfig(level=logging.INFO)\n"
+              "import deepspeed_patch; deepspeed_patch.install()\n"
+              "from deepspeed.runtime.engine import DeepSpeedEngine\n"
+              "assert not getattr(DeepSpeedEngine, '_layer_grad_norms_installed', False)\n"
+              "print(getattr(getattr(DeepSpeedEngine, 'get_layer_grad_norms', None), '__module__', None))\n")
+    return subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=REPO,
+                          env={**os.environ, "PYTHONPATH": root})
+
+
 def test_install_leaves_a_patched_deepspeed_alone(patched_copy):
     """Both at once would call every call site twice."""
-    script = ("import deepspeed_patch; deepspeed_patch.install()\n"
-              "from deepspeed.runtime.engine import DeepSpeedEngine\n"
-              "assert DeepSpeedEngine.get_layer_grad_norms.__module__ == 'deepspeed.runtime.engine'\n"
-              "assert not getattr(DeepSpeedEngine, '_layer_grad_norms_installed', False)\n")
-    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=REPO,
-                            env={**os.environ, "PYTHONPATH": patched_copy})
+    result = install_in(patched_copy)
     assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.splitlines()[-1] == "deepspeed.runtime.engine", result.stdout
+
+
+def test_install_leaves_a_deepspeed_with_the_seed_alone(tmp_path):
+    """A DeepSpeed with PR 01 as written for it (``upstream/seed/``), its module in ``deepspeed/runtime/zero/``."""
+    root = copy_installed(tmp_path)
+    module = "deepspeed/runtime/zero/layer_grad_norms.py"
+    with open(os.path.join(REPO, "deepspeed_patch", "upstream", "seed", "seed.patch"), encoding="utf-8") as handle:
+        diff = file_diffs(handle.read())[module]
+    with open(os.path.join(root, module), "w", encoding="utf-8") as handle:
+        handle.write("".join(line[1:] + "\n" for line in diff.splitlines() if line.startswith("+")
+                             and not line.startswith("+++")))
+    result = install_in(root)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.splitlines()[-1] == "None", result.stdout  # its engine.py, unpatched here, has none
+    assert "carries layer_grad_norms already (deepspeed.runtime.zero.layer_grad_norms)" in result.stderr, result.stderr

@@ -4,8 +4,8 @@
 
 Trains a tiny model (four ``layers.N.`` Linear layers of 768, an ``embed`` and a ``head`` outside the layers,
 two parameter groups) for a few steps under ZeRO-2 (or ``--stage 1``), fp32, with gradient clipping that is
-active at every step, on 2 CPU ranks (gloo; ``--world 3``: three, an uneven partition), with the same seeds and
-data in each run:
+active at every step, on 2 CPU ranks (gloo; ``--world 3``: three, an uneven partition; ``--world 4``), with the same
+seeds and data in each run (``--gas``, ``--interval``, ``--fp16``, ``--bf16``, ``--offload`` change the set-up):
 
 - ``seed``: DeepSpeed with the seed applied (``--seed-ds``), the ``layer_grad_norms`` key on; ``deepspeed_patch``
   not importable (checked);
@@ -51,7 +51,7 @@ def build_model():
     return model
 
 
-def worker(run: str, stage: int, fp16: bool, out: str) -> None:
+def worker(run: str, args: argparse.Namespace, out: str) -> None:
     """One rank of one run: train, write the results of rank ``RANK`` to ``out``."""
     import torch
 
@@ -88,8 +88,9 @@ def worker(run: str, stage: int, fp16: bool, out: str) -> None:
     config = {
         "train_micro_batch_size_per_gpu": BATCH,
         "gradient_clipping": CLIP,
+        "gradient_accumulation_steps": args.gas,
         "zero_optimization": {
-            "stage": stage
+            "stage": args.stage
         },
         "optimizer": {
             "type": "AdamW",
@@ -99,19 +100,26 @@ def worker(run: str, stage: int, fp16: bool, out: str) -> None:
             }
         },
     }
-    if fp16:  # a small scale window: steps that overflow, and steps at which the loss scale grows
+    if args.fp16:  # a small scale window: steps that overflow, and steps at which the loss scale grows
         config["fp16"] = {"enabled": True, "initial_scale_power": 10, "loss_scale_window": 2, "hysteresis": 1}
+    if args.bf16:
+        config["bf16"] = {"enabled": True}
+    if args.offload:
+        config["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+        config["zero_force_ds_cpu_optimizer"] = False  # torch's AdamW on the host partitions: no op to build
     if run != "seed-off":
-        config["layer_grad_norms"] = {"enabled": True}
+        config["layer_grad_norms"] = {"enabled": True, "interval": args.interval}
     engine, *_ = deepspeed.initialize(model=model, model_parameters=groups, config=config)
     data = torch.Generator().manual_seed(99 + rank)
     losses, results = [], []
-    for _ in range(STEPS * (2 if fp16 else 1)):
-        x = torch.randn(BATCH, 64, generator=data).to(torch.half if fp16 else torch.float)
-        loss = engine(x).sin().pow(2).mean() * 1000.0
-        engine.backward(loss)
-        engine.step()
-        losses.append(loss.item())
+    dtype = torch.half if args.fp16 else torch.bfloat16 if args.bf16 else torch.float
+    for _ in range(STEPS * (2 if args.fp16 else 1) * args.interval):
+        for _ in range(args.gas):
+            x = torch.randn(BATCH, 64, generator=data).to(dtype)
+            loss = engine(x).sin().pow(2).mean() * 1000.0
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
         results.append(engine.get_layer_grad_norms())
         if results[-1] is not None:
             results[-1]["loss_scale"] = float(engine.optimizer.loss_scale)
@@ -122,9 +130,18 @@ def worker(run: str, stage: int, fp16: bool, out: str) -> None:
                 "losses": losses,
                 "results": results,
                 "weights": hashlib.sha256(weights.numpy().tobytes()).hexdigest(),
+                "setup": set_up(engine),
                 "deepspeed": deepspeed.__file__
             }, handle)
     os._exit(0)  # past torch's exit-time gloo abort (upstream/bug_reports/gloo_exit_abort.md): the results are written
+
+
+def set_up(engine) -> str:
+    """What the run measured, as the optimizer holds it: its class, offload, the fp32 partition's dtype and device."""
+    optimizer = engine.optimizer
+    partition = optimizer.single_partition_of_fp32_groups[0]
+    return (f"{type(optimizer).__name__}, cpu_offload={optimizer.cpu_offload}, partition {partition.dtype} on "
+            f"{partition.device}, model {next(engine.module.parameters()).dtype}")
 
 
 def free_port() -> int:
@@ -133,24 +150,22 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def launch(run: str, stage: int, fp16: bool, pythonpath: str, directory: str, world: int) -> list:
+def launch(run: str, args: argparse.Namespace, pythonpath: str, directory: str) -> list:
     """Every rank of ``run``; their results, rank 0 first."""
     env = dict(os.environ,
                PYTHONPATH=pythonpath,
                MASTER_ADDR="127.0.0.1",
                MASTER_PORT=str(free_port()),
-               WORLD_SIZE=str(world),
+               WORLD_SIZE=str(args.world),
                TORCH_EXTENSIONS_DIR=os.environ.get("TORCH_EXTENSIONS_DIR", "/tmp/seed_ext"),
                OMP_NUM_THREADS="1")
-    outs = [os.path.join(directory, f"{run}-{rank}.json") for rank in range(world)]
+    outs = [os.path.join(directory, f"{run}-{rank}.json") for rank in range(args.world)]
     procs = [
         subprocess.Popen(
-            [sys.executable,
-             os.path.abspath(__file__), "--worker", run, "--stage",
-             str(stage), "--out", outs[rank]] + (["--fp16"] if fp16 else []),
+            [sys.executable, os.path.abspath(__file__), "--worker", run, "--out", outs[rank]] + worker_flags(args),
             env=dict(env, RANK=str(rank), LOCAL_RANK=str(rank)),
             stdout=subprocess.DEVNULL,
-            stderr=open(outs[rank] + ".log", "w")) for rank in range(world)
+            stderr=open(outs[rank] + ".log", "w")) for rank in range(args.world)
     ]
     for proc, out in zip(procs, outs):
         proc.wait(timeout=900)
@@ -161,6 +176,12 @@ def launch(run: str, stage: int, fp16: bool, pythonpath: str, directory: str, wo
         with open(out) as handle:
             loaded.append(json.load(handle))
     return loaded
+
+
+def worker_flags(args: argparse.Namespace) -> list:
+    """The set-up's options, as a worker is given them."""
+    flags = ["--stage", str(args.stage), "--gas", str(args.gas), "--interval", str(args.interval)]
+    return flags + [f"--{name}" for name in ("fp16", "bf16", "offload") if getattr(args, name)]
 
 
 def equal(a, b) -> bool:
@@ -232,13 +253,17 @@ def main() -> int:
     parser.add_argument("--out")
     parser.add_argument("--stage", type=int, default=2, choices=(1, 2))
     parser.add_argument("--fp16", action="store_true", help="fp16 with dynamic loss scaling, twice the steps")
+    parser.add_argument("--bf16", action="store_true", help="bf16 (the ZeRO optimizer, fp32 partitions)")
+    parser.add_argument("--gas", type=int, default=1, help="gradient accumulation steps")
+    parser.add_argument("--interval", type=int, default=1, help="the key's interval: measure every N-th step")
+    parser.add_argument("--offload", action="store_true", help="the optimizer offloaded to the CPU")
     parser.add_argument("--seed-ds", default="/tmp/seed_ds")
     parser.add_argument("--master", default="/work/dsmaster")
     parser.add_argument("--runs", default=",".join(RUNS))
-    parser.add_argument("--world", type=int, default=2, choices=(2, 3), help="ranks (3: an uneven partition)")
+    parser.add_argument("--world", type=int, default=2, choices=(2, 3, 4), help="ranks (3: an uneven partition)")
     args = parser.parse_args()
     if args.worker:
-        worker(args.worker, args.stage, args.fp16, args.out)
+        worker(args.worker, args, args.out)
         return 0
     package = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     paths = {"seed": args.seed_ds, "seed-off": args.seed_ds}
@@ -246,8 +271,8 @@ def main() -> int:
     directory = tempfile.mkdtemp(prefix="seed_compare_")  # each rank's results and log, kept
     for run in args.runs.split(","):
         path = paths.get(run, f"{package}{os.pathsep}{args.master}")
-        runs[run] = launch(run, args.stage, args.fp16, path, directory, args.world)
-        print(f"{run}: ran on {runs[run][0]['deepspeed']}", flush=True)
+        runs[run] = launch(run, args, path, directory)
+        print(f"{run}: ran on {runs[run][0]['deepspeed']}: {runs[run][0]['setup']}", flush=True)
     for run, (rank0, *others) in runs.items():
         same = all(rank0["results"] == other["results"] for other in others)
         print(f"{run}: every rank's results identical to rank 0's: {same}")

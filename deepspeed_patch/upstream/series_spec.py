@@ -77,6 +77,14 @@ PACKAGE_ONLY = (
         replace=(("load_config", 'absent means disabled.\n\n    A top-level key that looks like a misspelling of the '
                   "block's name is an error: DeepSpeed ignores\n    keys it does not know, so the block would be "
                   'dropped and nothing measured, without a word.\n    """', 'absent means disabled."""'), )),
+    # the block's strict types and its one-line errors naming layer_grad_norms.<key>: upstream, the block converts
+    # and reports as DeepSpeed's own config models do (pydantic's ValidationError names the key and the value)
+    Cut("config.py",
+        drop=("StrictConfigModel", "EXPECTED_TYPES", "_describe", "_model_at", "_lookup"),
+        replace=(("", "(StrictConfigModel):", "(DeepSpeedConfigModel):"),
+                 ("load_config", "    try:\n        config = LayerGradNormsConfig(strict=True, **block)\n    except "
+                  "ValidationError as err:\n        raise LayerGradNormsConfigError(_describe(err, block)) from None\n",
+                  "    config = LayerGradNormsConfig(strict=True, **block)\n"))),
     # the release table: its facts are written in as constants (series.resolve_capabilities)
     Cut("adapters/base.py", drop=("Setup.capabilities", )),
     Cut("adapters/optimizer.py",

@@ -83,8 +83,8 @@ PACKAGE_ONLY = (
         drop=("StrictConfigModel", "EXPECTED_TYPES", "_describe", "_model_at", "_lookup"),
         replace=(("", "(StrictConfigModel):", "(DeepSpeedConfigModel):"),
                  ("load_config", "    try:\n        config = LayerGradNormsConfig(strict=True, **block)\n    except "
-                  "ValidationError as err:\n        raise LayerGradNormsConfigError(_describe(err, block)) from None\n",
-                  "    config = LayerGradNormsConfig(strict=True, **block)\n"))),
+                  "ValidationError as err:\n        raise LayerGradNormsConfigError(_describe(err, block)) "
+                  "from None\n", "    config = LayerGradNormsConfig(strict=True, **block)\n"))),
     # the release table: its facts are written in as constants (series.resolve_capabilities)
     Cut("adapters/base.py", drop=("Setup.capabilities", )),
     Cut("adapters/optimizer.py",
@@ -145,6 +145,80 @@ _KEYS_BY_LAYER = ("        in_layers = [key for key in keys if None not in key_l
                   "        layers = sorted(in_layers, key=lambda key: (next(iter(key_layers[key])), "
                   "not is_layer(key)))\n"
                   "        keys = layers + [key for key in keys if None in key_layers[key]]\n")
+# PR 02: the layers of several stacks; PR 01's build_layer_map keys a layer by its index and refuses several stacks
+_LAYER_MAP_BODY = """    stacks = find_stacks([name for name, _ in named_params], all_names, pattern, layer_pattern)
+    stack_position = {stack.prefix: position for position, stack in enumerate(stacks)}
+
+    def layer_of_name(name: str) -> Optional[Tuple[int, int]]:
+        \"\"\"(stack position, layer index) of a trainable parameter; ``None`` outside the layers.\"\"\"
+        where = locate_layer(name, pattern)
+        return None if where is None else (stack_position[where[0]], where[1])
+
+
+    def key_of(name: str, param) -> Optional[BucketKey]:
+        where = layer_of_name(name)
+        if where is None:
+            return module_of(name)
+        layer = where[1] if len(stacks) == 1 else LayerKey(stacks[where[0]].label, where[1])
+        return layer
+
+    param_key = {id(param): key_of(name, param) for name, param in named_params}
+    key_layers: Dict[BucketKey, set] = {}
+    for name, param in named_params:
+        if param_key[id(param)] is not None:
+            key_layers.setdefault(param_key[id(param)], set()).add(layer_of_name(name))
+    keys = list(key_layers)
+    _refuse_merged_buckets(key_layers, layer_pattern)
+    in_layers = [key for key in keys if None not in key_layers[key]]
+    layers = sorted(in_layers, key=lambda key: (next(iter(key_layers[key])), not is_layer(key)))
+    keys = layers + [key for key in keys if None in key_layers[key]]
+    position = {key: index for index, key in enumerate(keys)}
+    position[None] = len(keys)  # the unreported row
+    layer_of = [next(iter(key_layers[key])) if len(key_layers[key]) == 1 else None for key in keys]
+    return LayerMap(keys=tuple(keys),
+                    stack_of=tuple(None if layer is None else layer[0] for layer in layer_of),
+                    layer_of=tuple(None if layer is None else layer[1] for layer in layer_of),
+                    param_bucket={
+                        pid: position[key]
+                        for pid, key in param_key.items()
+                    },
+                    stacks=stacks,
+                    num_rows=len(keys) + (None in param_key.values()))
+"""
+_ONE_STACK_BODY = """\
+    stacks = {where[0] for where in (locate_layer(name, pattern) for name, _ in named_params) if where is not None}
+    if len(stacks) > 1:
+        raise UnsupportedSetupError(f"{CONFIG_KEY}: the transformer layers lie in several stacks ({sorted(stacks)}); "
+                                    f"not supported yet; remove the '{CONFIG_KEY}' block or set enabled=false")
+
+    def key_of(name: str) -> BucketKey:
+        where = locate_layer(name, pattern)
+        return module_of(name) if where is None else where[1]
+
+    param_key = {id(param): key_of(name) for name, param in named_params}
+    keys = list(dict.fromkeys(param_key.values()))
+    keys = sorted(key for key in keys if is_layer(key)) + [key for key in keys if not is_layer(key)]
+    position = {key: index for index, key in enumerate(keys)}
+    return LayerMap(keys=tuple(keys),
+                    param_bucket={pid: position[key] for pid, key in param_key.items()},
+                    num_rows=len(keys))
+"""
+_STACKS_DOC = """
+
+The part of a name before the layer index is the layer's stack (``model.encoder.layers.``). A model
+whose trainable layers lie in one stack keys them by ``int`` index; an encoder-decoder model, whose
+encoder and decoder both have a layer 3, keys them ``"encoder.3"`` and ``"decoder.3"`` (``LayerKey``),
+labelled by what tells the stacks' prefixes apart."""
+_ALL_NAMES_DOC = """
+
+    ``all_names`` are the names of all the model's
+    parameters, frozen ones included; they fix the number of layers that ``-1`` and ``"mid"`` count from.
+    """
+_BUCKET_LABEL_BODY = """    if not is_layer(key):
+        return str(key)
+    stack, index = layer_position(key)
+    return f"layer{index:02d}" if stack is None else f"{stack}.layer{index:02d}"
+"""
 _GRANULARITY_CUTS = (
     Cut("config.py",
         drop=("GRANULARITIES", "LayerGradNormsConfig.granularity", "LayerGradNormsConfig.group_by",
@@ -164,13 +238,52 @@ _GRANULARITY_CUTS = (
                      "``group_by``, joined by\n    ``.``; unmatched parameters go to the unreported row). ", ""),
                     ("LayerMap", ", and one more, never reported, where some parameters\n    are in no bucket "
                      "(``group_by`` matches only some). They are measured all the same, because the\n    clipping "
-                     "the post-clip statistics follow is over every parameter.", " (and one, never reported, that "
-                     "a later granularity\n    fills).")),
+                     "the post-clip statistics follow is over every parameter.", ".")),
         statements=(("build_layer_map", r"grouping = "), ("build_layer_map", r'if granularity == "param"'),
                     ("build_layer_map", r'if granularity == "group_by"'), ("model_layer_map",
                                                                            r'if config\.granularity == "group_by"'))),
     Cut(DOCS, rows=("granularity", "group_by")),
     Cut(ZERO_TESTS, drop=("GROUP_BY", "bucket_key", "TestLayerGradNormsGranularity")),
+) + (
+    # PR 02 also brings the selection of layers to report (the "layers" key) and the layers of several stacks
+    # (an encoder's and a decoder's, keyed "encoder.3"); PR 01 reports every bucket and refuses several stacks
+    Cut("config.py",
+        drop=("LayerToken", "LAYER_SPEC_FORMS", "parse_layer_spec", "_parse_layer_token",
+              "LayerGradNormsConfig.layers", "LayerGradNormsConfig._validate_layers")),
+    Cut("statistics/layer_map.py",
+        drop=("LayerKey", "Stack", "LayerMap.stack_of", "LayerMap.layer_of", "LayerMap.stacks", "LayerMap.select",
+              "resolve_layers", "_shared_length", "stack_labels", "find_stacks", "_refuse_merged_buckets"),
+        replace=(("is_layer", "isinstance(key, (int, LayerKey))", "isinstance(key, int)"),
+                 ("build_layer_map", _LAYER_MAP_BODY, _ONE_STACK_BODY),
+                 ("build_layer_map", "                    all_names: Iterable[str],\n", ""),
+                 ("model_layer_map", "trainable: Sequence[Tuple[str, object]],\n                    all_names: "
+                  "Iterable[str]) -> LayerMap:", "trainable: List[Tuple[str, object]]) -> LayerMap:"),
+                 ("model_layer_map", "build_layer_map(trainable, all_names, config.layer_pattern)",
+                  "build_layer_map(trainable, config.layer_pattern)"),
+                 ("model_layer_map", "    if not layer_map.stacks:\n",
+                  "    if not any(is_layer(key) for key in layer_map.keys):\n")),
+        statements=(("model_layer_map", r"if len\(layer_map\.stacks\) > 1:"), ),
+        docstrings=(("", ", and layer selections to bucket keys", ""),
+                    ("", _STACKS_DOC, ""),
+                    ("is_layer", " (``3`` or ``\"encoder.3\"``)", " (``3``)"),
+                    ("LayerMap", ", and which transformer layer each bucket is in", ""),
+                    ("LayerMap", ", or the\n    unreported row", ""),
+                    ("build_layer_map", _ALL_NAMES_DOC, ""))),
+    Cut("adapters/attach.py",
+        replace=(("_setup", " for param in params], names.values())", " for param in params])"), )),
+    Cut("statistics/steps.py",
+        replace=(("StepSchedule.__init__", "layer_map.select(config.layers)", "layer_map.keys"), )),
+    Cut("outputs/monitor.py",
+        drop=("LayerId", "layer_position"),
+        replace=(("bucket_label", _BUCKET_LABEL_BODY,
+                  '    return f"layer{key:02d}" if is_layer(key) else str(key)\n'), ),
+        docstrings=(("bucket_label", ", ``encoder.layer03`` for layer 3\n    of the encoder's stack,", ","), )),
+    Cut(DOCS,
+        rows=("layers", ),
+        replace=(("", '  "layers": "all",\n', ""),
+                 ("", " Layers of several stacks (an encoder's and a decoder's) are keyed "
+                  '`"encoder.3"`, `"decoder.3"`.', ""))),
+    Cut(ZERO_TESTS, drop=("Stack", "EncoderDecoder", "TestLayerGradNormsSelection", "TestLayerGradNormsStacks")),
 )
 
 # PR 03: Mixture-of-Experts buckets, PipelineModule specs, tensor parallelism; PR 01 refuses them by name

@@ -9,10 +9,10 @@ import re
 import deepspeed
 import pytest
 import torch
-from pydantic import ValidationError
 from deepspeed.accelerator import get_accelerator
 from deepspeed.runtime.base_optimizer import ZeROOptimizer
 from deepspeed.utils import safe_get_full_grad
+from pydantic import ValidationError
 from unit.common import DistributedTest
 from unit.simple_model import SimpleModel, random_dataloader
 
@@ -153,6 +153,72 @@ class TestLayerGradNormsGranularity(DistributedTest):
         for key, parts in expected.items():
             assert stats["pre_clip"][key]["norm"] == pytest.approx(torch.cat(parts).norm().item(), rel=1e-5)
         assert len(expected) == (2 * NUM_LAYERS if granularity == "param" else NUM_LAYERS)
+
+
+class TestLayerGradNormsSelection(DistributedTest):
+    world_size = 2
+
+    def test(self):
+        model = SimpleModel(hidden_dim=HIDDEN_DIM, nlayers=NUM_LAYERS)
+        block = {**BLOCK, "layers": [0, "mid", -1]}
+        engine, _, _, _ = deepspeed.initialize(model=model,
+                                               model_parameters=model.parameters(),
+                                               config=get_config(2, torch.float32, 0.0, block))
+        batch = next(iter(random_dataloader(engine, 2, HIDDEN_DIM, engine.device, torch.float)))
+        engine.backward(engine(batch[0], batch[1]))
+        reference = reference_grads(engine, 1.0)
+        engine.step()
+        stats = engine.get_layer_grad_norms()
+        selected = [0, NUM_LAYERS // 2, NUM_LAYERS - 1]
+        assert sorted(stats["pre_clip"]) == selected
+        for key in selected:
+            assert stats["pre_clip"][key]["norm"] == pytest.approx(reference[key].norm().item(), rel=1e-5)
+
+
+class Stack(torch.nn.Module):
+
+    def __init__(self, hidden_dim, nlayers):
+        super().__init__()
+        self.layers = torch.nn.ModuleList([torch.nn.Linear(hidden_dim, hidden_dim) for _ in range(nlayers)])
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+class EncoderDecoder(torch.nn.Module):
+    """Two stacks of ``layers.N``: the encoder's layer 1 and the decoder's are buckets of their own."""
+
+    def __init__(self, hidden_dim, nlayers):
+        super().__init__()
+        self.encoder = Stack(hidden_dim, nlayers)
+        self.decoder = Stack(hidden_dim, nlayers)
+        self.loss = torch.nn.CrossEntropyLoss()
+
+    def forward(self, x, y):
+        return self.loss(self.decoder(self.encoder(x)), y)
+
+
+class TestLayerGradNormsStacks(DistributedTest):
+    world_size = 2
+
+    def test(self):
+        model = EncoderDecoder(HIDDEN_DIM, 2)
+        engine, _, _, _ = deepspeed.initialize(model=model,
+                                               model_parameters=model.parameters(),
+                                               config=get_config(2, torch.float32, 0.0, {"enabled": True}))
+        batch = next(iter(random_dataloader(engine, 2, HIDDEN_DIM, engine.device, torch.float)))
+        engine.backward(engine(batch[0], batch[1]))
+        expected = {}
+        for name, param in engine.module.named_parameters():
+            stack, _, index = name.split(".")[:3]
+            expected.setdefault(f"{stack}.{index}", []).append(safe_get_full_grad(param).double().flatten())
+        engine.step()
+        stats = engine.get_layer_grad_norms()
+        assert set(stats["pre_clip"]) == set(expected) == {"encoder.0", "encoder.1", "decoder.0", "decoder.1"}
+        for key, parts in expected.items():
+            assert stats["pre_clip"][key]["norm"] == pytest.approx(torch.cat(parts).norm().item(), rel=1e-5)
 
 
 class TestLayerGradNormsOff(DistributedTest):

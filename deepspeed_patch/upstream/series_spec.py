@@ -337,6 +337,59 @@ _PARALLEL_CUTS = (
                      "further.", " (pipeline and\n    tensor parallelism are refused)."), )),
 )
 
+# PR 06: readers of the results behind one interface (Reader), each guarded on its own (Consumer), as the JSONL dump
+# joins DeepSpeed's monitors; before it, the publisher calls the monitors itself, guarded the same way
+_GUARDED_MONITOR = """\
+        if self.monitor is None:
+            return
+        try:
+            self.monitor.write(result)
+        except Exception:  # a diagnostic never stops training
+            logger.exception("layer_grad_norms: writing to DeepSpeed's monitors failed at step %d; they are not "
+                             "written again, training and the statistics go on", result["step"])
+            self.monitor = None
+"""
+_READERS_DOC = """\
+Hands each reduced result to its readers: the last result (``engine.get_layer_grad_norms()``) and DeepSpeed's
+monitors; and the guarded door every reader inside training goes through.
+
+Each reader is one class of one small interface (``Reader``), as DeepSpeed's ``monitor/`` has one class per
+backend: DeepSpeed's monitors (``monitor.MonitorEvents``) here; outside
+DeepSpeed, the Megatron hook's TensorBoard runs and the Hugging Face Trainer callback's logs. Each is called through
+a ``Consumer``: a reader that fails (a full disk, a writer's error) logs one traceback and stops itself on its
+rank; it never changes what the ranks do next: training, the statistics and the other readers go on.
+"""
+_MONITOR_DOC = """\
+Hands each reduced result on: the last result (``engine.get_layer_grad_norms()``) and DeepSpeed's monitors.
+Monitors that fail (a full disk, a writer's error) log one traceback and are not written again on that rank;
+training and the statistics go on.
+"""
+_READERS_CUTS = (
+    Cut("outputs/publish.py",
+        drop=("Reader", "Consumer"),
+        replace=(("", "from .process_rank import rank_of_process", "from .monitor import MonitorEvents"),
+                 ("Publisher.__init__", "Optional[Reader]", "Optional[MonitorEvents]"),
+                 ("Publisher.__init__", 'Consumer("DeepSpeed\'s monitors", monitor) if monitor is not None else None',
+                  "monitor"),
+                 ("Publisher.publish", "        for consumer in (self.monitor, ):\n            if consumer is not None"
+                  ':\n                consumer(result, result["step"])\n', _GUARDED_MONITOR)),
+        docstrings=(("", _READERS_DOC, _MONITOR_DOC), ("Publisher", "the readers of every result",
+                                                      "DeepSpeed's monitors"))),
+    Cut("outputs/monitor.py",
+        replace=(("", "class MonitorEvents(Reader):", "class MonitorEvents:"), ),
+        docstrings=(("MonitorEvents", " (through ``publish.Consumer``)", ""), )),
+    Cut("adapters/base.py",
+        replace=(("", "from ..outputs.publish import Publisher, Reader",
+                  "from ..outputs.monitor import MonitorEvents\nfrom ..outputs.publish import Publisher"),
+                 ("Setup", "Optional[Reader]", "Optional[MonitorEvents]")),
+        docstrings=(("", "the result, the dump, DeepSpeed's\n   monitors", "the result, DeepSpeed's monitors"),
+                    ("", "; each reader of the results is guarded on its own (``publish.Consumer``), so a reader "
+                     "failing on\none rank changes nothing the ranks do", "; a monitor failing on one rank is "
+                     "switched off there and\nchanges nothing the ranks do"), )),
+    Cut("outputs/__init__.py", docstrings=(("", "; ``process_rank`` says which rank writes", ""), )),
+)
+
+
 SERIES = (
     PullRequest(
         "01",
@@ -345,7 +398,7 @@ SERIES = (
          "statistics/measurement.py", "statistics/result.py", "statistics/statistics.py",
          "statistics/partition_slices.py", "statistics/partition_stats.py", "statistics/reduction.py",
          "statistics/clipping.py", "statistics/steps.py", "outputs/publish.py", "outputs/monitor.py",
-         "outputs/process_rank.py", "adapters/__init__.py", "adapters/attach.py", "adapters/base.py",
+         "adapters/__init__.py", "adapters/attach.py", "adapters/base.py",
          "adapters/optimizer.py", "adapters/zero.py", "adapters/refusals.py"),
         ("DeepSpeedConfig", "DeepSpeedEngine", "DeepSpeedZeroOptimizer"),
         docs=True,
@@ -418,7 +471,7 @@ SERIES = (
         "06",
         "trigger-flight-recorder",
         ("spikes/__init__.py", "spikes/trigger.py", "spikes/recorder.py",
-         "spikes/spike_rule.py", "outputs/jsonl_dump.py"),
+         "spikes/spike_rule.py", "outputs/jsonl_dump.py", "outputs/process_rank.py"),
         (),
         history_sites=True,
         cuts=(
@@ -517,7 +570,7 @@ SERIES = (
                 drop=("check_param_grad_trigger", )),
             Cut(INIT, replace=(("", f", {HISTORY}\n", "\n"), ("", f'"{HISTORY}", ', ""))),
             Cut(DOCS, rows=("trigger", "dump")),
-        ),
+        ) + _READERS_CUTS,
     ),
     PullRequest(
         "07",

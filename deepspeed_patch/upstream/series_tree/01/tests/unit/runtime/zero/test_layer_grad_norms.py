@@ -11,6 +11,7 @@ import pytest
 import torch
 from deepspeed.accelerator import get_accelerator
 from deepspeed.runtime.base_optimizer import ZeROOptimizer
+from deepspeed.runtime.layer_grad_norms.outputs.monitor import MonitorEvents
 from deepspeed.utils import safe_get_full_grad
 from pydantic import ValidationError
 from unit.common import DistributedTest
@@ -234,6 +235,26 @@ class TestLayerGradNormsOff(DistributedTest):
         engine.backward(engine(batch[0], batch[1]))
         engine.step()
         assert engine.get_layer_grad_norms() is None
+
+    def test_a_failing_monitor_stops_alone(self, tmpdir):
+        model = SimpleModel(hidden_dim=HIDDEN_DIM, nlayers=2)
+        config = get_config(2, torch.float32, 0.0, BLOCK)
+        config["csv_monitor"] = {"enabled": True, "output_path": str(tmpdir), "job_name": "layer_grad_norms"}
+        engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+        calls = []
+
+        def failing(self, result):
+            calls.append(result["step"])
+            raise OSError("disk full")
+
+        write, MonitorEvents.write = MonitorEvents.write, failing
+        try:
+            for batch in random_dataloader(engine, 4, HIDDEN_DIM, engine.device, torch.float):
+                engine.backward(engine(batch[0], batch[1]))
+                engine.step()
+        finally:
+            MonitorEvents.write = write
+        assert engine.get_layer_grad_norms()["step"] == 2 and calls == [1]
 
     def test_bad_value_names_key(self):
         model = SimpleModel(hidden_dim=HIDDEN_DIM, nlayers=2)

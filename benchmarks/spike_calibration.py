@@ -83,24 +83,6 @@ def movement(run: Dict, control: Dict, step: int, after: int) -> Dict[str, Dict[
     return moved
 
 
-def table(config: str, moved: Dict[str, Dict], step: int, after: int) -> List[str]:
-    """One markdown table per configuration: per injection and signal, layer ``HIT_LAYER`` over its level before
-    at each step from the spike, the same over the control, and the other layers' range at the spike step."""
-    others = [str(layer) for layer in range(MODEL.num_layers) if layer != HIT_LAYER]
-    steps = " | ".join(f"S+{offset}" if offset else "S" for offset in range(after + 1))
-    lines = [f"### {config}", "", f"| injection | signal | layer {HIT_LAYER} / before: {steps} | layer {HIT_LAYER} / "
-             f"control at S | other layers / before at S | other layers / before at S+1 |",
-             "|---|---|" + "---|" * (after + 1) + "---|---|---|"]
-    for injection, signals in moved.items():
-        for signal in SIGNALS:
-            hit = signals[signal][str(HIT_LAYER)]
-            rises = " | ".join(f"{value:.2f}" for value in hit["vs_before"])
-            spread = [_range([signals[signal][layer]["vs_before"][offset] for layer in others]) for offset in (0, 1)]
-            lines.append(f"| {injection} | {SIGNAL_NAMES[signal]} | {rises} | {hit['vs_control'][0]:.2f} | "
-                         f"{spread[0]} | {spread[1]} |")
-    return lines + [""]
-
-
 def summary(moved: Dict[str, Dict], configs: List[str]) -> List[str]:
     """Per injection and signal, layer ``HIT_LAYER``'s value at the spike step over its level before: the range
     over the configurations (then, in brackets, the range of the largest over the steps from S on)."""
@@ -160,14 +142,13 @@ def main() -> None:
         f"median of steps S-{BEFORE} to S-1 of the same run (what a judge of the recorded steps sees); "
         "'/ control' divides by the same step of a run without the injection (same seed and data) instead. "
         "'update/weight' is the update's norm over the weights' norm. The raw numbers, every layer, are in "
-        "spike_calibration.json, written beside this table (not kept in git).", ""]
+        "spike_calibration.json, written beside this table (not kept in git), and so is each configuration's "
+        "table: per injection and signal, every layer over its level before at S to S+3 and over the control run "
+        "at S ('moved').", ""]
     lines += [f"## Layer {HIT_LAYER} at S over its level before, range over the {len(options.configs)} "
               "configurations (in brackets: of the largest from S to the last step reported)", ""]
     lines += summary(moved, options.configs)
-    lines += ["## Per configuration", ""]
-    for config in options.configs:
-        lines += table(config, moved[config], step, after)
-    write_results("spike_calibration", lines, {"spike_step": step, "after": after, "before": BEFORE,
+    write_results("spike_calibration", lines, {"spike_step": step, "after": after, "before": BEFORE, "moved": moved,
                                                "hit_layer": HIT_LAYER, "machine": machine(),
                                                "norms": {name: rounded(record["norms"])
                                                          for name, record in results.items()},

@@ -146,63 +146,17 @@ _KEYS_BY_LAYER = ("        in_layers = [key for key in keys if None not in key_l
                   "not is_layer(key)))\n"
                   "        keys = layers + [key for key in keys if None in key_layers[key]]\n")
 # PR 02: the layers of several stacks; PR 01's build_layer_map keys a layer by its index and refuses several stacks
-_LAYER_MAP_BODY = """    stacks = find_stacks([name for name, _ in named_params], all_names, pattern, layer_pattern)
-    stack_position = {stack.prefix: position for position, stack in enumerate(stacks)}
-
-    def layer_of_name(name: str) -> Optional[Tuple[int, int]]:
-        \"\"\"(stack position, layer index) of a trainable parameter; ``None`` outside the layers.\"\"\"
-        where = locate_layer(name, pattern)
-        return None if where is None else (stack_position[where[0]], where[1])
-
-
-    def key_of(name: str, param) -> Optional[BucketKey]:
-        where = layer_of_name(name)
-        if where is None:
-            return module_of(name)
-        layer = where[1] if len(stacks) == 1 else LayerKey(stacks[where[0]].label, where[1])
-        return layer
-
-    param_key = {id(param): key_of(name, param) for name, param in named_params}
-    key_layers: Dict[BucketKey, set] = {}
-    for name, param in named_params:
-        if param_key[id(param)] is not None:
-            key_layers.setdefault(param_key[id(param)], set()).add(layer_of_name(name))
-    keys = list(key_layers)
-    _refuse_merged_buckets(key_layers, layer_pattern)
-    in_layers = [key for key in keys if None not in key_layers[key]]
-    layers = sorted(in_layers, key=lambda key: (next(iter(key_layers[key])), not is_layer(key)))
-    keys = layers + [key for key in keys if None in key_layers[key]]
-    position = {key: index for index, key in enumerate(keys)}
-    position[None] = len(keys)  # the unreported row
-    layer_of = [next(iter(key_layers[key])) if len(key_layers[key]) == 1 else None for key in keys]
-    return LayerMap(keys=tuple(keys),
-                    stack_of=tuple(None if layer is None else layer[0] for layer in layer_of),
-                    layer_of=tuple(None if layer is None else layer[1] for layer in layer_of),
-                    param_bucket={
-                        pid: position[key]
-                        for pid, key in param_key.items()
-                    },
-                    stacks=stacks,
-                    num_rows=len(keys) + (None in param_key.values()))
-"""
-_ONE_STACK_BODY = """\
+_REFUSE_STACKS = """\
     stacks = {where[0] for where in (locate_layer(name, pattern) for name, _ in named_params) if where is not None}
     if len(stacks) > 1:
         raise UnsupportedSetupError(f"{CONFIG_KEY}: the transformer layers lie in several stacks ({sorted(stacks)}); "
                                     f"not supported yet; remove the '{CONFIG_KEY}' block or set enabled=false")
-
-    def key_of(name: str) -> BucketKey:
-        where = locate_layer(name, pattern)
-        return module_of(name) if where is None else where[1]
-
-    param_key = {id(param): key_of(name) for name, param in named_params}
-    keys = list(dict.fromkeys(param_key.values()))
-    keys = sorted(key for key in keys if is_layer(key)) + [key for key in keys if not is_layer(key)]
-    position = {key: index for index, key in enumerate(keys)}
-    return LayerMap(keys=tuple(keys),
-                    param_bucket={pid: position[key] for pid, key in param_key.items()},
-                    num_rows=len(keys))
 """
+_KEY_OF_STACK = ("        where = layer_of_name(name)\n        if where is None:\n            return module_of(name)\n"
+                 "        layer = where[1] if len(stacks) == 1 else LayerKey(stacks[where[0]].label, where[1])\n"
+                 "        return layer\n")
+_KEYS_IN_ORDER = ("    keys = list(dict.fromkeys(param_key.values()))\n    keys = sorted(key for key in keys if "
+                  "is_layer(key)) + [key for key in keys if not is_layer(key)]\n")
 _STACKS_DOC = """
 
 The part of a name before the layer index is the layer's stack (``model.encoder.layers.``). A model
@@ -254,7 +208,19 @@ _GRANULARITY_CUTS = (
         drop=("LayerKey", "Stack", "LayerMap.stack_of", "LayerMap.layer_of", "LayerMap.stacks", "LayerMap.select",
               "resolve_layers", "_shared_length", "stack_labels", "find_stacks", "_refuse_merged_buckets"),
         replace=(("is_layer", "isinstance(key, (int, LayerKey))", "isinstance(key, int)"),
-                 ("build_layer_map", _LAYER_MAP_BODY, _ONE_STACK_BODY),
+                 ("build_layer_map", "    stacks = find_stacks([name for name, _ in named_params], all_names, "
+                  "pattern, layer_pattern)\n", _REFUSE_STACKS),
+                 ("build_layer_map", _KEY_OF_STACK, "        where = locate_layer(name, pattern)\n"
+                  "        return module_of(name) if where is None else where[1]\n"),
+                 ("build_layer_map", "    keys = list(key_layers)\n", _KEYS_IN_ORDER),
+                 ("build_layer_map", "                    stack_of=tuple(None if layer is None else layer[0] for "
+                  "layer in layer_of),\n                    layer_of=tuple(None if layer is None else layer[1] for "
+                  "layer in layer_of),\n", ""),
+                 ("build_layer_map", "def key_of(name: str, param) -> Optional[BucketKey]:",
+                  "def key_of(name: str) -> BucketKey:"),
+                 ("build_layer_map", "key_of(name, param) for name, param", "key_of(name) for name, param"),
+                 ("build_layer_map", "                    stacks=stacks,\n", ""),
+                 ("build_layer_map", "num_rows=len(keys) + (None in param_key.values()))", "num_rows=len(keys))"),
                  ("build_layer_map", "                    all_names: Iterable[str],\n", ""),
                  ("model_layer_map", "trainable: Sequence[Tuple[str, object]],\n                    all_names: "
                   "Iterable[str]) -> LayerMap:", "trainable: List[Tuple[str, object]]) -> LayerMap:"),
@@ -262,7 +228,11 @@ _GRANULARITY_CUTS = (
                   "build_layer_map(trainable, config.layer_pattern)"),
                  ("model_layer_map", "    if not layer_map.stacks:\n",
                   "    if not any(is_layer(key) for key in layer_map.keys):\n")),
-        statements=(("model_layer_map", r"if len\(layer_map\.stacks\) > 1:"), ),
+        statements=(("model_layer_map", r"if len\(layer_map\.stacks\) > 1:"),
+                    ("build_layer_map", r"stack_position = |def layer_of_name|key_layers: Dict"),
+                    ("build_layer_map", r"_refuse_merged_buckets\("),
+                    ("build_layer_map", r"^    for name, param in named_params:|in_layers = |layers = sorted\("),
+                    ("build_layer_map", r"keys = layers \+|position\[None\] = |layer_of = \[")),
         docstrings=(("", ", and layer selections to bucket keys", ""),
                     ("", _STACKS_DOC, ""),
                     ("is_layer", " (``3`` or ``\"encoder.3\"``)", " (``3``)"),

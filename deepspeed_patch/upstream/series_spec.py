@@ -145,6 +145,33 @@ _KEYS_BY_LAYER = ("        in_layers = [key for key in keys if None not in key_l
                   "        layers = sorted(in_layers, key=lambda key: (next(iter(key_layers[key])), "
                   "not is_layer(key)))\n"
                   "        keys = layers + [key for key in keys if None in key_layers[key]]\n")
+_GRANULARITY_CUTS = (
+    Cut("config.py",
+        drop=("GRANULARITIES", "LayerGradNormsConfig.granularity", "LayerGradNormsConfig.group_by",
+              "LayerGradNormsConfig._validate_granularity", "LayerGradNormsConfig._validate_group_by",
+              "LayerGradNormsConfig._group_by_goes_with_its_granularity")),
+    Cut("statistics/layer_map.py",
+        replace=(("build_layer_map", ',\n                    granularity: str = "layer",\n'
+                  "                    group_by: Optional[str] = None) -> LayerMap:", ") -> LayerMap:"),
+                 ("build_layer_map", '    if granularity == "layer":\n        _refuse_merged_buckets(key_layers, '
+                  "layer_pattern)\n" + _KEYS_BY_LAYER, "    _refuse_merged_buckets(key_layers, layer_pattern)\n" +
+                  _KEYS_BY_LAYER.replace("\n        ", "\n    ").replace("        ", "    ", 1)),
+                 ("model_layer_map", "config.layer_pattern, config.granularity, config.group_by)",
+                  "config.layer_pattern)"), ("stack_labels", ', or use granularity "\n                "\'group_by\'")',
+                                             '")')),
+        docstrings=(("build_layer_map", "``granularity``: ``layer`` (the layer, or the module for parameters outside "
+                     "the layers),\n    ``param`` (the parameter's name) or ``group_by`` (the capture groups of "
+                     "``group_by``, joined by\n    ``.``; unmatched parameters go to the unreported row). ", ""),
+                    ("LayerMap", ", and one more, never reported, where some parameters\n    are in no bucket "
+                     "(``group_by`` matches only some). They are measured all the same, because the\n    clipping "
+                     "the post-clip statistics follow is over every parameter.", ".")),
+        statements=(("build_layer_map", r"grouping = "), ("build_layer_map", r'if granularity == "param"'),
+                    ("build_layer_map", r'if granularity == "group_by"'), ("model_layer_map",
+                                                                           r'if config\.granularity == "group_by"'))),
+    Cut(DOCS, rows=("granularity", "group_by")),
+    Cut(ZERO_TESTS, drop=("GROUP_BY", "bucket_key", "TestLayerGradNormsGranularity")),
+)
+
 # PR 02: the layers of several stacks; PR 01's build_layer_map keys a layer by its index and refuses several stacks
 _REFUSE_STACKS = """\
     stacks = {where[0] for where in (locate_layer(name, pattern) for name, _ in named_params) if where is not None}
@@ -173,32 +200,7 @@ _BUCKET_LABEL_BODY = """    if not is_layer(key):
     stack, index = layer_position(key)
     return f"layer{index:02d}" if stack is None else f"{stack}.layer{index:02d}"
 """
-_GRANULARITY_CUTS = (
-    Cut("config.py",
-        drop=("GRANULARITIES", "LayerGradNormsConfig.granularity", "LayerGradNormsConfig.group_by",
-              "LayerGradNormsConfig._validate_granularity", "LayerGradNormsConfig._validate_group_by",
-              "LayerGradNormsConfig._group_by_goes_with_its_granularity")),
-    Cut("statistics/layer_map.py",
-        replace=(("build_layer_map", ',\n                    granularity: str = "layer",\n'
-                  "                    group_by: Optional[str] = None) -> LayerMap:", ") -> LayerMap:"),
-                 ("build_layer_map", '    if granularity == "layer":\n        _refuse_merged_buckets(key_layers, '
-                  "layer_pattern)\n" + _KEYS_BY_LAYER, "    _refuse_merged_buckets(key_layers, layer_pattern)\n" +
-                  _KEYS_BY_LAYER.replace("\n        ", "\n    ").replace("        ", "    ", 1)),
-                 ("model_layer_map", "config.layer_pattern, config.granularity, config.group_by)",
-                  "config.layer_pattern)"), ("stack_labels", ', or use granularity "\n                "\'group_by\'")',
-                                             '")')),
-        docstrings=(("build_layer_map", "``granularity``: ``layer`` (the layer, or the module for parameters outside "
-                     "the layers),\n    ``param`` (the parameter's name) or ``group_by`` (the capture groups of "
-                     "``group_by``, joined by\n    ``.``; unmatched parameters go to the unreported row). ", ""),
-                    ("LayerMap", ", and one more, never reported, where some parameters\n    are in no bucket "
-                     "(``group_by`` matches only some). They are measured all the same, because the\n    clipping "
-                     "the post-clip statistics follow is over every parameter.", ".")),
-        statements=(("build_layer_map", r"grouping = "), ("build_layer_map", r'if granularity == "param"'),
-                    ("build_layer_map", r'if granularity == "group_by"'), ("model_layer_map",
-                                                                           r'if config\.granularity == "group_by"'))),
-    Cut(DOCS, rows=("granularity", "group_by")),
-    Cut(ZERO_TESTS, drop=("GROUP_BY", "bucket_key", "TestLayerGradNormsGranularity")),
-) + (
+_SELECTION_AND_STACKS_CUTS = (
     # PR 02 also brings the selection of layers to report (the "layers" key) and the layers of several stacks
     # (an encoder's and a decoder's, keyed "encoder.3"); PR 01 reports every bucket and refuses several stacks
     Cut("config.py",
@@ -373,7 +375,7 @@ SERIES = (
         ("DeepSpeedConfig", "DeepSpeedEngine", "DeepSpeedZeroOptimizer"),
         docs=True,
     ),
-    PullRequest("02", "bucket-granularity", (), (), cuts=_GRANULARITY_CUTS),
+    PullRequest("02", "bucket-granularity", (), (), cuts=_GRANULARITY_CUTS + _SELECTION_AND_STACKS_CUTS),
     PullRequest("03", "zero12-moe-and-model-parallelism", (), (), cuts=_PARALLEL_CUTS),
     PullRequest(
         "04",

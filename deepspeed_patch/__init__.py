@@ -28,9 +28,9 @@ def install() -> None:
     """
     import deepspeed
 
-    carried = [name for name in UPSTREAM_MODULES if importlib.util.find_spec(name) is not None]
-    if carried:
-        logger.info("DeepSpeed carries layer_grad_norms already (%s): install() leaves it as it is", carried[0])
+    carried = next((name for name in UPSTREAM_MODULES if importlib.util.find_spec(name) is not None), None)
+    if carried is not None:
+        logger.info("DeepSpeed carries layer_grad_norms already (%s): install() leaves it as it is", carried)
         return
     from . import capabilities, patching
 

@@ -51,8 +51,9 @@ def build_model():
     return model
 
 
-def worker(run: str, args: argparse.Namespace, out: str) -> None:
-    """One rank of one run: train, write the results of rank ``RANK`` to ``out``."""
+def worker(args: argparse.Namespace) -> None:
+    """One rank of the run ``args.worker``: train, write the results of rank ``RANK`` to ``args.out``."""
+    run = args.worker
     import torch
 
     if run.startswith("package"):
@@ -124,7 +125,7 @@ def worker(run: str, args: argparse.Namespace, out: str) -> None:
         if results[-1] is not None:
             results[-1]["loss_scale"] = float(engine.optimizer.loss_scale)
     weights = torch.cat([p.detach().reshape(-1).float() for p in engine.module.parameters()])
-    with open(out, "w") as handle:
+    with open(args.out, "w") as handle:
         json.dump(
             {
                 "losses": losses,
@@ -263,7 +264,7 @@ def main() -> int:
     parser.add_argument("--world", type=int, default=2, choices=(2, 3, 4), help="ranks (3: an uneven partition)")
     args = parser.parse_args()
     if args.worker:
-        worker(args.worker, args, args.out)
+        worker(args)
         return 0
     package = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     paths = {"seed": args.seed_ds, "seed-off": args.seed_ds}

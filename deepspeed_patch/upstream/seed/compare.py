@@ -4,24 +4,31 @@
 
 Trains a tiny model (four ``layers.N.`` Linear layers of 768, an ``embed`` and a ``head`` outside the layers,
 two parameter groups) for a few steps under ZeRO-2 (or ``--stage 1``), fp32, with gradient clipping that is
-active at every step, on 2 CPU ranks (gloo; ``--world 3``: three, an uneven partition; ``--world 4``), with the same
-seeds and data in each run (``--gas``, ``--interval``, ``--fp16``, ``--bf16``, ``--offload`` change the set-up):
+active at every step, on 2 CPU ranks (gloo; ``--world 1``; ``--world 3``: an uneven partition; ``--world 4``), with
+the same seeds and data in each run (``--gas``, ``--interval``, ``--fp16``, ``--bf16``, ``--offload`` change the
+set-up):
 
 - ``seed``: DeepSpeed with the seed applied (``--seed-ds``), the ``layer_grad_norms`` key on; ``deepspeed_patch``
   not importable (checked);
 - ``seed-off``: the same without the key: losses and final weights must equal the ``seed`` run's (no observer
   effect);
+- ``seed-wired``: the seed's module, read from ``seed.patch``, on an unmodified DeepSpeed (``--master``, or the
+  installed one with ``--master ""``), called where the patch calls it: its statements wrapped around the methods
+  they sit in, on the run's engine and optimizer only (``wire_seed``). CI runs this against the installed release,
+  where the patch's call-site hunks do not apply (``tests/test_seed_compare.py``);
 - ``package-stock``: unmodified DeepSpeed master (``--master``) with ``deepspeed_patch.install()``, the package's
   statistics forced onto its stock PyTorch path (``partition_stats.accumulate_spans``, what PR 01 ships);
 - ``package-host``: the same with the package's default kernel on the host (the C++/OpenMP one, PR 8's).
 
 Every layer's pre- and post-clip norm, min and max, and ``clip_coef``, ``step`` and ``overflow``, are compared
 with ``==``; a difference is reported in ulps. Each run's ranks' results are compared with rank 0's too. Exit status
-0 when the seed equals ``package-stock`` exactly and the seed has no observer effect.
+0 when the seed (``seed`` or ``seed-wired``) equals ``package-stock`` exactly, every run's ranks agree, and the seed
+has no observer effect.
 """
 
 import argparse
 import hashlib
+import itertools
 import json
 import math
 import os
@@ -36,7 +43,8 @@ LAYERS = 4
 STEPS = 4
 BATCH = 4
 CLIP = 0.05
-RUNS = ("seed", "seed-off", "package-stock", "package-host")
+RUNS = ("seed", "seed-off", "seed-wired", "package-stock", "package-host")
+SEED_MODULE = "deepspeed/runtime/zero/layer_grad_norms.py"
 FIELDS = ("norm", "min", "max")
 
 
@@ -74,8 +82,13 @@ def worker(args: argparse.Namespace) -> None:
 
     is_seed = os.path.isfile(
         os.path.join(os.path.dirname(deepspeed.__file__), "runtime", "zero", "layer_grad_norms.py"))
-    assert is_seed == run.startswith("seed"), (run, deepspeed.__file__)
+    assert is_seed == (run in ("seed", "seed-off")), (run, deepspeed.__file__)
     assert run.startswith("package") == ("deepspeed_patch" in sys.modules), run
+    if args.fp16:  # DeepSpeed's CPU accelerator refuses fp16 (master's may not); its kernels work
+        from deepspeed.accelerator import get_accelerator
+
+        get_accelerator().is_fp16_supported = lambda: True
+        get_accelerator().supported_dtypes = lambda: [torch.float, torch.bfloat16, torch.float16]
     deepspeed.init_distributed(dist_backend="gloo")
     rank = int(os.environ["RANK"])
     model = build_model()
@@ -108,9 +121,11 @@ def worker(args: argparse.Namespace) -> None:
     if args.offload:
         config["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
         config["zero_force_ds_cpu_optimizer"] = False  # torch's AdamW on the host partitions: no op to build
-    if run != "seed-off":
+    if run not in ("seed-off", "seed-wired"):
         config["layer_grad_norms"] = {"enabled": True, "interval": args.interval}
     engine, *_ = deepspeed.initialize(model=model, model_parameters=groups, config=config)
+    if run == "seed-wired":
+        wire_seed(engine, args.seed_module, args.interval)
     data = torch.Generator().manual_seed(99 + rank)
     losses, results = [], []
     dtype = torch.half if args.fp16 else torch.bfloat16 if args.bf16 else torch.float
@@ -135,6 +150,46 @@ def worker(args: argparse.Namespace) -> None:
                 "deepspeed": deepspeed.__file__
             }, handle)
     os._exit(0)  # past torch's exit-time gloo abort (upstream/bug_reports/gloo_exit_abort.md): the results are written
+
+
+def wire_seed(engine, module_path: str, interval: int) -> None:
+    """The seed's module at ``module_path`` on an unmodified DeepSpeed, called where ``seed.patch`` calls it: the
+    patch's statements around the methods they sit in (``unscale_and_clip_grads``, ``_update_scale`` in ``step``,
+    the engine's ``_take_model_step``), on this engine and its optimizer only."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("seed_layer_grad_norms", module_path)
+    seed = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(seed)
+    optimizer = engine.optimizer
+    stats = seed.LayerGradNorms(optimizer, seed.LayerGradNormsConfig(enabled=True, interval=interval))
+    unscale_and_clip_grads, update_scale, take_model_step = (optimizer.unscale_and_clip_grads,
+                                                             optimizer._update_scale, engine._take_model_step)
+
+    def observed_unscale_and_clip_grads(grad_groups_flat, total_norm):
+        stats.observe(grad_groups_flat[0], total_norm)
+        return unscale_and_clip_grads(grad_groups_flat, total_norm)
+
+    def observed_update_scale(has_overflow=False):
+        if optimizer.overflow:
+            stats.observe_overflow()
+        return update_scale(has_overflow)
+
+    def measured_take_model_step(*args, **kwargs):
+        stats.begin_step(engine.global_steps + 1)
+        take_model_step(*args, **kwargs)
+        stats.end_step(optimizer.overflow)
+
+    optimizer.unscale_and_clip_grads = observed_unscale_and_clip_grads
+    optimizer._update_scale = observed_update_scale
+    engine._take_model_step = measured_take_model_step
+    engine.get_layer_grad_norms = lambda: stats.result
+
+
+def seed_module_text(patch: str) -> str:
+    """The seed's module, the one file ``seed.patch`` adds under ``deepspeed/runtime/zero/``."""
+    section = patch.split(f"+++ b/{SEED_MODULE}\n", 1)[1].split("\ndiff --git ", 1)[0]
+    return "".join(line[1:] + "\n" for line in section.splitlines() if line.startswith("+"))
 
 
 def set_up(engine) -> str:
@@ -182,6 +237,7 @@ def launch(run: str, args: argparse.Namespace, pythonpath: str, directory: str) 
 def worker_flags(args: argparse.Namespace) -> list:
     """The set-up's options, as a worker is given them."""
     flags = ["--stage", str(args.stage), "--gas", str(args.gas), "--interval", str(args.interval)]
+    flags += ["--seed-module", args.seed_module] if args.seed_module else []
     return flags + [f"--{name}" for name in ("fp16", "bf16", "offload") if getattr(args, name)]
 
 
@@ -259,9 +315,13 @@ def main() -> int:
     parser.add_argument("--interval", type=int, default=1, help="the key's interval: measure every N-th step")
     parser.add_argument("--offload", action="store_true", help="the optimizer offloaded to the CPU")
     parser.add_argument("--seed-ds", default="/tmp/seed_ds")
-    parser.add_argument("--master", default="/work/dsmaster")
+    parser.add_argument("--master", default="/work/dsmaster", help='unmodified DeepSpeed; "": the installed one')
     parser.add_argument("--runs", default=",".join(RUNS))
-    parser.add_argument("--world", type=int, default=2, choices=(2, 3, 4), help="ranks (3: an uneven partition)")
+    parser.add_argument("--world", type=int, default=2, choices=(1, 2, 3, 4), help="ranks (3: an uneven partition)")
+    parser.add_argument("--out-dir", help="where each rank's results and log go (default: a new temporary folder)")
+    parser.add_argument("--seed-patch", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "seed.patch"),
+                        help="where seed-wired reads the seed's module from")
+    parser.add_argument("--seed-module", help=argparse.SUPPRESS)  # a worker's: the seed's module, for seed-wired
     args = parser.parse_args()
     if args.worker:
         worker(args)
@@ -269,27 +329,31 @@ def main() -> int:
     package = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     paths = {"seed": args.seed_ds, "seed-off": args.seed_ds}
     runs = {}
-    directory = tempfile.mkdtemp(prefix="seed_compare_")  # each rank's results and log, kept
+    directory = args.out_dir or tempfile.mkdtemp(prefix="seed_compare_")  # each rank's results and log, kept
+    os.makedirs(directory, exist_ok=True)
+    args.seed_module = os.path.join(directory, "seed_layer_grad_norms.py")
+    with open(args.seed_patch) as patch, open(args.seed_module, "w") as module:
+        module.write(seed_module_text(patch.read()))
     for run in args.runs.split(","):
-        path = paths.get(run, f"{package}{os.pathsep}{args.master}")
+        path = paths.get(run, os.pathsep.join(filter(None, (package, args.master))))
         runs[run] = launch(run, args, path, directory)
         print(f"{run}: ran on {runs[run][0]['deepspeed']}: {runs[run][0]['setup']}", flush=True)
     for run, (rank0, *others) in runs.items():
         same = all(rank0["results"] == other["results"] for other in others)
         print(f"{run}: every rank's results identical to rank 0's: {same}")
-    ok = True
+    ok = all(rank0["results"] == other["results"] for rank0, *others in runs.values() for other in others)
     if "seed" in runs and "seed-off" in runs:
         same = all(runs["seed"][r]["losses"] == runs["seed-off"][r]["losses"]
                    and runs["seed"][r]["weights"] == runs["seed-off"][r]["weights"] for r in range(args.world))
         print(f"seed with the key on vs off: losses and final weights bit-identical: {same}")
         ok &= same
-    for other in ("package-stock", "package-host"):
-        if "seed" in runs and other in runs:
-            counts = compare("seed", runs["seed"][0]["results"], other, runs[other][0]["results"])
+    for seed, other in itertools.product(("seed", "seed-wired"), ("package-stock", "package-host")):
+        if seed in runs and other in runs:
+            counts = compare(seed, runs[seed][0]["results"], other, runs[other][0]["results"])
             exact = all(entry[1] == 0 for entry in counts.values())
-            print(f"seed == {other} on every field: {exact}")
-            same_training = runs["seed"][0]["losses"] == runs[other][0]["losses"]
-            print(f"seed and {other} trained identically (losses): {same_training}")
+            print(f"{seed} == {other} on every field: {exact}")
+            same_training = runs[seed][0]["losses"] == runs[other][0]["losses"]
+            print(f"{seed} and {other} trained identically (losses): {same_training}")
             if other == "package-stock":
                 ok &= exact
     return 0 if ok else 1

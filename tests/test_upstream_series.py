@@ -19,6 +19,7 @@ from deepspeed_patch.upstream import precommit, series
 from deepspeed_patch.upstream.build import installed_deepspeed_root
 from deepspeed_patch.upstream.series_spec import SERIES
 from deepspeed_patch.upstream.source_edit import Cut, StaleCut, apply_cut, drop_unused, resolve_capabilities
+from megatron_integration.cpu_launch import free_port
 from series_workers import COMPARED, RUNS, TRIGGER_RUNS
 from zero_workers import CASES_ENV, FAMILY_CASES, UPSTREAM_ENV
 
@@ -212,8 +213,21 @@ def test_whole_series_gives_the_packages_results(tmp_path):
 def test_first_patch_alone_gives_exact_zero12_statistics(tmp_path):
     """Patch 01 alone, applied to the installed DeepSpeed: ZeRO-1 and ZeRO-2 in fp16 (an overflow step, gradient
     accumulation, a loss-scale growth step, clipping), bf16 and fp32 (clipping, two parameter groups), training
-    unchanged with the block off where the case compares."""
-    _zero_stats_pass_on(_patched_copy(tmp_path, upto=1), FIRST_PATCH_CASES)
+    unchanged with the block off where the case compares. Then what patch 01 does otherwise than the package
+    (``tests/first_patch_workers.py``): an encoder-decoder refused by name, a raising monitor written once."""
+    root = _patched_copy(tmp_path, upto=1)
+    _zero_stats_pass_on(root, FIRST_PATCH_CASES)
+    env = {**os.environ, "PYTHONPATH": root, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
+           "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1"}
+    command = [sys.executable, os.path.join(REPO, "tests", "first_patch_workers.py")]
+    result = subprocess.run(command, capture_output=True, text=True, cwd=tmp_path, env=env, timeout=600)
+    assert result.returncode == 0, result.stderr[-4000:]
+    seen = json.loads(result.stdout.splitlines()[-1])
+    assert seen["refusal"].startswith("UnsupportedSetupError: layer_grad_norms: the transformer layers lie in several "
+                                      "stacks (['decoder.layers.', 'encoder.layers.'])"), seen["refusal"]
+    assert seen["monitor"]["writer"] == "deepspeed.runtime.layer_grad_norms.outputs.monitor", seen["monitor"]
+    assert seen["monitor"]["calls"] == 1 and seen["monitor"]["events"] > 0, seen["monitor"]
+    assert seen["monitor"]["step"] == 3 and seen["monitor"]["buckets"] == [0, 1], seen["monitor"]
 
 
 def _series_runs(tmp_path, name: str, env: Dict[str, str]) -> dict:

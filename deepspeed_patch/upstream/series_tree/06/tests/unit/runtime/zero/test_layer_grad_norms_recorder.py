@@ -31,9 +31,14 @@ def engine_and_batch(zero_stage, dtype, block):
     test on one rank runs in a process that earlier tests drew random numbers in."""
     torch.manual_seed(0)
     model = SimpleModel(hidden_dim=base.HIDDEN_DIM, nlayers=base.NUM_LAYERS)
-    engine, _, _, _ = deepspeed.initialize(model=model,
-                                           model_parameters=model.parameters(),
-                                           config=base.get_config(zero_stage, dtype, 0.0, block))
+    config = base.get_config(zero_stage, dtype, 0.0, block)
+    if zero_stage == 3:
+        # ZeRO-3's coalesced all-gather of the persistent parameters after each step waits on its last collective
+        # only; on gloo the others may still run, so a rank can train a step on uninitialized memory
+        # (deepspeedai/DeepSpeed#8539). The trigger judges the training's own norms, which that step would wreck:
+        # gather one parameter at a time, each waited for.
+        config["zero_optimization"]["stage3_allgather_sequential"] = True
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
     loader = random_dataloader(model=engine,
                                total_samples=engine.train_micro_batch_size_per_gpu(),
                                hidden_dim=base.HIDDEN_DIM,

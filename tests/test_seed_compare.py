@@ -79,6 +79,11 @@ RELEASE_SETUPS = {
 COUNT_LINE = re.compile(r"^  (\S+)\s+(\d+) compared,\s+(\d+) differ", re.MULTILINE)
 
 
+def printed_counts(stdout: str) -> dict:
+    """The script's per-field counts, as it prints them: ``{field: (compared, differing)}``."""
+    return {field: (int(total), int(differ)) for field, total, differ in COUNT_LINE.findall(stdout)}
+
+
 def run_against_release(options: list, out_dir: str, seed_patch: str = "") -> subprocess.CompletedProcess:
     """``compare.py``'s seed-wired and package-stock runs on the installed DeepSpeed, sharing the suite's JIT
     builds (torch's default folder for this interpreter)."""
@@ -98,7 +103,7 @@ def test_the_seed_gives_the_packages_numbers_on_the_release(setup, tmp_path):
     result = run_against_release(options, str(tmp_path))
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "seed-wired == package-stock on every field: True" in result.stdout, result.stdout
-    counts = {field: (int(total), int(differ)) for field, total, differ in COUNT_LINE.findall(result.stdout)}
+    counts = printed_counts(result.stdout)
     assert counts["pre_clip.norm"] == (6 * measured, 0) and counts["clip_coef"] == (measured, 0), counts
     assert sum(differ for _, differ in counts.values()) == 0, counts
     with open(tmp_path / "seed-wired-0.json") as handle:
@@ -124,5 +129,5 @@ def test_the_release_comparison_fails_on_a_seed_that_sums_in_other_pieces(tmp_pa
     result = run_against_release(["--world", "1"], str(tmp_path / "out"), str(changed))
     assert result.returncode == 1, result.stdout[-3000:] + result.stderr[-3000:]
     assert "seed-wired == package-stock on every field: False" in result.stdout, result.stdout
-    counts = {field: (int(total), int(differ)) for field, total, differ in COUNT_LINE.findall(result.stdout)}
+    counts = printed_counts(result.stdout)
     assert counts["pre_clip.min"] == (24, 0) and counts["pre_clip.norm"][1] > 0, counts

@@ -19,7 +19,14 @@ import torch
 from deepspeed_patch.upstream import precommit, series
 from deepspeed_patch.upstream.build import installed_deepspeed_root
 from deepspeed_patch.upstream.series_spec import SERIES
-from deepspeed_patch.upstream.source_edit import Cut, StaleCut, apply_cut, drop_unused, resolve_capabilities
+from deepspeed_patch.upstream.source_edit import (
+    Cut,
+    StaleCut,
+    apply_cut,
+    drop_unused,
+    module_level_names,
+    resolve_capabilities,
+)
 from megatron_integration.cpu_launch import free_port
 from series_workers import COMPARED, RUNS, TRIGGER_RUNS
 from zero_workers import CASES_ENV, FAMILY_CASES, UPSTREAM_ENV
@@ -95,20 +102,6 @@ def _new_files(upto: int, root: str) -> Dict[str, str]:
     return found
 
 
-def _defined_names(source: str) -> set:
-    """The names a module defines or imports at its top level."""
-    names = set()
-    for node in ast.parse(source).body:
-        if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
-            names.add(node.name)
-        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
-            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
-            names |= {name.id for target in targets for name in ast.walk(target) if isinstance(name, ast.Name)}
-        elif isinstance(node, (ast.Import, ast.ImportFrom)):
-            names |= {(alias.asname or alias.name).split(".")[0] for alias in node.names}
-    return names
-
-
 def test_the_series_own_files_import_what_their_tree_defines(tmp_path):
     """The DeepSpeed-style tests and the op builder the series adds (``series_tree/``, written by hand) import
     names of the feature's modules; after the patch that adds each, those modules must define them. The package's
@@ -126,7 +119,7 @@ def test_the_series_own_files_import_what_their_tree_defines(tmp_path):
                     module = tree[node.module.replace(".", "/") + ".py"]
                     for alias in node.names:
                         checked += 1
-                        if alias.name not in _defined_names(module):
+                        if alias.name not in module_level_names(module):
                             missing.append((upto, name, node.module, alias.name))
     assert checked >= 8 and not missing, missing  # 8 names today: 1 in patch 01's test, 7 in patch 08's
 

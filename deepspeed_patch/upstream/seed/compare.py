@@ -80,8 +80,7 @@ def worker(args: argparse.Namespace) -> None:
             partition_stats._best_kernel = lambda device: partition_stats.STOCK
     import deepspeed
 
-    is_seed = os.path.isfile(
-        os.path.join(os.path.dirname(deepspeed.__file__), "runtime", "zero", "layer_grad_norms.py"))
+    is_seed = os.path.isfile(os.path.join(os.path.dirname(os.path.dirname(deepspeed.__file__)), SEED_MODULE))
     assert is_seed == (run in ("seed", "seed-off")), (run, deepspeed.__file__)
     assert run.startswith("package") == ("deepspeed_patch" in sys.modules), run
     if args.fp16:  # DeepSpeed's CPU accelerator refuses fp16 (master's may not); its kernels work

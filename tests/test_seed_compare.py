@@ -12,7 +12,6 @@ import subprocess
 import sys
 
 import pytest
-from torch.utils.cpp_extension import get_default_build_root
 
 COMPARE = os.path.join(os.path.dirname(__file__), "..", "deepspeed_patch", "upstream", "seed", "compare.py")
 
@@ -86,12 +85,10 @@ def printed_counts(stdout: str) -> dict:
 
 def run_against_release(options: list, out_dir: str, seed_patch: str = "") -> subprocess.CompletedProcess:
     """``compare.py``'s seed-wired and package-stock runs on the installed DeepSpeed, sharing the suite's JIT
-    builds (torch's default folder for this interpreter)."""
-    default_build = os.path.join(get_default_build_root(), f"py{sys.version_info.major}{sys.version_info.minor}_cpu")
-    env = dict(os.environ, TORCH_EXTENSIONS_DIR=os.environ.get("TORCH_EXTENSIONS_DIR", default_build))
+    builds (its environment's ``TORCH_EXTENSIONS_DIR``, or torch's default folder)."""
     command = [sys.executable, COMPARE, "--runs", "seed-wired,package-stock", "--master", "", "--out-dir", out_dir]
     command += ["--seed-patch", seed_patch] if seed_patch else []
-    return subprocess.run(command + options, capture_output=True, text=True, env=env, timeout=900)
+    return subprocess.run(command + options, capture_output=True, text=True, timeout=900)
 
 
 @pytest.mark.extended

@@ -212,8 +212,9 @@ def launch(run: str, args: argparse.Namespace, pythonpath: str, directory: str) 
                MASTER_ADDR="127.0.0.1",
                MASTER_PORT=str(free_port()),
                WORLD_SIZE=str(args.world),
-               TORCH_EXTENSIONS_DIR=os.environ.get("TORCH_EXTENSIONS_DIR", "/tmp/seed_ext"),
                OMP_NUM_THREADS="1")
+    if run in ("seed", "seed-off") or args.master:  # a checkout's ops: a build folder of their own, not the release's
+        env.setdefault("TORCH_EXTENSIONS_DIR", "/tmp/seed_ext")
     outs = [os.path.join(directory, f"{run}-{rank}.json") for rank in range(args.world)]
     procs = [
         subprocess.Popen(

@@ -177,18 +177,22 @@ def exit_aborted(result: subprocess.CompletedProcess) -> bool:
 
 
 def run_script(script: str, num_ranks: int = 2, timeout: float = 600, cwd: Optional[str] = None,
-               exit_abort_retries: int = 1) -> subprocess.CompletedProcess:
+               exit_abort_retries: int = 1,
+               before_relaunch: Optional[Callable[[], None]] = None) -> subprocess.CompletedProcess:
     """``deepspeed --num_gpus num_ranks script`` (CPU ranks), its output captured; its shared-memory buffers
     removed whatever happens. A launch that fails by torch's gloo exit abort (``exit_aborted``) is launched again,
     up to ``exit_abort_retries`` times, with a warning: that abort is torch's, made likelier by any collective near
     the exit, the statistics' included (docs/supported.md), and rare enough that two in a row say something else is
-    wrong."""
+    wrong. ``before_relaunch`` runs before each launch again: a script that writes files gives it what removes the
+    aborted launch's, so that what is read afterwards comes from one launch alone."""
     for attempt in range(exit_abort_retries + 1):
         result = _launch_script(script, num_ranks, timeout, cwd)
         if attempt == exit_abort_retries or not exit_aborted(result):
             return result
         warnings.warn(f"{script}: a rank aborted at exit ({GLOO_EXIT_ABORT!r}, torch's gloo exit abort); "
                       "launched again", stacklevel=2)
+        if before_relaunch is not None:
+            before_relaunch()
 
 
 def _launch_script(script: str, num_ranks: int, timeout: float, cwd: Optional[str]) -> subprocess.CompletedProcess:

@@ -34,6 +34,20 @@ def test_an_exit_abort_is_launched_again_with_a_warning(monkeypatch):
     assert result is CLEAN and len(launches) == 2
 
 
+def test_what_the_aborted_launch_wrote_is_removed_before_the_launch_again_and_only_then(monkeypatch):
+    """A script that writes files must not find the aborted launch's beside its own (two TensorBoard runs in one
+    folder make ``report`` ask which): ``before_relaunch`` runs between the two launches, and not after a clean
+    one."""
+    launches, removed_after = fake_launcher(monkeypatch, [ABORTED, CLEAN]), []
+    with pytest.warns(UserWarning):
+        cpu_launch.run_script("script.py", before_relaunch=lambda: removed_after.append(len(launches)))
+    assert removed_after == [1] and len(launches) == 2
+
+    launches, removed_after = fake_launcher(monkeypatch, [CLEAN]), []
+    cpu_launch.run_script("script.py", before_relaunch=lambda: removed_after.append(len(launches)))
+    assert removed_after == [] and len(launches) == 1
+
+
 def test_two_exit_aborts_in_a_row_fail(monkeypatch):
     launches = fake_launcher(monkeypatch, [ABORTED, ABORTED, CLEAN])
     with pytest.warns(UserWarning):

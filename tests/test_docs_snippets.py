@@ -4,9 +4,9 @@ An HTML comment on the line before a fenced block (invisible on the rendered pag
 
 - ``<!-- snippet: file PATH -->``: the block is the file PATH of this repository, byte for byte (the file runs in a
   test of its own, ``tests/test_entry_points.py`` for ``examples/quickstart.py``);
-- ``<!-- snippet: run LAUNCHER[; check COMMAND] -->``: the block, written to a file in an empty directory, runs
-  there with ``python`` (one process) or ``deepspeed --num_gpus N`` (N CPU ranks here), and must exit 0; then
-  COMMAND, run in that directory, must exit 0 too (the extended tier: each takes a minute or two on 2 cores);
+- ``<!-- snippet: run LAUNCHER[; check COMMAND] -->``: the block, written to a file, runs in an empty directory
+  with ``python`` (one process) or ``deepspeed --num_gpus N`` (N CPU ranks here), and must exit 0; then COMMAND,
+  run in that directory, must exit 0 too (the extended tier: each takes a minute or two on 2 cores);
 - ``<!-- snippet: skip REASON -->``: it runs, but not here (a fork checkout, a GPU, the network): skipped, with REASON;
 - ``<!-- snippet: fragment REASON -->`` / ``<!-- snippet: text REASON -->``: not a program (calls without their
   surroundings, a synopsis, output, a config fragment).
@@ -14,8 +14,10 @@ An HTML comment on the line before a fenced block (invisible on the rendered pag
 
 import glob
 import os
+import pathlib
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -82,6 +84,13 @@ def test_a_file_snippet_is_the_file(snippet):
         assert snippet.code == source.read()
 
 
+def empty(directory: pathlib.Path) -> None:
+    """Remove what a launch wrote into ``directory``: a launch again after torch's gloo exit abort starts from an
+    empty folder, as the first did (a second TensorBoard run beside the first makes ``report`` ask which)."""
+    shutil.rmtree(directory)
+    directory.mkdir()
+
+
 @pytest.mark.extended
 @pytest.mark.parametrize("snippet", of_kind("run", "skip"))
 def test_a_run_snippet_runs_as_written(snippet, tmp_path):
@@ -90,14 +99,17 @@ def test_a_run_snippet_runs_as_written(snippet, tmp_path):
     launcher, _, check = snippet.argument.partition("; check ")
     script = tmp_path / "snippet.py"
     script.write_text(snippet.code)
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
     if launcher == "python":
-        result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, cwd=tmp_path,
+        result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, cwd=run_dir,
                                 timeout=600)
     else:
         match = re.fullmatch(r"deepspeed --num_gpus (\d+)", launcher)
         assert match, f"{snippet.name}: unknown launcher {launcher!r}"
-        result = run_script(str(script), num_ranks=int(match.group(1)), timeout=600, cwd=str(tmp_path))
+        result = run_script(str(script), num_ranks=int(match.group(1)), timeout=600, cwd=str(run_dir),
+                            before_relaunch=lambda: empty(run_dir))
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     if check:
-        checked = subprocess.run(shlex.split(check), capture_output=True, text=True, cwd=tmp_path, timeout=300)
+        checked = subprocess.run(shlex.split(check), capture_output=True, text=True, cwd=run_dir, timeout=300)
         assert checked.returncode == 0, checked.stdout[-3000:] + checked.stderr[-3000:]

@@ -2,16 +2,14 @@
 on TensorBoard directories written here in both layouts: the one-run layout and a run per bucket."""
 
 import math
-import os
 import shutil
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-from torch.utils.cpp_extension import get_default_build_root
 
-from megatron_integration.fork_e2e import checks
+from megatron_integration.fork_e2e import checks, launch
 from megatron_integration.fork_e2e.reference import REFERENCE_LINE, combined_norm, square_sums
 from megatron_integration.fork_e2e.run import E2EOptions, run_e2e
 from megatron_integration.fork_e2e.setups import SETUPS, Setup
@@ -38,14 +36,12 @@ itself (test_megatron_integration.py) and checks the harness's checks here on lo
 @pytest.fixture(scope="module")
 def fake_run(tmp_path_factory):
     """The harness on the fake fork with this interpreter's DeepSpeed. The ranks share the JIT build of
-    ``deepspeed_shm_comm`` with the rest of the suite (torch's default directory for this interpreter) rather
-    than building their own."""
+    ``deepspeed_shm_comm`` with the rest of the suite (``rank_environment`` keeps this interpreter's folder)
+    rather than building their own."""
     fork = tmp_path_factory.mktemp("fork") / "fake_fork"
     shutil.copytree(FAKE_FORK, fork, ignore=shutil.ignore_patterns("__pycache__"))
     out = tmp_path_factory.mktemp("e2e")
-    default_build = os.path.join(get_default_build_root(), f"py{sys.version_info.major}{sys.version_info.minor}_cpu")
     with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("TORCH_EXTENSIONS_DIR", os.environ.get("TORCH_EXTENSIONS_DIR", default_build))
         patch.setitem(SETUPS, FAKE_STAGE0.name, FAKE_STAGE0)
         summary = run_e2e(E2EOptions(fork=str(fork), setups=("zero1", FAKE_STAGE0.name), out=str(out),
                                      train_iters=TRAIN_ITERS))
@@ -90,6 +86,18 @@ def test_the_shims_ran_in_the_ranks(fake_run):
     assert "stub torchvision" in shims
     assert "contiguous q/k/v for CoreAttention.forward" in shims
     assert "grad norm reported on the non-pipeline path" in shims
+
+
+def test_ranks_of_another_interpreter_build_into_a_folder_of_their_own(monkeypatch):
+    """Another installation's DeepSpeed gets its own torch-extension folder (another release's build fails to
+    load); this interpreter's ranks keep the environment's, the folder the suite's other launches use."""
+    monkeypatch.delenv("TORCH_EXTENSIONS_DIR", raising=False)
+    monkeypatch.setattr(launch, "extension_cache_name", lambda python: "deepspeed-0.14.5-0123abcd")
+    assert "TORCH_EXTENSIONS_DIR" not in launch.rank_environment(sys.executable)
+    other = launch.rank_environment("/opt/other-venv/bin/python")["TORCH_EXTENSIONS_DIR"]
+    assert Path(other).name == "deepspeed-0.14.5-0123abcd"
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", "/tmp/chosen")
+    assert launch.rank_environment("/opt/other-venv/bin/python")["TORCH_EXTENSIONS_DIR"] == "/tmp/chosen"
 
 
 def test_parse_log_reads_the_real_forks_line():

@@ -7,6 +7,7 @@ import os
 import random
 import signal
 import subprocess
+import sys
 from pathlib import Path
 from typing import Dict, List
 
@@ -23,13 +24,15 @@ DATA_NAME = "tiny"
 def rank_environment(python: str) -> Dict[str, str]:
     """The environment of the launched ranks: this repository importable; ``python``'s directory first on
     ``PATH`` (the fork builds its dataset helpers with ``python3 -m pybind11 --includes`` from
-    ``megatron/data/Makefile``, so ``python3`` must be the ranks' interpreter); and a torch-extension cache
-    of the ranks' own DeepSpeed installation (DeepSpeed JIT-builds ``deepspeed_shm_comm`` there; a build left
-    by another release fails at ``init_distributed`` with "module 'deepspeed_shm_comm' has no attribute ...")."""
+    ``megatron/data/Makefile``, so ``python3`` must be the ranks' interpreter); and, for another interpreter
+    than this one, a torch-extension cache of the ranks' own DeepSpeed installation (DeepSpeed JIT-builds
+    ``deepspeed_shm_comm`` there; a build left by another release fails at ``init_distributed`` with "module
+    'deepspeed_shm_comm' has no attribute ..."). Ranks of this interpreter keep the environment's folder
+    (torch's default unless set), as every other launch of this installation does."""
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
     env["PATH"] = os.pathsep.join(filter(None, [str(Path(python).parent), env.get("PATH")]))
-    if "TORCH_EXTENSIONS_DIR" not in env:
+    if "TORCH_EXTENSIONS_DIR" not in env and python != sys.executable:
         env["TORCH_EXTENSIONS_DIR"] = str(Path.home() / ".cache" / "torch_extensions" / extension_cache_name(python))
     return env
 

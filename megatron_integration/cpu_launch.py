@@ -170,10 +170,10 @@ GLOO_EXIT_ABORT = "terminate called without an active exception"
 returns 250."""
 
 
-def exit_aborted(result: subprocess.CompletedProcess) -> bool:
+def exit_aborted(returncode: int, output: str) -> bool:
     """Whether a launch failed by torch's gloo exit abort: the launcher's 250 for a rank's SIGABRT, with its
-    message."""
-    return result.returncode == 250 and GLOO_EXIT_ABORT in result.stdout + result.stderr
+    message in the launch's ``output``."""
+    return returncode == 250 and GLOO_EXIT_ABORT in output
 
 
 def run_script(script: str, num_ranks: int = 2, timeout: float = 600, cwd: Optional[str] = None,
@@ -187,7 +187,7 @@ def run_script(script: str, num_ranks: int = 2, timeout: float = 600, cwd: Optio
     aborted launch's, so that what is read afterwards comes from one launch alone."""
     for attempt in range(exit_abort_retries + 1):
         result = _launch_script(script, num_ranks, timeout, cwd)
-        if attempt == exit_abort_retries or not exit_aborted(result):
+        if attempt == exit_abort_retries or not exit_aborted(result.returncode, result.stdout + result.stderr):
             return result
         warnings.warn(f"{script}: a rank aborted at exit ({GLOO_EXIT_ABORT!r}, torch's gloo exit abort); "
                       "launched again", stacklevel=2)

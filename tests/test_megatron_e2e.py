@@ -2,6 +2,7 @@
 on TensorBoard directories written here in both layouts: the one-run layout and a run per bucket."""
 
 import math
+import os
 import shutil
 import sys
 from pathlib import Path
@@ -9,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from megatron_integration.cpu_launch import GLOO_EXIT_ABORT
 from megatron_integration.fork_e2e import checks, launch
 from megatron_integration.fork_e2e.reference import REFERENCE_LINE, combined_norm, square_sums
 from megatron_integration.fork_e2e.run import E2EOptions, run_e2e
@@ -98,6 +100,41 @@ def test_ranks_of_another_interpreter_build_into_a_folder_of_their_own(monkeypat
     assert Path(other).name == "deepspeed-0.14.5-0123abcd"
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", "/tmp/chosen")
     assert launch.rank_environment("/opt/other-venv/bin/python")["TORCH_EXTENSIONS_DIR"] == "/tmp/chosen"
+
+
+def fake_training(monkeypatch, endings):
+    """``run_setup``'s launches, each writing a log and a TensorBoard file and ending as ``endings`` says (an
+    exit status and the log's last line); returns whether each launch found a TensorBoard folder left over."""
+    found_leftover = []
+
+    def train(python, fork, world_size, fork_args, out, timeout):
+        returncode, last_line = endings[len(found_leftover)]
+        found_leftover.append((out / "tensorboard").exists())
+        (out / "tensorboard").mkdir()
+        (out / "tensorboard" / f"events.{len(found_leftover)}").write_text("")
+        (out / "stdout.log").write_text(f" iteration        5/       5 | lm loss: 3.3\n{last_line}\n")
+        return returncode
+
+    monkeypatch.setattr(launch, "_train", train)
+    return found_leftover
+
+
+@pytest.mark.parametrize("endings, launches, returncode", [
+    ([(250, GLOO_EXIT_ABORT), (0, "")], 2, 0),
+    ([(250, GLOO_EXIT_ABORT), (250, GLOO_EXIT_ABORT)], 2, 250),
+    ([(250, "exits with return code = -6"), (0, "")], 1, 250),
+    ([(1, "ValueError: layers"), (0, "")], 1, 1),
+], ids=["abort-then-clean", "two-aborts", "abort-without-message", "error"])
+def test_a_setup_ending_in_the_gloo_exit_abort_is_trained_again_from_an_empty_tensorboard_folder(
+        monkeypatch, tmp_path, endings, launches, returncode):
+    """The fork's ranks die of torch's gloo exit abort after their last step now and then (more often on a loaded
+    machine): the harness launches once more, as ``run_script`` does, and the checks read the second launch's
+    TensorBoard alone; anything else is launched once."""
+    found_leftover = fake_training(monkeypatch, endings)
+    assert launch.run_setup(FAKE_STAGE0, tmp_path, tmp_path / "data", tmp_path / "out", sys.executable, 5, "all",
+                            60) == returncode
+    assert found_leftover == [False] * launches
+    assert len(os.listdir(tmp_path / "out" / "tensorboard")) == 1
 
 
 def test_parse_log_reads_the_real_forks_line():

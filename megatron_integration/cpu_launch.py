@@ -15,7 +15,7 @@ import subprocess
 import sys
 import traceback
 import warnings
-from typing import Any, Callable, Iterator, List, Optional
+from typing import Any, Callable, Iterator, List, Optional, Tuple, TypeVar
 
 import torch.multiprocessing as mp
 
@@ -164,6 +164,8 @@ def remove_shm_buffers(port: int, address: str = "127.0.0.1") -> None:
             os.remove(path)
 
 
+Launched = TypeVar("Launched")
+
 GLOO_EXIT_ABORT = "terminate called without an active exception"
 """What a rank prints as torch's gloo worker thread aborts it at interpreter exit, its work done (docs/supported.md,
 "Exiting"; ``deepspeed_patch/upstream/bug_reports/gloo_exit_abort.md``): the rank dies of SIGABRT, the launcher
@@ -176,23 +178,36 @@ def exit_aborted(returncode: int, output: str) -> bool:
     return returncode == 250 and GLOO_EXIT_ABORT in output
 
 
+def relaunch_after_exit_abort(launch: Callable[[], Launched], ending: Callable[[Launched], Tuple[int, str]],
+                              say: Callable[[str], None], name: str, retries: int = 1,
+                              before_relaunch: Optional[Callable[[], None]] = None) -> Launched:
+    """``launch()`` again, up to ``retries`` times, while it fails by torch's gloo exit abort (``exit_aborted`` of
+    its ``ending``: exit status and output), ``say``ing so: that abort is torch's, made likelier by any collective
+    near the exit, the statistics' included (docs/supported.md), and rare enough that two in a row say something
+    else is wrong. ``before_relaunch`` runs before each launch again: a launch that writes files gives it what
+    removes the aborted launch's, so that what is read afterwards comes from one launch alone. Every launcher here
+    that judges a launch by its exit status goes through this."""
+    for attempt in range(retries + 1):
+        launched = launch()
+        if attempt == retries or not exit_aborted(*ending(launched)):
+            return launched
+        say(f"{name}: a rank aborted at exit ({GLOO_EXIT_ABORT!r}, torch's gloo exit abort); launched again")
+        if before_relaunch is not None:
+            before_relaunch()
+
+
 def run_script(script: str, num_ranks: int = 2, timeout: float = 600, cwd: Optional[str] = None,
                exit_abort_retries: int = 1,
                before_relaunch: Optional[Callable[[], None]] = None) -> subprocess.CompletedProcess:
     """``deepspeed --num_gpus num_ranks script`` (CPU ranks), its output captured; its shared-memory buffers
-    removed whatever happens. A launch that fails by torch's gloo exit abort (``exit_aborted``) is launched again,
-    up to ``exit_abort_retries`` times, with a warning: that abort is torch's, made likelier by any collective near
-    the exit, the statistics' included (docs/supported.md), and rare enough that two in a row say something else is
-    wrong. ``before_relaunch`` runs before each launch again: a script that writes files gives it what removes the
-    aborted launch's, so that what is read afterwards comes from one launch alone."""
-    for attempt in range(exit_abort_retries + 1):
-        result = _launch_script(script, num_ranks, timeout, cwd)
-        if attempt == exit_abort_retries or not exit_aborted(result.returncode, result.stdout + result.stderr):
-            return result
-        warnings.warn(f"{script}: a rank aborted at exit ({GLOO_EXIT_ABORT!r}, torch's gloo exit abort); "
-                      "launched again", stacklevel=2)
-        if before_relaunch is not None:
-            before_relaunch()
+    removed whatever happens. Launched again, with a warning, after torch's gloo exit abort
+    (``relaunch_after_exit_abort``, up to ``exit_abort_retries`` times, ``before_relaunch`` first)."""
+    return relaunch_after_exit_abort(lambda: _launch_script(script, num_ranks, timeout, cwd),
+                                     lambda result: (result.returncode, result.stdout + result.stderr),
+                                     lambda message: warnings.warn(message, stacklevel=4),
+                                     script,
+                                     retries=exit_abort_retries,
+                                     before_relaunch=before_relaunch)
 
 
 def _launch_script(script: str, num_ranks: int, timeout: float, cwd: Optional[str]) -> subprocess.CompletedProcess:

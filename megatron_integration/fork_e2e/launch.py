@@ -14,7 +14,7 @@ from typing import Dict, List
 
 import megatron_integration
 
-from ..cpu_launch import GLOO_EXIT_ABORT, exit_aborted, free_port, remove_shm_buffers
+from ..cpu_launch import free_port, relaunch_after_exit_abort, remove_shm_buffers
 from .setups import VOCAB_SIZE, Setup, model_flags
 
 REPO_ROOT = Path(megatron_integration.__file__).resolve().parent.parent
@@ -81,22 +81,19 @@ def launch_command(python: str, fork: Path, port: int, world_size: int, fork_arg
 def run_setup(setup: Setup, fork: Path, data_path: Path, out: Path, python: str, train_iters: int, layers: str,
               timeout: float) -> int:
     """Train ``setup``; its ds_config, full stdout and TensorBoard go into ``out``. Returns the exit status. A
-    launch that ends in torch's gloo exit abort (``exit_aborted``, its training done) is launched once more, from an
-    empty TensorBoard folder, as ``run_script`` does: that abort is torch's, and rare enough that two in a row say
-    something else is wrong."""
+    launch that ends in torch's gloo exit abort, its training done, is launched once more from an empty TensorBoard
+    folder (``relaunch_after_exit_abort``)."""
     out.mkdir(parents=True, exist_ok=True)
     config_path = out / "ds_config.json"
     config_path.write_text(json.dumps(setup.ds_config(), indent=2) + "\n")
     fork_args = model_flags(train_iters, layers) + setup.fork_flags() + [
         "--data-path", str(data_path), "--tensorboard-dir", str(out / "tensorboard"),
         "--deepspeed", "--deepspeed_config", str(config_path)]
-    returncode = _train(python, fork, setup.world_size, fork_args, out, timeout)
-    if exit_aborted(returncode, (out / "stdout.log").read_text(errors="replace")):
-        print(f"[megatron-e2e] {setup.name}: a rank aborted at exit ({GLOO_EXIT_ABORT!r}, torch's gloo exit "
-              "abort); launched again", flush=True)
-        shutil.rmtree(out / "tensorboard", ignore_errors=True)
-        returncode = _train(python, fork, setup.world_size, fork_args, out, timeout)
-    return returncode
+    return relaunch_after_exit_abort(lambda: _train(python, fork, setup.world_size, fork_args, out, timeout),
+                                     lambda returncode: (returncode, (out / "stdout.log").read_text(errors="replace")),
+                                     lambda message: print(message, flush=True),
+                                     f"[megatron-e2e] {setup.name}",
+                                     before_relaunch=lambda: shutil.rmtree(out / "tensorboard", ignore_errors=True))
 
 
 def _train(python: str, fork: Path, world_size: int, fork_args: List[str], out: Path, timeout: float) -> int:

@@ -204,6 +204,7 @@ def run_script(script: str, num_ranks: int = 2, timeout: float = 600, cwd: Optio
     (``relaunch_after_exit_abort``, up to ``exit_abort_retries`` times, ``before_relaunch`` first)."""
     return relaunch_after_exit_abort(lambda: _launch_script(script, num_ranks, timeout, cwd),
                                      lambda result: (result.returncode, result.stdout + result.stderr),
+                                     # the warning names run_script's caller: past this lambda and the helper
                                      lambda message: warnings.warn(message, stacklevel=4),
                                      script,
                                      retries=exit_abort_retries,

@@ -16,7 +16,7 @@ logger = logging.getLogger(__name__)
 
 UPSTREAM_MODULES = ("deepspeed.runtime.layer_grad_norms", "deepspeed.runtime.zero.layer_grad_norms")
 """Where a DeepSpeed that carries the feature itself has it: the upstream series' sub-package, and PR 01's
-module (``upstream/seed/``). Patching such a DeepSpeed as well would measure every step twice."""
+module (the seed). Patching such a DeepSpeed as well would measure every step twice."""
 
 
 def install() -> None:

@@ -94,7 +94,7 @@ def run_against_release(options: list, out_dir: str, seed_patch: str = "") -> su
 @pytest.mark.extended
 @pytest.mark.parametrize("setup", sorted(RELEASE_SETUPS))
 def test_the_seed_gives_the_packages_numbers_on_the_release(setup, tmp_path):
-    """PR 01 as written for DeepSpeed (``seed.patch``'s module, wired where the patch calls it) and the package's
+    """PR 01 as written for DeepSpeed (its module, wired where the patch calls it) and the package's
     stock path, the same training: every field of every measured step equal with ``==``, every rank alike."""
     options, num_results, measured = RELEASE_SETUPS[setup]
     result = run_against_release(options, str(tmp_path))
@@ -114,10 +114,10 @@ def test_the_seed_gives_the_packages_numbers_on_the_release(setup, tmp_path):
 
 
 @pytest.mark.extended
-def test_the_release_comparison_fails_on_a_seed_that_sums_in_other_pieces(tmp_path):
+def test_the_release_comparison_fails_on_a_seed_that_sums_in_other_pieces(compare, tmp_path):
     """The check above can fail: a seed that reads its dot products in pieces of 2^18 elements, not the package's
     2^19, differs in the norms' last bits, and the script says so."""
-    with open(os.path.join(os.path.dirname(COMPARE), "seed.patch"), encoding="utf-8") as handle:
+    with open(compare.SEED_PATCH, encoding="utf-8") as handle:
         patch = handle.read()
     assert patch.count("HOST_PIECE, DEVICE_PIECE = 1 << 19, 1 << 22") == 1
     changed = tmp_path / "seed.patch"

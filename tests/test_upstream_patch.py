@@ -3,6 +3,7 @@ what it applies), and, applied to a copy of the installed DeepSpeed, passing the
 ``deepspeed_patch``."""
 
 import hashlib
+import json
 import os
 import shutil
 import subprocess
@@ -16,8 +17,8 @@ from deepspeed_patch.upstream.apply import RECORD
 from deepspeed_patch.upstream.build import (
     DOCS_ANCHOR,
     DOCS_PAGE,
-    FIRST_SERIES_PATCH,
     LICENSE,
+    SERIES_FACTS,
     installed_deepspeed_root,
     make_patch,
     upstream_files,
@@ -58,7 +59,7 @@ def file_diffs(patch: str) -> Dict[str, str]:
 
 def test_build_writes_the_patch_against_the_installed_deepspeed(tmp_path):
     """``python -m deepspeed_patch.upstream.build -o FILE``: every module that goes upstream as a new file, the call
-    sites in DeepSpeed's files, the docs section at the line the series' first patch records."""
+    sites in DeepSpeed's files, the docs section at the line the series records of master's page."""
     output = tmp_path / "layer_grad_norms.patch"
     written = subprocess.run([sys.executable, "-m", "deepspeed_patch.upstream.build", "-o", str(output)],
                              capture_output=True, text=True, cwd=REPO)
@@ -69,9 +70,9 @@ def test_build_writes_the_patch_against_the_installed_deepspeed(tmp_path):
     modules = [path for path in diffs if path.startswith("deepspeed/runtime/layer_grad_norms/")]
     assert len(modules) == len(upstream_modules()) + 1  # and the tree's __init__.py
     assert "deepspeed/runtime/engine.py" in diffs and "new file mode" not in diffs["deepspeed/runtime/engine.py"]
-    with open(FIRST_SERIES_PATCH, encoding="utf-8") as handle:
-        series_docs_hunk = file_diffs(handle.read())[DOCS_PAGE].split("\n")[3]
-    assert diffs[DOCS_PAGE].split("\n")[3].split(",")[0] == series_docs_hunk.split(",")[0]
+    with open(SERIES_FACTS, encoding="utf-8") as handle:
+        recorded = json.load(handle)["docs_line"]  # the line of master's page, where the series was generated
+    assert diffs[DOCS_PAGE].split("\n")[3].startswith(f"@@ -{recorded},")
 
 
 def test_new_files_follow_deepspeed_conventions():
@@ -228,7 +229,8 @@ def test_install_leaves_a_deepspeed_with_the_seed_alone(tmp_path):
     """A DeepSpeed with PR 01 as written for it (``upstream/seed/``), its module in ``deepspeed/runtime/zero/``."""
     root = copy_installed(tmp_path)
     module = "deepspeed/runtime/zero/layer_grad_norms.py"
-    with open(os.path.join(REPO, "deepspeed_patch", "upstream", "seed", "seed.patch"), encoding="utf-8") as handle:
+    with open(os.path.join(REPO, "deepspeed_patch", "upstream", "series", "01-zero12-layer-grad-norms.patch"),
+              encoding="utf-8") as handle:
         diff = file_diffs(handle.read())[module]
     with open(os.path.join(root, module), "w", encoding="utf-8") as handle:
         handle.write("".join(line[1:] + "\n" for line in diff.splitlines() if line.startswith("+")

@@ -17,6 +17,7 @@ import argparse
 import ast
 import difflib
 import inspect
+import json
 import os
 import re
 from typing import Dict, List, Optional, Tuple
@@ -28,8 +29,10 @@ from .series_spec import ZERO_TESTS, series_tree_file
 HERE = os.path.dirname(os.path.abspath(__file__))
 PACKAGE_DIR = os.path.dirname(HERE)
 PATCH_RELEASES = ("0.19.8", )  # the releases `layer-grad-norms patch` applies to
-# The series' first pull request: its docs hunk records the line of DeepSpeed's config page the section goes at.
-FIRST_SERIES_PATCH = os.path.join(HERE, "series", "01-zero12-layer-grad-norms.patch")
+# What the series was generated against (release, commit, capabilities facts), and the line of DeepSpeed's config page
+# the docs section goes at there.
+FACTS_FILE = "master.json"
+SERIES_FACTS = os.path.join(HERE, "series", FACTS_FILE)
 TREE = os.path.join(HERE, "tree")
 
 UPSTREAM_PACKAGE = "deepspeed/runtime/layer_grad_norms"
@@ -44,7 +47,7 @@ CPP_LICENSE = LICENSE.replace("# ", "// ")
 SOURCE_SUFFIXES = {".py": LICENSE, ".cpp": CPP_LICENSE}  # the package's files that go upstream, by their header
 
 # Where the docs section goes on DeepSpeed's config-json page: after "Gradient Clipping", before these
-# lines' last. A checkout has the page; an installed package does not (see _docs_line).
+# lines' last. A checkout has the page; an installed package does not (see docs_line).
 DOCS_PAGE = "docs/_pages/config-json.md"
 DOCS_ANCHOR = ("| Enable gradient clipping with value | `1.0`   |\n", "\n", "\n", "\n",
                "### ZeRO Optimizations for FP16 Training\n")
@@ -244,19 +247,23 @@ def upstream_files(deepspeed_root: str) -> Dict[str, Tuple[Optional[str], str]]:
     return files
 
 
-def _diff(path: str, original: Optional[str], new: str) -> str:
+def _diff(path: str, original: Optional[str], new: Optional[str]) -> str:
+    """The git diff of ``path`` from ``original`` to ``new`` (``None``: the file does not exist)."""
     header = f"diff --git a/{path} b/{path}\n"
     if original is None:
         header += "new file mode 100644\n"
+    if new is None:
+        header += "deleted file mode 100644\n"
     body = difflib.unified_diff([] if original is None else original.splitlines(keepends=True),
-                                new.splitlines(keepends=True), "/dev/null" if original is None else f"a/{path}",
-                                f"b/{path}")
+                                [] if new is None else new.splitlines(keepends=True),
+                                "/dev/null" if original is None else f"a/{path}",
+                                "/dev/null" if new is None else f"b/{path}")
     return header + "".join(body)
 
 
-def _docs_line(deepspeed_root: str) -> int:
+def docs_line(deepspeed_root: str) -> int:
     """The line the docs anchor starts at: found on the checkout's page or, for an installed package
-    (which has no docs), the one the series' first patch records from its generation against a master checkout.
+    (which has no docs), the one the series recorded from its generation against a master checkout.
     ``git apply`` places the hunk by its content anyway; the number keeps the hunk honest for a reader."""
     page = os.path.join(deepspeed_root, DOCS_PAGE)
     if os.path.isfile(page):
@@ -265,18 +272,15 @@ def _docs_line(deepspeed_root: str) -> int:
         if start < 0:
             raise ValueError(f"{page}: the lines the docs section goes among are not there: {DOCS_ANCHOR}")
         return text.count("\n", 0, start) + 1
-    recorded = re.search(rf"^\+\+\+ b/{re.escape(DOCS_PAGE)}\n@@ -(\d+),", _read(FIRST_SERIES_PATCH), re.MULTILINE)
-    if recorded is None:
-        raise ValueError(f"{deepspeed_root} has no {DOCS_PAGE}, and {FIRST_SERIES_PATCH} has no docs hunk to take "
-                         "the line from: build against a DeepSpeed checkout")
-    return int(recorded.group(1))
+    with open(SERIES_FACTS, encoding="utf-8") as handle:
+        return json.load(handle)["docs_line"]
 
 
 def _docs_diff(deepspeed_root: str) -> str:
     """The docs section, as a hunk located by its surrounding lines."""
     section = _read(DOCS_SECTION).splitlines(keepends=True)
     context = len(DOCS_ANCHOR)
-    start = _docs_line(deepspeed_root)
+    start = docs_line(deepspeed_root)
     lines = [f" {line}" for line in DOCS_ANCHOR[:-1]] + [f"+{line}" for line in section + ["\n"]]
     lines.append(f" {DOCS_ANCHOR[-1]}")
     return (f"diff --git a/{DOCS_PAGE} b/{DOCS_PAGE}\n--- a/{DOCS_PAGE}\n+++ b/{DOCS_PAGE}\n"

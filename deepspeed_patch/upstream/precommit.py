@@ -44,12 +44,15 @@ def _exclude(hook: str) -> "re.Pattern[str]":
 
 
 def patch_files(patch: str) -> Dict[str, Tuple[bool, List[str]]]:
-    """``{path: (is new, added lines)}`` of a patch."""
+    """``{path: (is new, added lines)}`` of the files a patch adds or changes (one it deletes is left out)."""
     files: Dict[str, Tuple[bool, List[str]]] = {}
     for diff in patch.split("diff --git ")[1:]:
         path = diff.split(" b/", 1)[1].split("\n", 1)[0]
+        header = diff.split("@@", 1)[0]
+        if "deleted file mode" in header:
+            continue
         added = [line[1:] for line in diff.splitlines() if line.startswith("+") and not line.startswith("+++")]
-        files[path] = ("new file mode" in diff.split("@@", 1)[0], added)
+        files[path] = ("new file mode" in header, added)
     return files
 
 

@@ -1,7 +1,8 @@
 """Which pull request of the upstream series brings what: its package modules, its call sites, its own files
 (``series_tree/NN/``), and the cuts that take what it brings out of the modules of earlier pull requests.
 
-A cut belongs to the pull request that brings the code it names; the trees before that pull request lack it.
+PR 01 (the seed) is written by hand for DeepSpeed and committed as its patch; the others are generated from the
+package. A cut belongs to the pull request that brings the code it names; the trees before that pull request lack it.
 When a package module changes so that a cut no longer matches, ``series.py`` stops with ``StaleCut`` naming
 the cut: change the cut here, not the module. A new package module must be given to a pull request here.
 """
@@ -37,6 +38,9 @@ class PullRequest:
     """It places every call of ``REMEDY_CALLS`` (the remedies' state in the optimizer's checkpoint)."""
     docs: bool = False
     """It adds the docs section (the later ones add their rows)."""
+    written_by_hand: bool = False
+    """Its patch is written for DeepSpeed and kept as it is in ``series/`` (PR 01, the seed), not generated: the
+    next pull request's patch takes the tree it leaves to the package's modules."""
 
     @property
     def file_name(self) -> str:
@@ -108,7 +112,7 @@ PACKAGE_ONLY += (
     Cut("adapters/fused_fp16.py", replace=(("", "\n(``capabilities.Capabilities.fp16_skip_method``)", ""), )),
 )
 
-# The host kernels: DeepSpeed builds them with its op builder (series_tree/08/op_builder/layer_grad_norms.py, the
+# The host kernels: DeepSpeed builds them with its op builder (series_tree/09/op_builder/layer_grad_norms.py, the
 # source under csrc/: TREE_PATHS); the package with cpp_extension.load, as the releases it supports lack the builder
 PACKAGE_ONLY += (Cut(
     "statistics/partition_stats_cpu.py",
@@ -140,7 +144,7 @@ _FLAT_SCALARS = ("    return {\n        scalar_tag(phase, name, key): values[nam
 
 _FAMILIES = "(ZeroAdapter, Zero3Adapter, BF16Adapter, FusedFP16Adapter, UnfusedFP16Adapter)"
 
-# PR 02: buckets other than the layer: one per parameter (granularity "param"), or per match of group_by
+# PR 03: buckets other than the layer: one per parameter (granularity "param"), or per match of group_by
 _KEYS_BY_LAYER = ("        in_layers = [key for key in keys if None not in key_layers[key]]\n"
                   "        layers = sorted(in_layers, key=lambda key: (next(iter(key_layers[key])), "
                   "not is_layer(key)))\n"
@@ -172,7 +176,7 @@ _GRANULARITY_CUTS = (
     Cut(ZERO_TESTS, drop=("GROUP_BY", "bucket_key", "TestLayerGradNormsGranularity")),
 )
 
-# PR 02: the layers of several stacks; PR 01's build_layer_map keys a layer by its index and refuses several stacks
+# PR 03: the layers of several stacks; PR 02's build_layer_map keys a layer by its index and refuses several stacks
 _REFUSE_STACKS = """\
     stacks = {where[0] for where in (locate_layer(name, pattern) for name, _ in named_params) if where is not None}
     if len(stacks) > 1:
@@ -201,8 +205,8 @@ _BUCKET_LABEL_BODY = """    if not is_layer(key):
     return f"layer{index:02d}" if stack is None else f"{stack}.layer{index:02d}"
 """
 _SELECTION_AND_STACKS_CUTS = (
-    # PR 02 also brings the selection of layers to report (the "layers" key) and the layers of several stacks
-    # (an encoder's and a decoder's, keyed "encoder.3"); PR 01 reports every bucket and refuses several stacks
+    # PR 03 also brings the selection of layers to report (the "layers" key) and the layers of several stacks
+    # (an encoder's and a decoder's, keyed "encoder.3"); PR 02 reports every bucket and refuses several stacks
     Cut("config.py",
         drop=("LayerToken", "LAYER_SPEC_FORMS", "parse_layer_spec", "_parse_layer_token",
               "LayerGradNormsConfig.layers", "LayerGradNormsConfig._validate_layers")),
@@ -258,7 +262,7 @@ _SELECTION_AND_STACKS_CUTS = (
     Cut(ZERO_TESTS, drop=("Stack", "EncoderDecoder", "TestLayerGradNormsSelection", "TestLayerGradNormsStacks")),
 )
 
-# PR 03: Mixture-of-Experts buckets, PipelineModule specs, tensor parallelism; PR 01 refuses them by name
+# PR 04: Mixture-of-Experts buckets, PipelineModule specs, tensor parallelism; PR 02 refuses them by name
 _PIPELINE_BRANCH = (
     '        if config.granularity != "layer":\n'
     '            raise UnsupportedSetupError(f"{CONFIG_KEY}.granularity={config.granularity!r}: a PipelineModule '
@@ -309,7 +313,7 @@ _PARALLEL_CUTS = (
                      "further.", " (pipeline and\n    tensor parallelism are refused)."), )),
 )
 
-# PR 06: readers of the results behind one interface (Reader), each guarded on its own (Consumer), as the JSONL dump
+# PR 07: readers of the results behind one interface (Reader), each guarded on its own (Consumer), as the JSONL dump
 # joins DeepSpeed's monitors; before it, the publisher calls the monitors itself, guarded the same way
 _GUARDED_MONITOR = """\
         if self.monitor is None:
@@ -363,9 +367,10 @@ _READERS_CUTS = (
 
 
 SERIES = (
+    PullRequest("01", "zero12-layer-grad-norms", (), (), written_by_hand=True),
     PullRequest(
-        "01",
-        "zero12-layer-grad-norms",
+        "02",
+        "layer-grad-norms-core",
         ("config.py", "statistics/__init__.py", "outputs/__init__.py", "statistics/layer_map.py",
          "statistics/measurement.py", "statistics/result.py", "statistics/statistics.py",
          "statistics/partition_slices.py", "statistics/partition_stats.py", "statistics/reduction.py",
@@ -375,10 +380,10 @@ SERIES = (
         ("DeepSpeedConfig", "DeepSpeedEngine", "DeepSpeedZeroOptimizer"),
         docs=True,
     ),
-    PullRequest("02", "bucket-granularity", (), (), cuts=_GRANULARITY_CUTS + _SELECTION_AND_STACKS_CUTS),
-    PullRequest("03", "zero12-moe-and-model-parallelism", (), (), cuts=_PARALLEL_CUTS),
+    PullRequest("03", "bucket-granularity", (), (), cuts=_GRANULARITY_CUTS + _SELECTION_AND_STACKS_CUTS),
+    PullRequest("04", "zero12-moe-and-model-parallelism", (), (), cuts=_PARALLEL_CUTS),
     PullRequest(
-        "04",
+        "05",
         "bf16-fp16-stage0",
         ("adapters/bf16.py", "adapters/fused_fp16.py", "adapters/unfused_fp16.py", "adapters/param_grads.py"),
         ("BF16_Optimizer", "FP16_Optimizer", "FP16_UnfusedOptimizer"),
@@ -432,7 +437,7 @@ SERIES = (
         ),
     ),
     PullRequest(
-        "05",
+        "06",
         "zero3",
         ("adapters/zero3.py", ),
         ("DeepSpeedZeroOptimizer_Stage3", ),
@@ -440,7 +445,7 @@ SERIES = (
               Cut(ZERO_TESTS, replace=(("", "[0, 1, 2, 3]", "[0, 1, 2]"), ))),
     ),
     PullRequest(
-        "06",
+        "07",
         "trigger-flight-recorder",
         ("spikes/__init__.py", "spikes/trigger.py", "spikes/recorder.py",
          "spikes/spike_rule.py", "outputs/jsonl_dump.py", "outputs/process_rank.py"),
@@ -545,7 +550,7 @@ SERIES = (
         ) + _READERS_CUTS,
     ),
     PullRequest(
-        "07",
+        "08",
         "optimizer-statistics",
         ("optimizer_state/__init__.py", "optimizer_state/adam_rule.py", "optimizer_state/optimizer_stats.py"),
         (),
@@ -586,7 +591,7 @@ SERIES = (
         ),
     ),
     PullRequest(
-        "08",
+        "09",
         "fused-statistics-kernels",
         ("statistics/partition_stats_cpu.py", "statistics/partition_stats_triton.py",
          "statistics/csrc/partition_stats.cpp"),
@@ -621,7 +626,7 @@ SERIES = (
         ),
     ),
     PullRequest(
-        "09",
+        "10",
         "remedies",
         ("remedies/__init__.py", "remedies/remedies.py", "remedies/remedy_step.py", "remedies/adaptive_clipping.py",
          "remedies/skip_step.py"),
@@ -742,7 +747,7 @@ SERIES = (
         ),
     ),
     PullRequest(
-        "10",
+        "11",
         "live-control",
         ("spikes/control_file.py", ),
         (),

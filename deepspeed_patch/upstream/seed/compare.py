@@ -12,13 +12,13 @@ set-up):
   not importable (checked);
 - ``seed-off``: the same without the key: losses and final weights must equal the ``seed`` run's (no observer
   effect);
-- ``seed-wired``: the seed's module, read from ``seed.patch``, on an unmodified DeepSpeed (``--master``, or the
-  installed one with ``--master ""``), called where the patch calls it: its statements wrapped around the methods
-  they sit in, on the run's engine and optimizer only (``wire_seed``). CI runs this against the installed release,
-  where the patch's call-site hunks do not apply (``tests/test_seed_compare.py``);
+- ``seed-wired``: the seed's module, read from the series' PR 01 (``SEED_PATCH``), on an unmodified DeepSpeed
+  (``--master``, or the installed one with ``--master ""``), called where the patch calls it: its statements
+  wrapped around the methods they sit in, on the run's engine and optimizer only (``wire_seed``). CI runs this
+  against the installed release, where the patch's call-site hunks do not apply (``tests/test_seed_compare.py``);
 - ``package-stock``: unmodified DeepSpeed master (``--master``) with ``deepspeed_patch.install()``, the package's
-  statistics forced onto its stock PyTorch path (``partition_stats.accumulate_spans``, what PR 01 ships);
-- ``package-host``: the same with the package's default kernel on the host (the C++/OpenMP one, PR 8's).
+  statistics forced onto its stock PyTorch path (``partition_stats.accumulate_spans``, what PR 02 ships);
+- ``package-host``: the same with the package's default kernel on the host (the C++/OpenMP one, PR 9's).
 
 Every layer's pre- and post-clip norm, min and max, and ``clip_coef``, ``step`` and ``overflow``, are compared
 with ``==``; a difference is reported in ulps. Each run's ranks' results are compared with rank 0's too. Exit status
@@ -45,6 +45,9 @@ BATCH = 4
 CLIP = 0.05
 RUNS = ("seed", "seed-off", "seed-wired", "package-stock", "package-host")
 SEED_MODULE = "deepspeed/runtime/zero/layer_grad_norms.py"
+# The seed is the upstream series' first pull request.
+SEED_PATCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "series",
+                          "01-zero12-layer-grad-norms.patch")
 FIELDS = ("norm", "min", "max")
 
 
@@ -152,7 +155,7 @@ def worker(args: argparse.Namespace) -> None:
 
 
 def wire_seed(engine, module_path: str, interval: int) -> None:
-    """The seed's module at ``module_path`` on an unmodified DeepSpeed, called where ``seed.patch`` calls it: the
+    """The seed's module at ``module_path`` on an unmodified DeepSpeed, called where the seed's patch calls it: the
     patch's statements around the methods they sit in (``unscale_and_clip_grads``, ``_update_scale`` in ``step``,
     the engine's ``_take_model_step``), on this engine and its optimizer only."""
     import importlib.util
@@ -186,7 +189,7 @@ def wire_seed(engine, module_path: str, interval: int) -> None:
 
 
 def seed_module_text(patch: str) -> str:
-    """The seed's module, the one file ``seed.patch`` adds under ``deepspeed/runtime/zero/``."""
+    """The seed's module, the one file the seed's patch adds under ``deepspeed/runtime/zero/``."""
     section = patch.split(f"+++ b/{SEED_MODULE}\n", 1)[1].split("\ndiff --git ", 1)[0]
     return "".join(line[1:] + "\n" for line in section.splitlines() if line.startswith("+"))
 
@@ -319,7 +322,7 @@ def main() -> int:
     parser.add_argument("--runs", default=",".join(RUNS))
     parser.add_argument("--world", type=int, default=2, choices=(1, 2, 3, 4), help="ranks (3: an uneven partition)")
     parser.add_argument("--out-dir", help="where each rank's results and log go (default: a new temporary folder)")
-    parser.add_argument("--seed-patch", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "seed.patch"),
+    parser.add_argument("--seed-patch", default=SEED_PATCH,
                         help="where seed-wired reads the seed's module from")
     parser.add_argument("--seed-module", help=argparse.SUPPRESS)  # a worker's: the seed's module, for seed-wired
     args = parser.parse_args()

@@ -1,10 +1,10 @@
-"""What patch 01 of the upstream series does that the package does otherwise, run on a DeepSpeed carrying patch 01
-alone (``PYTHONPATH``), one rank, ``deepspeed_patch`` not imported:
+"""What the upstream series up to patch 02 (the package's core) does that the package does otherwise, run on a
+DeepSpeed carrying it (``PYTHONPATH``), one rank, ``deepspeed_patch`` not imported:
 
 - a model whose layers lie in two stacks (an encoder's and a decoder's ``layers.N``) is refused at initialize, by
-  name (the package keys them apart; PR 02 brings that upstream);
+  name (the package keys them apart; PR 03 brings that upstream);
 - a DeepSpeed monitor that raises is written once and then left alone, and the statistics and training go on (the
-  package guards its readers through ``publish.Consumer``, which PR 06 brings).
+  package guards its readers through ``publish.Consumer``, which PR 07 brings).
 
 Prints one JSON line: what each case saw.
 """
@@ -46,7 +46,7 @@ def failing_monitor(steps: int = 3) -> dict:
 
     model = torch.nn.Sequential()
     model.add_module("layers", torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)))
-    monitor = {"enabled": True, "output_path": tempfile.mkdtemp(), "job_name": "first_patch"}
+    monitor = {"enabled": True, "output_path": tempfile.mkdtemp(), "job_name": "core_patch"}
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
                                       config=config(csv_monitor=monitor))
     calls = []

@@ -246,8 +246,9 @@ def pipeline_without_zero_errors() -> Dict[str, str]:
 
 
 def without_optimizer() -> Dict[str, Any]:
-    """Engines built without an optimizer (ZeRO stage 0 and 3), the block enabled: the warnings and what
-    ``get_layer_grad_norms()`` returns after a forward pass."""
+    """Engines built without an optimizer (ZeRO stage 0 in fp32 and in bf16, where DeepSpeed wraps a placeholder
+    optimizer in ``BF16_Optimizer``; stage 3), the block enabled: the warnings and what ``get_layer_grad_norms()``
+    returns after a forward pass."""
     import deepspeed
 
     handler, deepspeed_logger = _Records(), logging.getLogger("DeepSpeed")
@@ -255,13 +256,14 @@ def without_optimizer() -> Dict[str, Any]:
     deepspeed_logger.addHandler(handler)
     deepspeed_logger.setLevel(logging.WARNING)
     results = {}
-    for stage in (0, 3):
+    for name, stage, dtype in (("stage 0", 0, {}), ("stage 0, bf16", 0, {"bf16": {"enabled": True}}),
+                               ("stage 3", 3, {})):
         engine, *_ = deepspeed.initialize(model=TinyGPT(TinyGPTConfig()),
                                           config=base_config(zero_optimization={"stage": stage},
-                                                             layer_grad_norms={"enabled": True}))
+                                                             layer_grad_norms={"enabled": True}, **dtype))
         with torch.no_grad():
             engine(synthetic_batch(TinyGPTConfig(), 2, seed=0))
-        results[stage] = {"result": engine.get_layer_grad_norms(), "optimizer": type(engine.optimizer).__name__}
+        results[name] = {"result": engine.get_layer_grad_norms(), "optimizer": type(engine.optimizer).__name__}
         engine.destroy()
     deepspeed_logger.removeHandler(handler)
     deepspeed_logger.setLevel(level)

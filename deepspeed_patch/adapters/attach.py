@@ -86,10 +86,14 @@ def attach(engine) -> Optional[LayerGradNormsAdapter]:
 
 def _steps_an_optimizer(engine) -> bool:
     """False for an engine built without an optimizer (for inference or evaluation): under ZeRO-3 it holds
-    only the parameter partitioner, ``DeepSpeedZeRoOffload``."""
+    only the parameter partitioner, ``DeepSpeedZeRoOffload``; in bf16 without ZeRO, a ``BF16_Optimizer`` around
+    DeepSpeed's placeholder ``DummyOptim``, with no parameter group to step."""
+    from deepspeed.runtime.utils import DummyOptim
     from deepspeed.runtime.zero.parameter_offload import DeepSpeedZeRoOffload
 
-    return engine.optimizer is not None and not isinstance(engine.optimizer, DeepSpeedZeRoOffload)
+    optimizer = engine.optimizer
+    return not (optimizer is None or isinstance(optimizer, DeepSpeedZeRoOffload)
+                or isinstance(getattr(optimizer, "optimizer", None), DummyOptim))
 
 
 def _param_grad_adapter(engine, config: LayerGradNormsConfig) -> ParamGradAdapter:

@@ -341,6 +341,7 @@ def make_series(root: str, upto: Optional[int] = None) -> List[Tuple[PullRequest
 
 
 def committed_patch(request: PullRequest) -> str:
+    """Where the series keeps ``request``'s patch."""
     return os.path.join(SERIES_DIR, request.file_name + ".patch")
 
 

@@ -24,6 +24,8 @@ from deepspeed_patch.upstream.build import (
     upstream_files,
     upstream_modules,
 )
+from deepspeed_patch.upstream.series import committed_patch
+from deepspeed_patch.upstream.series_spec import SERIES
 from zero_workers import CASES_ENV, FAMILY_CASES, UPSTREAM_ENV
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -229,8 +231,7 @@ def test_install_leaves_a_deepspeed_with_the_seed_alone(tmp_path):
     """A DeepSpeed with PR 01 as written for it (``upstream/seed/``), its module in ``deepspeed/runtime/zero/``."""
     root = copy_installed(tmp_path)
     module = "deepspeed/runtime/zero/layer_grad_norms.py"
-    with open(os.path.join(REPO, "deepspeed_patch", "upstream", "series", "01-zero12-layer-grad-norms.patch"),
-              encoding="utf-8") as handle:
+    with open(committed_patch(SERIES[0]), encoding="utf-8") as handle:
         diff = file_diffs(handle.read())[module]
     with open(os.path.join(root, module), "w", encoding="utf-8") as handle:
         handle.write("".join(line[1:] + "\n" for line in diff.splitlines() if line.startswith("+")

@@ -15,6 +15,7 @@ import subprocess
 import sys
 import traceback
 import warnings
+from multiprocessing.context import BaseContext
 from typing import Any, Callable, Iterator, List, Optional, Tuple, TypeVar
 
 import torch.multiprocessing as mp
@@ -90,10 +91,36 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, queue) -> None:
+def share_cores(world_size: int) -> None:
+    """Give this rank its share of the machine's cores as torch's intra-op threads. Each rank would otherwise
+    start one thread per core, so N ranks would run N times as many threads as there are cores, and their
+    spinning waits at every collective slow a 2-rank launch on 2 cores about 2.5-fold (``torchrun`` sets
+    ``OMP_NUM_THREADS=1`` for the same reason)."""
+    import torch
+
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+
+
+def _rank_context() -> BaseContext:
+    """Ranks are forked from one server process that has imported torch (``forkserver``, started on the first
+    launch and kept until this process ends): each rank then starts in well under a second instead of importing
+    torch itself, about 3 s of a core per rank. DeepSpeed is not preloaded: a test may launch ranks on another
+    copy of it, found through ``sys.path``, which each rank imports afresh."""
+    context = mp.get_context("forkserver")
+    context.set_forkserver_preload(["torch"])
+    return context
+
+
+def _worker(rank: int, world_size: int, port: int, environ: dict, fn: Callable, args: tuple, queue) -> None:
+    # Ctrl-C reaches the launcher only, which stops every rank at once; a rank prints no KeyboardInterrupt of
+    # its own. The environment is the launcher's at launch, not the fork server's at its start.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    os.environ.clear()
+    os.environ.update(environ)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_SIZE=str(world_size))
     try:
+        share_cores(world_size)
         quiet_cpu_fallback_notice()
         warnings.filterwarnings("ignore", message=DEPRECATED_GATHER, category=FutureWarning)
         import deepspeed
@@ -112,16 +139,16 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, qu
 def launch(fn: Callable, world_size: int, *args: Any, timeout: float = 600) -> List[Any]:
     """``fn(*args)`` on every rank; returns the results by rank. A hang past ``timeout`` fails."""
     announce_shm_comm_build()
-    context = mp.get_context("spawn")
+    context = _rank_context()
     queue = context.Queue()
     port = free_port()
+    environ = dict(os.environ)
     procs = [
-        context.Process(target=_worker, args=(rank, world_size, port, fn, args, queue), daemon=True)
+        context.Process(target=_worker, args=(rank, world_size, port, environ, fn, args, queue), daemon=True)
         for rank in range(world_size)
     ]
-    with _sigint_ignored():  # the ranks inherit it: Ctrl-C reaches this process only, which stops them
-        for proc in procs:
-            proc.start()
+    for proc in procs:
+        proc.start()
     results: List[Any] = [None] * world_size
     try:
         for _ in range(world_size):
@@ -142,18 +169,6 @@ def launch(fn: Callable, world_size: int, *args: Any, timeout: float = 600) -> L
         queue.close()  # its semaphore released now, not reported leaked at an interrupted exit
         remove_shm_buffers(port)
     return results
-
-
-@contextlib.contextmanager
-def _sigint_ignored() -> Iterator[None]:
-    """SIGINT ignored inside the block. A process started in it keeps it ignored (Python leaves an inherited
-    ignored SIGINT alone): a rank never sees Ctrl-C, so it prints no ``KeyboardInterrupt`` of its own, and the
-    launcher, which does, stops every rank at once."""
-    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, previous)
 
 
 def remove_shm_buffers(port: int, address: str = "127.0.0.1") -> None:

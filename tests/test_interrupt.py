@@ -3,7 +3,8 @@
 The demo runs in a session of its own, its output on a pseudo-terminal, as in a terminal (its progress bar is drawn
 on a terminal only). A terminal's Ctrl-C sends SIGINT to the whole foreground
 process group (``terminal``); ``launcher`` sends it to the launcher alone, as ``kill -INT`` does. The ranks ignore
-SIGINT (``cpu_launch.launch``), so in both cases the launcher stops them, and each rank must be gone when it exits.
+SIGINT (``cpu_launch.launch``), so in both cases the launcher stops them, and each rank, and the fork server they
+were started from, must be gone when it exits.
 The seconds from the signal to the launcher's exit are printed (``-s``), not judged: the machine is shared.
 """
 
@@ -79,9 +80,11 @@ def test_ctrl_c_prints_one_line_and_stops_every_rank(target, tmp_path):
     os.close(attached)
     try:
         read_until_training(process, terminal)
-        ranks = [child for child in psutil.Process(process.pid).children(recursive=True)
-                 if "resource_tracker" not in " ".join(child.cmdline())]
-        assert len(ranks) == 2, [child.cmdline() for child in ranks]
+        children = [child for child in psutil.Process(process.pid).children(recursive=True)
+                    if "resource_tracker" not in " ".join(child.cmdline())]
+        servers = [child for child in children if child.ppid() == process.pid]  # the ranks' fork server
+        ranks = [child for child in children if child not in servers]
+        assert len(servers) == 1 and len(ranks) == 2, [(child.ppid(), child.cmdline()) for child in children]
         sent = time.monotonic()
         (os.killpg if target == "terminal" else os.kill)(process.pid, signal.SIGINT)
         after = read_until_exit(process, terminal)
@@ -93,7 +96,7 @@ def test_ctrl_c_prints_one_line_and_stops_every_rank(target, tmp_path):
             process.wait()
         os.close(terminal)
     assert status == 130
-    assert [rank.pid for rank in ranks if rank.is_running() and rank.status() != psutil.STATUS_ZOMBIE] == []
+    assert [child.pid for child in children if child.is_running() and child.status() != psutil.STATUS_ZOMBIE] == []
     # What follows the progress bar (tqdm redraws it with carriage returns): the one line.
     lines = [line for line in re.split(r"[\r\n]", after) if line.strip() and not line.startswith("demo:")]
     assert lines == ["layer-grad-norms demo: interrupted"], after[-3000:]

@@ -1,6 +1,8 @@
-"""``run_script`` launches a script again after torch's gloo exit abort, once, and after nothing else: the launcher
-is faked, so each case says which launches ended how."""
+"""``launch`` gives each rank its share of the cores and the launcher's environment at launch (two real launches);
+``run_script`` launches a script again after torch's gloo exit abort, once, and after nothing else (the launcher
+is faked, so each case says which launches ended how)."""
 
+import os
 import subprocess
 from typing import List
 
@@ -13,6 +15,21 @@ ABORTED = subprocess.CompletedProcess([], 250, "step 3\n",
 CLEAN = subprocess.CompletedProcess([], 0, "step 3\n", "")
 FAILED = subprocess.CompletedProcess([], 1, "", "Traceback (most recent call last):\nValueError: layers\n")
 ABORTED_OTHERWISE = subprocess.CompletedProcess([], 250, "", "exits with return code = -6\n")
+
+MARK = "LAYER_GRAD_NORMS_LAUNCH_MARK"
+
+
+def threads_and_mark() -> tuple:
+    import torch
+
+    return torch.get_num_threads(), os.environ.get(MARK)
+
+
+def test_each_rank_gets_its_share_of_the_cores_and_the_environment_at_launch(monkeypatch):
+    cpu_launch.launch(threads_and_mark, 1)  # the fork server is started here, before the mark is set
+    monkeypatch.setenv(MARK, "set after the fork server started")
+    share = max(1, (os.cpu_count() or 1) // 2)
+    assert cpu_launch.launch(threads_and_mark, 2) == [(share, "set after the fork server started")] * 2
 
 
 def fake_launcher(monkeypatch, outcomes: List[subprocess.CompletedProcess]) -> List[list]:

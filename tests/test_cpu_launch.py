@@ -26,7 +26,7 @@ def threads_and_mark() -> tuple:
 
 
 def test_each_rank_gets_its_share_of_the_cores_and_the_environment_at_launch(monkeypatch):
-    cpu_launch.launch(threads_and_mark, 1)  # the fork server is started here, before the mark is set
+    cpu_launch.launch(threads_and_mark, 1)  # the fork server runs by now at the latest, before the mark is set
     monkeypatch.setenv(MARK, "set after the fork server started")
     share = max(1, (os.cpu_count() or 1) // 2)
     assert cpu_launch.launch(threads_and_mark, 2) == [(share, "set after the fork server started")] * 2

@@ -27,8 +27,9 @@ import torch
 from common import RESULTS, interleaved, machine, ratio_of, times, write_results
 from stats_alone import equal_runs
 
+from deepspeed_patch.statistics.kernels import chunk_partition
 from deepspeed_patch.statistics.partition_slices import slices_of_spans
-from deepspeed_patch.statistics.partition_stats import accumulate_partition, accumulate_spans, chunk_partition
+from deepspeed_patch.statistics.partition_stats import accumulate_partition, accumulate_spans
 from deepspeed_patch.statistics.statistics import NUM_SUMMED, empty_stats
 
 PARAMS_PER_BUCKET = 16

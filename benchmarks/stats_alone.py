@@ -16,13 +16,9 @@ import statistics_before
 import torch
 from common import interleaved, machine, ratio_of, times
 
+from deepspeed_patch.statistics.kernels import chunk_partition
 from deepspeed_patch.statistics.partition_slices import slices_of_spans
-from deepspeed_patch.statistics.partition_stats import (
-    HOST_PIECE,
-    accumulate_partition,
-    accumulate_spans,
-    chunk_partition,
-)
+from deepspeed_patch.statistics.partition_stats import HOST_PIECE, accumulate_partition, accumulate_spans
 from deepspeed_patch.statistics.statistics import empty_stats
 
 NUM_BUCKETS = 14

@@ -20,16 +20,11 @@ from typing import List, Optional, Sequence, Tuple
 import pytest
 import torch
 
+from deepspeed_patch.statistics import kernels
 from deepspeed_patch.statistics import partition_stats as fused_stats
+from deepspeed_patch.statistics.kernels import HOST, STOCK, TRITON, chunk_partition
 from deepspeed_patch.statistics.partition_slices import PartitionSlices, partition_spans, slices_of_spans
-from deepspeed_patch.statistics.partition_stats import (
-    HOST,
-    STOCK,
-    TRITON,
-    accumulate_partition,
-    accumulate_spans,
-    chunk_partition,
-)
+from deepspeed_patch.statistics.partition_stats import accumulate_partition, accumulate_spans
 from deepspeed_patch.statistics.statistics import (
     L1,
     MAX,
@@ -362,7 +357,8 @@ def test_missing_compiler_falls_back_with_one_warning(tmp_path):
     """Without a compiler the host kernel is not built: one warning, then the stock operators' results."""
     script = textwrap.dedent("""
         import torch
-        from deepspeed_patch.statistics.partition_stats import STOCK, accumulate_partition, chunk_partition
+        from deepspeed_patch.statistics.kernels import STOCK, chunk_partition
+        from deepspeed_patch.statistics.partition_stats import accumulate_partition
         from deepspeed_patch.statistics.partition_slices import slices_of_spans
         from deepspeed_patch.statistics.partition_stats import accumulate_spans
         from deepspeed_patch.statistics.statistics import empty_stats
@@ -429,13 +425,13 @@ def test_triton_probe(monkeypatch, warnings_logged):
     stock operators are chosen with one warning."""
     if triton_unavailable():
         pytest.fail(triton_unavailable())
-    probe = fused_stats._triton_runs
-    monkeypatch.setattr(fused_stats, "_triton_runs", functools.lru_cache(maxsize=None)(probe.__wrapped__))
-    assert fused_stats._triton_runs(torch.device(TRITON_DEVICE))
+    probe = kernels._triton_runs
+    monkeypatch.setattr(kernels, "_triton_runs", functools.lru_cache(maxsize=None)(probe.__wrapped__))
+    assert kernels._triton_runs(torch.device(TRITON_DEVICE))
     monkeypatch.setitem(sys.modules, "deepspeed_patch.statistics.partition_stats_triton", None)  # import fails
-    fused_stats._triton_runs.cache_clear()
-    assert not fused_stats._triton_runs(torch.device(TRITON_DEVICE))
-    assert not fused_stats._triton_runs(torch.device(TRITON_DEVICE))
+    kernels._triton_runs.cache_clear()
+    assert not kernels._triton_runs(torch.device(TRITON_DEVICE))
+    assert not kernels._triton_runs(torch.device(TRITON_DEVICE))
     assert len([message for message in warnings_logged() if "unavailable" in message]) == 1
 
 

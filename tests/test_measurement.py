@@ -121,7 +121,7 @@ PEAK_MEMORY_SCRIPT = textwrap.dedent("""
     from deepspeed_patch.statistics.measurement import Measurement
     from deepspeed_patch.adapters.optimizer import observe_chunks
     from deepspeed_patch.statistics.partition_slices import slices_of_spans
-    from deepspeed_patch.statistics.partition_stats import STOCK, chunk_partition
+    from deepspeed_patch.statistics.kernels import STOCK, chunk_partition
 
     sizes = [12_000_000, 20_000_000, 18_000_000]  # a 50M-element fp16 partition, as per-parameter pieces
     chunks = [torch.full((size,), 0.5, dtype=torch.float16) for size in sizes]

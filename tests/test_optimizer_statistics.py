@@ -233,8 +233,8 @@ def test_the_update_in_small_windows_matches_the_step():
     each bucket's update, weights and moments against plain torch on the actual after minus before. The lr
     changes between the step and the read, as the engine's lr scheduler changes it: the step's lr counts."""
     from deepspeed_patch.optimizer_state.optimizer_stats import OptimizerStatistics
+    from deepspeed_patch.statistics.kernels import STOCK, chunk_partition
     from deepspeed_patch.statistics.partition_slices import slices_of_spans
-    from deepspeed_patch.statistics.partition_stats import STOCK, chunk_partition
     from deepspeed_patch.statistics.statistics import SUMSQ, empty_stats
 
     torch.manual_seed(0)
@@ -284,8 +284,8 @@ def test_each_kernel_reads_every_kind_as_a_float64_reference(kinds):
     from deepspeed.ops.adam import FusedAdam
 
     from deepspeed_patch.optimizer_state.optimizer_stats import OptimizerStatistics
+    from deepspeed_patch.statistics.kernels import HOST, STOCK, chunk_partition
     from deepspeed_patch.statistics.partition_slices import slices_of_spans
-    from deepspeed_patch.statistics.partition_stats import HOST, STOCK, chunk_partition
     from deepspeed_patch.statistics.statistics import bucket_results, empty_stats
     from reference import bucket_stats
 
@@ -340,8 +340,8 @@ def test_before_the_first_step_the_moments_and_update_are_zero():
     """A step the loss scaler skips before the optimizer ever stepped (fp16's first steps): no state yet, so
     zero moments and a zero update, over every element of each bucket; the weights as they are."""
     from deepspeed_patch.optimizer_state.optimizer_stats import OptimizerStatistics
+    from deepspeed_patch.statistics.kernels import STOCK, chunk_partition
     from deepspeed_patch.statistics.partition_slices import slices_of_spans
-    from deepspeed_patch.statistics.partition_stats import STOCK, chunk_partition
     from deepspeed_patch.statistics.statistics import MAX, NEG_ABS_MIN, NUMEL, SUMSQ, empty_stats
 
     torch.manual_seed(0)

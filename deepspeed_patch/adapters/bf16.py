@@ -19,8 +19,8 @@ from deepspeed import comm as dist
 from ..optimizer_state.optimizer_stats import optimizer_statistics
 from ..statistics.clipping import bf16_clip_divisor
 from ..statistics.measurement import Measurement
-from ..statistics.partition_slices import PartitionSlices, Span, back_to_back_ranges, partition_spans, slices_of_spans
-from ..statistics.partition_stats import chunk_partition
+from ..statistics.partition_slices import Span, back_to_back_ranges, partition_spans
+from ..statistics.partition_stats import prepare_partition
 from .base import Setup
 from .optimizer import OptimizerAdapter
 
@@ -30,13 +30,13 @@ class BF16Adapter(OptimizerAdapter):
 
     def __init__(self, optimizer, setup: Setup) -> None:
         device = optimizer.fp32_groups_gradients_flat[0].device
-        self.chunkings = [
-            chunk_partition(_group_slices(optimizer, index, setup, device), device)
+        self.partition_slices = [
+            prepare_partition(_group_spans(optimizer, index, setup), device)
             for index in range(len(optimizer.bf16_groups))
         ]
-        super().__init__(optimizer, setup, len(self.chunkings), device)
+        super().__init__(optimizer, setup, len(self.partition_slices), device)
         self.optimizer_statistics = optimizer_statistics(optimizer.optimizer, optimizer.fp32_groups_flat_partition,
-                                                         self.chunkings, self.kinds)
+                                                         self.partition_slices, self.kinds)
 
     @staticmethod
     def handles(optimizer) -> bool:
@@ -50,7 +50,7 @@ class BF16Adapter(OptimizerAdapter):
 
     def read_at_begin(self, measurement: Measurement) -> None:
         for index, flat_grad in enumerate(self.optimizer.fp32_groups_gradient_flat_partition):
-            measurement.observe_partition(index, flat_grad, self.chunkings[index])
+            measurement.observe_partition(index, flat_grad, self.partition_slices[index])
 
     def act_at_begin(self, measurement: Measurement) -> None:
         """With adaptive clipping, reduce the step now and scale each group's whole flat gradient in place (not only
@@ -82,11 +82,11 @@ class BF16Adapter(OptimizerAdapter):
         return self.capabilities.bf16_skips_steps and bool(self.optimizer.overflow)
 
 
-def _group_slices(optimizer, index: int, setup: Setup, device) -> PartitionSlices:
+def _group_spans(optimizer, index: int, setup: Setup) -> List[Span]:
     """Its flat buffer holds the parameters back to back (padding only at the end) and splits into equal
     data-parallel partitions."""
     process_group = optimizer.real_dp_process_group[index]
     partition_size = optimizer.bf16_groups_flat[index].numel() // dist.get_world_size(group=process_group)
     ranges = back_to_back_ranges(optimizer.bf16_groups[index], setup.bucket_of)
     start = dist.get_rank(group=process_group) * partition_size
-    return slices_of_spans(partition_spans(ranges, start, partition_size), device)
+    return partition_spans(ranges, start, partition_size)

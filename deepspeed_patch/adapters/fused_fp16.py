@@ -20,8 +20,8 @@ from typing import List
 import torch
 
 from ..optimizer_state.optimizer_stats import optimizer_statistics
-from ..statistics.partition_slices import back_to_back_ranges, partition_spans, slices_of_spans
-from ..statistics.partition_stats import chunk_partition
+from ..statistics.partition_slices import back_to_back_ranges, partition_spans
+from ..statistics.partition_stats import prepare_partition
 from .base import Setup
 from .optimizer import OptimizerAdapter, observe_chunks, param_group_of
 
@@ -31,15 +31,13 @@ class FusedFP16Adapter(OptimizerAdapter):
 
     def __init__(self, optimizer, setup: Setup) -> None:
         device = optimizer.fp32_groups_flat[0].device
-        self.chunkings = [
-            chunk_partition(
-                slices_of_spans(partition_spans(back_to_back_ranges(params, setup.bucket_of), 0, flat.numel()),
-                                device), device)
+        self.partition_slices = [
+            prepare_partition(partition_spans(back_to_back_ranges(params, setup.bucket_of), 0, flat.numel()), device)
             for params, flat in zip(optimizer.fp16_groups, optimizer.fp32_groups_flat)
         ]
-        super().__init__(optimizer, setup, len(self.chunkings), device)
+        super().__init__(optimizer, setup, len(self.partition_slices), device)
         self.optimizer_statistics = optimizer_statistics(optimizer.optimizer, optimizer.fp32_groups_flat,
-                                                         self.chunkings, self.kinds)
+                                                         self.partition_slices, self.kinds)
 
     @staticmethod
     def handles(optimizer) -> bool:
@@ -59,7 +57,7 @@ class FusedFP16Adapter(OptimizerAdapter):
         with measurement.guarded("reading the fp32 gradients"):
             for flat_grad in grad_groups_flat:
                 index = param_group_of(self.optimizer.fp32_groups_flat, flat_grad)
-                measurement.observe_partition(index, flat_grad, self.chunkings[index])
+                measurement.observe_partition(index, flat_grad, self.partition_slices[index])
 
     def skip_step(self) -> None:
         """Top of ``_skip_invalid_grad_norm`` (where the release has it): a skipped step's gradients, before
@@ -85,9 +83,10 @@ class FusedFP16Adapter(OptimizerAdapter):
         for index, params in enumerate(self.optimizer.fp16_groups):
             flat_grad = self.optimizer.fp32_groups_flat[index].grad
             if flat_grad is not None:
-                measurement.observe_partition(index, flat_grad, self.chunkings[index])
+                measurement.observe_partition(index, flat_grad, self.partition_slices[index])
             else:
-                observe_chunks(measurement, index, self.chunkings[index], [grad_or_zeros(param) for param in params])
+                observe_chunks(measurement, index, self.partition_slices[index],
+                               [grad_or_zeros(param) for param in params])
 
 
 def grad_or_zeros(param: torch.nn.Parameter) -> torch.Tensor:

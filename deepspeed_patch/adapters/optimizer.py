@@ -16,8 +16,7 @@ from ..remedies.remedies import Remedies
 from ..remedies.remedy_step import RemedyStep
 from ..statistics.clipping import zero_unscale_divisor
 from ..statistics.measurement import Measurement
-from ..statistics.partition_slices import Span
-from ..statistics.partition_stats import Chunking
+from ..statistics.partition_slices import PartitionSlices, Span
 from .base import LayerGradNormsAdapter, Setup
 
 
@@ -90,9 +89,10 @@ class OptimizerAdapter(LayerGradNormsAdapter):
 class ZeroPartitionsAdapter(OptimizerAdapter):
     """ZeRO's optimizers (stages 1 to 3): each flat fp32 gradient partition (of a parameter group; of a sub-group
     in stage 3), still multiplied by the loss scale, is read in ``unscale_and_clip_grads``; on a step the loss
-    scaler skips, in ``_update_scale``, before the gradients are dropped. ``chunkings``: each partition's chunking."""
+    scaler skips, in ``_update_scale``, before the gradients are dropped. ``partition_slices``: each partition's
+    slices."""
 
-    chunkings: List[Chunking]
+    partition_slices: List[PartitionSlices]
     skipping = False
     """``skip_optimizer_step`` set the optimizer's ``overflow`` for the step under way."""
 
@@ -101,7 +101,7 @@ class ZeroPartitionsAdapter(OptimizerAdapter):
         """Fold in flat partition ``index`` and record what ``unscale_and_clip_grads`` divides it by,
         for the global norm (times the loss scale) ``total_norm``, which stays on the device until ``finish``."""
         optimizer = self.optimizer
-        measurement.observe_partition(index, flat_grad, self.chunkings[index])
+        measurement.observe_partition(index, flat_grad, self.partition_slices[index])
         measurement.set_applied_divisor_of_norm(
             total_norm,
             functools.partial(zero_unscale_divisor,
@@ -120,8 +120,8 @@ class ZeroPartitionsAdapter(OptimizerAdapter):
         with measurement.guarded("reading the gradients before the step"):
             measurement.set_gradient_scale(self.optimizer.loss_scale)
             if has_overflow or acting:
-                for index, chunking in enumerate(self.chunkings):
-                    self.observe_skipped(measurement, index, chunking)
+                for index, slices in enumerate(self.partition_slices):
+                    self.observe_skipped(measurement, index, slices)
         if acting:
             self.remedy_step.act(measurement)
         elif self.remedy_step is not None:
@@ -152,14 +152,15 @@ class ZeroPartitionsAdapter(OptimizerAdapter):
         if self.skipping:
             self.optimizer.overflow = self.skipping = False
 
-    def observe_skipped(self, measurement: Measurement, index: int, chunking: Chunking) -> None:
+    def observe_skipped(self, measurement: Measurement, index: int, slices: PartitionSlices) -> None:
         """Fold in partition ``index``'s gradient on a skipped step, wherever the family holds it then."""
         raise NotImplementedError
 
 
-def observe_chunks(measurement: Measurement, index: int, chunking: Chunking, chunks: Sequence[torch.Tensor]) -> None:
+def observe_chunks(measurement: Measurement, index: int, slices: PartitionSlices,
+                   chunks: Sequence[torch.Tensor]) -> None:
     """Fold in a partition still held as per-parameter pieces laid end to end: no copy of it."""
-    measurement.observe(index, *chunking.slices.chunked_views(chunks))
+    measurement.observe(index, *slices.chunked_views(chunks))
 
 
 def param_group_of(partitions: Sequence[torch.Tensor], flat_grad: torch.Tensor) -> int:

@@ -18,8 +18,8 @@ import torch
 from deepspeed import comm as dist
 
 from ..optimizer_state.optimizer_stats import optimizer_statistics
-from ..statistics.partition_slices import Span, partition_spans, slices_of_spans
-from ..statistics.partition_stats import Chunking, chunk_partition
+from ..statistics.partition_slices import PartitionSlices, Span, partition_spans
+from ..statistics.partition_stats import prepare_partition
 from .base import BucketOf, Setup
 from .optimizer import ZeroPartitionsAdapter, observe_chunks, param_group_of
 
@@ -30,15 +30,14 @@ class ZeroAdapter(ZeroPartitionsAdapter):
     def __init__(self, optimizer, setup: Setup) -> None:
         device = optimizer.single_partition_of_fp32_groups[0].device
         self.zero_records_offsets = setup.capabilities.zero_records_offsets
-        self.chunkings = [
-            chunk_partition(
-                slices_of_spans(_group_spans(optimizer, index, setup.bucket_of, self.zero_records_offsets), device),
-                device) for index in range(len(optimizer.bit16_groups))
+        self.partition_slices = [
+            prepare_partition(_group_spans(optimizer, index, setup.bucket_of, self.zero_records_offsets), device)
+            for index in range(len(optimizer.bit16_groups))
         ]
-        super().__init__(optimizer, setup, len(self.chunkings), device)
+        super().__init__(optimizer, setup, len(self.partition_slices), device)
         self.optimizer_statistics = optimizer_statistics(optimizer.optimizer,
-                                                         optimizer.single_partition_of_fp32_groups, self.chunkings,
-                                                         self.kinds)
+                                                         optimizer.single_partition_of_fp32_groups,
+                                                         self.partition_slices, self.kinds)
 
     @staticmethod
     def handles(optimizer) -> bool:
@@ -67,19 +66,19 @@ class ZeroAdapter(ZeroPartitionsAdapter):
     def spans_to_scale(self, index: int) -> List[Span]:
         return _group_spans(self.optimizer, index, self.layer_map.bucket_of, self.zero_records_offsets)
 
-    def observe_skipped(self, measurement, index: int, chunking: Chunking) -> None:
+    def observe_skipped(self, measurement, index: int, slices: PartitionSlices) -> None:
         """Group ``index``'s gradient on a skipped step: the offloaded fp32 partition, the flat partition a
         pre-flattening pass left, or the per-parameter pieces (fp16) the partition would be built from."""
         optimizer = self.optimizer
         if optimizer.cpu_offload:
-            measurement.observe_partition(index, optimizer.single_partition_of_fp32_groups[index].grad, chunking)
+            measurement.observe_partition(index, optimizer.single_partition_of_fp32_groups[index].grad, slices)
             return
         pieces = optimizer.averaged_gradients[index]
         flat = getattr(pieces, "flat_partition", None)
         if flat is not None:
-            measurement.observe_partition(index, flat.view(-1), chunking)
+            measurement.observe_partition(index, flat.view(-1), slices)
         else:
-            observe_chunks(measurement, index, chunking, pieces)
+            observe_chunks(measurement, index, slices, pieces)
 
 
 def _group_spans(optimizer, index: int, bucket_of: BucketOf, records_offsets: bool) -> List[Span]:

@@ -25,8 +25,8 @@ from deepspeed import comm as dist
 
 from ..capabilities import Capabilities
 from ..optimizer_state.optimizer_stats import optimizer_statistics
-from ..statistics.partition_slices import Span, partition_spans, slices_of_spans
-from ..statistics.partition_stats import Chunking, chunk_partition
+from ..statistics.partition_slices import PartitionSlices, Span, partition_spans
+from ..statistics.partition_stats import prepare_partition
 from .base import BucketOf, Setup
 from .optimizer import ZeroPartitionsAdapter, observe_chunks
 
@@ -37,17 +37,17 @@ class Zero3Adapter(ZeroPartitionsAdapter):
     def __init__(self, optimizer, setup: Setup) -> None:
         device = optimizer.fp32_partitioned_groups_flat[0].device
         rank = dist.get_rank(group=optimizer.dp_process_group)
-        self.chunkings = [
-            chunk_partition(slices_of_spans(_sub_group_spans(params, rank, setup.bucket_of), device), device)
+        self.partition_slices = [
+            prepare_partition(_sub_group_spans(params, rank, setup.bucket_of), device)
             for params in optimizer.fp16_groups
         ]
-        super().__init__(optimizer, setup, len(self.chunkings), device)
+        super().__init__(optimizer, setup, len(self.partition_slices), device)
         self.optimizer_statistics = optimizer_statistics(
             optimizer.optimizer,
             optimizer.fp32_partitioned_groups_flat,
-            self.chunkings,
+            self.partition_slices,
             self.kinds,
-            group_ids=[optimizer.sub_group_to_group_id[index] for index in range(len(self.chunkings))])
+            group_ids=[optimizer.sub_group_to_group_id[index] for index in range(len(self.partition_slices))])
 
     @staticmethod
     def handles(optimizer) -> bool:
@@ -121,14 +121,14 @@ class Zero3Adapter(ZeroPartitionsAdapter):
         rank = dist.get_rank(group=self.optimizer.dp_process_group)
         return _sub_group_spans(self.optimizer.fp16_groups[index], rank, self.layer_map.bucket_of)
 
-    def observe_skipped(self, measurement, index: int, chunking: Chunking) -> None:
+    def observe_skipped(self, measurement, index: int, slices: PartitionSlices) -> None:
         """Sub-group ``index``'s gradient on a skipped step: the offloaded flat fp32 gradient, or the
         per-parameter partitions it would be flattened from."""
         optimizer = self.optimizer
         if optimizer.offload_optimizer:
-            measurement.observe_partition(index, optimizer.fp32_partitioned_groups_flat[index].grad, chunking)
+            measurement.observe_partition(index, optimizer.fp32_partitioned_groups_flat[index].grad, slices)
         else:
-            observe_chunks(measurement, index, chunking, optimizer.averaged_gradients[index])
+            observe_chunks(measurement, index, slices, optimizer.averaged_gradients[index])
 
 
 def _sub_group_spans(params: List[torch.nn.Parameter], rank: int, bucket_of: BucketOf) -> List[Span]:

@@ -6,12 +6,12 @@
 step, the Adam moments after it, and the update (after minus before).
 
 The fp32 master partition and its moments have the layout of the flat gradient partition, so the gradient's
-``Chunking`` reads each of them in one fused pass (``accumulate_partition``). The update is not read from a
+slices read each of them in one pass (``accumulate_partition``). The update is not read from a
 copy of the partition taken before the step: it is derived from the weights and moments after the step and the
 Adam family's rule (``adam_rule.AdamRule``): on the host by the C++ kernel, which reads each chunk of the weights
 and moments once and folds all requested kinds from it (``accumulate_fused``); elsewhere piece by piece into one
-bounded scratch buffer, each piece read with a chunking of its own (``cut_into_pieces``). Each
-partition's tensors, state and chunkings are held by one ``PartitionState``. Optimizers whose state is keyed
+bounded scratch buffer, each piece read with slices of its own (``cut_into_pieces``). Each
+partition's tensors, state and slices are held by one ``PartitionState``. Optimizers whose state is keyed
 per parameter (no ZeRO) are read the same way, each parameter as a partition of one run
 (``parameter_statistics``).
 """
@@ -21,44 +21,45 @@ from typing import Dict, List, Optional, Sequence
 import torch
 
 from ..config import OPTIMIZER_STATISTICS
-from ..statistics.partition_slices import PartitionSlices, slices_of_spans
-from ..statistics.partition_stats import HOST, Chunking, accumulate_partition, chunk_partition
+from ..statistics.kernels import HOST, Chunking
+from ..statistics.partition_slices import PartitionSlices
+from ..statistics.partition_stats import accumulate_partition, prepare_partition
 from .adam_rule import MOMENTS, NEEDS_ADAM, AdamRule, adam_rule, step_counter
 
 # The most elements one piece of a derived statistic (the update, or zeros) holds in the scratch buffer.
 PIECE = 1 << 20
 
 
-def cut_into_pieces(slices: PartitionSlices, device, piece: int = PIECE) -> List[Chunking]:
-    """The chunkings of ``slices`` cut into pieces of ``piece`` elements, each relative to its piece's
+def cut_into_pieces(slices: PartitionSlices, device, piece: int = PIECE) -> List[PartitionSlices]:
+    """The slices of ``slices`` cut into pieces of ``piece`` elements, each relative to its piece's
     start: piece ``k`` reads elements ``[k * piece, (k + 1) * piece)`` of the partition."""
     end = max((start + length for start, length in zip(slices.starts, slices.lengths)), default=0)
     buckets = slices.buckets.tolist()
-    chunkings = []
+    pieces = []
     for low in range(0, end, piece):
         high = low + piece
         spans = [(max(start, low) - low, min(start + length, high) - max(start, low), bucket)
                  for start, length, bucket in zip(slices.starts, slices.lengths, buckets)
                  if start < high and start + length > low]
-        chunkings.append(chunk_partition(slices_of_spans(spans, device), device))
-    return chunkings
+        pieces.append(prepare_partition(spans, device))
+    return pieces
 
 
 class PartitionState:
     """One fp32 master partition (a parameter group's under ZeRO, a sub-group's under ZeRO-3, or one parameter:
-    ``parameter_statistics``), its optimizer state and hyper-parameters, and the chunkings that read them."""
+    ``parameter_statistics``), its optimizer state and hyper-parameters, and the slices that read them."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, group_id: int, partition: torch.Tensor, chunking: Chunking,
-                 kinds: tuple, piece: int) -> None:
+    def __init__(self, optimizer: torch.optim.Optimizer, group_id: int, partition: torch.Tensor,
+                 slices: PartitionSlices, kinds: tuple, piece: int) -> None:
         """``group_id``: the parameter group of ``optimizer`` that steps ``partition`` (its hyper-parameters)."""
         self.optimizer = optimizer
         self.group_id = group_id
         self.partition = partition
-        self.chunking = chunking
+        self.slices = slices
         self.piece = piece
         derived = any(kind != "param" for kind in kinds)
-        self.pieces = cut_into_pieces(chunking.slices, chunking.chunks.device, piece) if derived else []
-        """Per-piece chunkings: the update's, and zero moments before the optimizer's first step."""
+        self.pieces = cut_into_pieces(slices, partition.device, piece) if derived else []
+        """Per-piece slices: the update's, and zero moments before the optimizer's first step."""
         reads_adam = any(kind in NEEDS_ADAM for kind in kinds)
         self.rule: Optional[AdamRule] = None
         """The step's rule, as its parameter group stood when the step began (``OptimizerStatistics.begin_step``)."""
@@ -75,7 +76,8 @@ class PartitionState:
         """Every requested kind in one read of the weights and moments by the host kernel, where it applies (fp32
         on the host, after a step of an Adam optimizer that was not skipped); whether it did."""
         state = self.state()
-        if self.rule is None or self.chunking.kernel != HOST or skipped or "exp_avg_sq" not in state:
+        fused = isinstance(self.slices, Chunking) and self.slices.kernel == HOST
+        if self.rule is None or not fused or skipped or "exp_avg_sq" not in state:
             return False
         tensors = (self.partition, state["exp_avg"], state["exp_avg_sq"])
         if any(tensor.dtype != torch.float32 or not tensor.is_contiguous() for tensor in tensors):
@@ -84,7 +86,7 @@ class PartitionState:
 
         requested = [kind for kind in OPTIMIZER_STATISTICS if kind in kind_stats]
         bits = sum(1 << OPTIMIZER_STATISTICS.index(kind) for kind in requested)  # the kernel's order
-        host_adam_kernel()([kind_stats[kind] for kind in requested], *map(_flat, tensors), self.chunking.chunks,
+        host_adam_kernel()([kind_stats[kind] for kind in requested], *map(_flat, tensors), self.slices.chunks,
                            self.rule.coefficients(self.step()), bits)
         return True
 
@@ -92,9 +94,9 @@ class PartitionState:
         """Fold ``kind`` of this partition into ``stats`` (its block of the table)."""
         state = self.state()
         if kind == "param":
-            accumulate_partition(stats, _flat(self.partition), self.chunking)
+            accumulate_partition(stats, _flat(self.partition), self.slices)
         elif kind in MOMENTS and kind in state:
-            accumulate_partition(stats, _flat(state[kind]), self.chunking)
+            accumulate_partition(stats, _flat(state[kind]), self.slices)
         elif kind in MOMENTS or skipped or "exp_avg" not in state:  # no step yet, or a skipped one: zeros
             self._pieces(stats, scratch, lambda low, high, out: out.zero_())
         else:
@@ -106,13 +108,13 @@ class PartitionState:
 
     def _pieces(self, stats: torch.Tensor, scratch: torch.Tensor, fill) -> None:
         """A derived statistic, piece by piece: ``fill(low, high, out)`` writes elements ``[low, high)``
-        into the scratch buffer, which that piece's chunking then reads."""
+        into the scratch buffer, which that piece's slices then read."""
         piece = self.piece
-        for number, chunking in enumerate(self.pieces):
+        for number, slices in enumerate(self.pieces):
             low = number * piece
             high = min(low + piece, self.partition.numel())
             out = fill(low, high, scratch[:high - low])
-            accumulate_partition(stats, out, chunking)
+            accumulate_partition(stats, out, slices)
 
 
 def _flat(tensor: torch.Tensor) -> torch.Tensor:
@@ -122,13 +124,13 @@ def _flat(tensor: torch.Tensor) -> torch.Tensor:
 
 def optimizer_statistics(optimizer: torch.optim.Optimizer,
                          partitions: List[torch.Tensor],
-                         chunkings: List[Chunking],
+                         partition_slices: List[PartitionSlices],
                          kinds: tuple,
                          group_ids: Optional[Sequence[int]] = None) -> Optional["OptimizerStatistics"]:
     """The reader of ``kinds`` for the fp32 master ``partitions`` that ``optimizer`` (the inner torch
-    optimizer) steps, laid out as their gradients' ``chunkings``; ``None`` without kinds. ``group_ids``: the
+    optimizer) steps, laid out as their gradients' ``partition_slices``; ``None`` without kinds. ``group_ids``: the
     parameter group of ``optimizer`` that steps each partition (default: partition ``i`` is group ``i``)."""
-    return OptimizerStatistics(optimizer, partitions, chunkings, kinds, group_ids=group_ids) if kinds else None
+    return OptimizerStatistics(optimizer, partitions, partition_slices, kinds, group_ids=group_ids) if kinds else None
 
 
 def parameter_statistics(optimizer: torch.optim.Optimizer, buckets: Sequence[Sequence[Optional[int]]],
@@ -141,12 +143,9 @@ def parameter_statistics(optimizer: torch.optim.Optimizer, buckets: Sequence[Seq
         return None
     members = [(index, param, bucket) for index, group in enumerate(optimizer.param_groups)
                for param, bucket in zip(group["params"], buckets[index], strict=True) if bucket is not None]
-    chunkings = [
-        chunk_partition(slices_of_spans([(0, param.numel(), bucket)], param.device), param.device)
-        for _, param, bucket in members
-    ]
+    partition_slices = [prepare_partition([(0, param.numel(), bucket)], param.device) for _, param, bucket in members]
     return OptimizerStatistics(optimizer, [param for _, param, _ in members],
-                               chunkings,
+                               partition_slices,
                                kinds,
                                group_ids=[index for index, _, _ in members])
 
@@ -159,7 +158,7 @@ class OptimizerStatistics:
     def __init__(self,
                  optimizer: torch.optim.Optimizer,
                  partitions: List[torch.Tensor],
-                 chunkings: List[Chunking],
+                 partition_slices: List[PartitionSlices],
                  kinds: tuple,
                  piece: int = PIECE,
                  group_ids: Optional[Sequence[int]] = None) -> None:
@@ -173,8 +172,8 @@ class OptimizerStatistics:
         self.group_ids = sorted(set(group_ids))
         """The parameter groups of ``optimizer`` that the partitions belong to, each once."""
         self.states = [
-            PartitionState(optimizer, group_id, partition, chunking, kinds, piece)
-            for group_id, partition, chunking in zip(group_ids, partitions, chunkings, strict=True)
+            PartitionState(optimizer, group_id, partition, slices, kinds, piece)
+            for group_id, partition, slices in zip(group_ids, partitions, partition_slices, strict=True)
         ]
         largest = min(piece, max((partition.numel() for partition in partitions), default=0))
         self.scratch: Optional[torch.Tensor] = None

@@ -22,7 +22,8 @@ from typing import Callable, Hashable, Optional, Sequence
 import torch
 
 from ..remedies.remedies import Action
-from .partition_stats import Chunking, accumulate_partition, accumulate_spans
+from .partition_slices import PartitionSlices
+from .partition_stats import accumulate_partition, accumulate_spans
 from .reduction import reduce_stats
 from .result import NormFormula, StepScales, host_copy, resolve_scales, step_result
 from .statistics import MAX, NEG_MIN, NUMEL, SUMSQ, empty_stats, reset_stats, table_rows
@@ -85,10 +86,10 @@ class Measurement:
                     "or fire's), training goes on", what, self.step)
             self.failed = True
 
-    def observe_partition(self, index: int, flat_grad: torch.Tensor, chunking: Chunking) -> None:
-        """Fold in flat gradient partition ``index``, laid out as ``chunking`` says (once per partition)."""
+    def observe_partition(self, index: int, flat_grad: torch.Tensor, slices: PartitionSlices) -> None:
+        """Fold in flat gradient partition ``index``, laid out as ``slices`` says (once per partition)."""
         if self._wanted(index):
-            accumulate_partition(self.stats, flat_grad, chunking, self.extra)
+            accumulate_partition(self.stats, flat_grad, slices, self.extra)
             self.observed.add(index)
 
     def observe(self, index: int, spans: Sequence[torch.Tensor], buckets: torch.Tensor) -> None:

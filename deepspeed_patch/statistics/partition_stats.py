@@ -2,24 +2,19 @@
 # SPDX-License-Identifier: Apache-2.0
 
 # DeepSpeed Team
-"""The kernels that fold a gradient partition's spans into the statistics table (``statistics``).
-
-In one read by a fused kernel where one is available (C++ and OpenMP on the host, ``partition_stats_cpu``;
-Triton on CUDA and ROCm, ``partition_stats_triton``), else with stock PyTorch operators over the spans
-(``accumulate_spans``), with the same results. A ``Chunking``, built once per parameter group at start-up,
-says where each run lies and which kernel reads it; the probe that picks the kernel runs then too. The
-extra statistics (L1, sum, zeros) are computed only when asked for.
+"""How a gradient partition's spans are folded into the statistics table (``statistics``): with stock PyTorch
+operators over the spans (``accumulate_spans``), or by a fused kernel where the partition's slices carry one
+(``kernels.Chunking``), with the same results. The extra statistics (L1, sum, zeros) are computed only when
+asked for.
 """
 
-import functools
-from dataclasses import dataclass
 from typing import Collection, List, Optional, Sequence, Tuple
 
 import torch
-from deepspeed.utils import logger
 
 from . import statistics as columns
-from .partition_slices import PartitionSlices
+from .kernels import Chunking, chunk_partition
+from .partition_slices import PartitionSlices, Span, slices_of_spans
 
 # Spans are read piece by piece, each piece three times in a row (squared norm, min and max, |x| into a
 # scratch buffer for abs_min). On the host a piece of 2 MiB of fp32 stays in the CPU's cache between those
@@ -107,107 +102,17 @@ def _count_nonfinite(piece: torch.Tensor, scratch: torch.Tensor) -> torch.Tensor
     return values.mul_(0.0).nan_to_num_(nan=1.0).sum()  # x * 0 is 0 for a finite x, NaN otherwise
 
 
-HOST, TRITON, STOCK = "host", "triton", "stock"
-KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-# Spans are cut into chunks of at most this many elements: a host thread's or a Triton program's unit of
-# work (256 KiB of fp32 stays in a core's cache), so long spans spread over all threads and programs.
-CHUNK = 1 << 16
-EXTRA_BITS = {"l1": 1, "mean": 2, "zeros": 4}  # the statistics of EXTRA_STATISTICS a kernel computes on request
+def prepare_partition(spans: Sequence[Span], device) -> PartitionSlices:
+    """The slices of one partition's ``spans`` on ``device`` (where the partition lives), as the statistics read
+    them. With the fused kernels, a ``kernels.Chunking``: its chunk list built and its kernel picked now, at
+    start-up, rather than in the first measured step."""
+    return chunk_partition(slices_of_spans(list(spans), device), device)
 
 
-@dataclass(frozen=True)
-class Chunking:
-    """How the kernels read one parameter group's partition: its spans cut into chunks (the chunk list), and the
-    kernel that reads them; built once, next to its slices."""
-
-    slices: PartitionSlices
-    chunks: torch.Tensor
-    """The chunk list the kernels take: ``(chunks, 3)`` int64 on the partition's device, the start, length and
-    bucket row of each chunk."""
-    end: int
-    """One past the last element a span covers: the partition must have at least that many."""
-    rows: int
-    """One more than the largest bucket row: the statistics table must have at least that many."""
-    kernel: str
-    """``HOST``, ``TRITON`` or ``STOCK``: which path ``accumulate_partition`` takes."""
-
-
-def chunk_partition(slices: PartitionSlices, device, kernel: Optional[str] = None, chunk: int = CHUNK) -> Chunking:
-    """The chunking of ``slices`` on ``device`` (where the partition lives).
-
-    ``kernel`` forces a path (tests, benchmarks); by default the best one that ``device`` allows,
-    which on the host compiles the C++ kernel now, at start-up, rather than in the first measured step.
-    """
-    device = torch.device(device)
-    buckets = slices.buckets.tolist()
-    entries = [(start + offset, min(chunk, length - offset), bucket)
-               for start, length, bucket in zip(slices.starts, slices.lengths, buckets)
-               for offset in range(0, length, chunk)]
-    chunks = torch.tensor(entries, dtype=torch.int64).reshape(-1, 3).to(device)
-    ends = [start + length for start, length in zip(slices.starts, slices.lengths)]
-    return Chunking(slices=slices,
-                    chunks=chunks,
-                    end=max(ends, default=0),
-                    rows=max(buckets, default=-1) + 1,
-                    kernel=kernel or _best_kernel(device))
-
-
-def _best_kernel(device: torch.device) -> str:
-    if device.type == "cpu":
-        from .partition_stats_cpu import host_kernel
-
-        return HOST if host_kernel() is not None else STOCK
-    if device.type == "cuda" and _triton_runs(device):
-        return TRITON
-    return STOCK
-
-
-@functools.lru_cache(maxsize=None)
-def _triton_runs(device: torch.device) -> bool:
-    """Whether the Triton kernel compiles and runs on ``device``: tried once per process, at start-up, on
-    three elements, so that a missing or unusable Triton falls back to the stock operators (with one
-    warning) instead of failing the first measured step."""
-    try:
-        from .partition_stats_triton import accumulate_chunks
-
-        stats = columns.empty_stats(1, device)
-        accumulate_chunks(stats, torch.ones(3, device=device), torch.tensor([[0, 3, 0]], device=device), 0)
-        if stats[0, columns.NUMEL].item() == 3 and stats[0, columns.SUMSQ].item() == 3:
-            return True
-        raise RuntimeError(f"wrong result {stats.tolist()}")
-    except Exception as error:  # no triton, an unsupported device, a compiler error
-        logger.warning(
-            "layer_grad_norms: the fused statistics kernel for %s is unavailable (%s: %s); using stock "
-            "PyTorch operators instead (slower, same results)", device,
-            type(error).__name__, error)
-        return False
-
-
-def accumulate_partition(stats: torch.Tensor, flat: torch.Tensor, chunking: Chunking,
+def accumulate_partition(stats: torch.Tensor, flat: torch.Tensor, slices: PartitionSlices,
                          extra: Collection[str] = ()) -> None:
-    """Fold the spans of ``chunking`` in ``flat`` (this rank's 1-D gradient partition) into ``stats``.
+    """Fold the spans of ``slices`` in ``flat`` (this rank's 1-D gradient partition) into ``stats``.
 
-    ``extra`` names the statistics of ``EXTRA_STATISTICS`` to compute as well. No host
-    synchronisation, no per-span Python; only the stock path keeps ``accumulate_spans``' own (on an
-    accelerator, its non-finite check and small host-to-device copies). A partition of another dtype,
-    or not contiguous, takes the stock path.
-    """
-    if flat.dim() != 1 or flat.numel() < chunking.end or stats.shape[0] < chunking.rows:
-        raise ValueError(f"layer_grad_norms: a partition of {flat.numel()} elements and a table of "
-                         f"{stats.shape[0]} buckets do not fit spans up to element {chunking.end} and bucket "
-                         f"row {chunking.rows - 1}")
-    if not flat.device == stats.device == chunking.chunks.device:
-        raise ValueError(f"layer_grad_norms: partition on {flat.device}, statistics on {stats.device}, chunk "
-                         f"list on {chunking.chunks.device}: they must be on one device")
-    if chunking.kernel == STOCK or flat.dtype not in KERNEL_DTYPES or not flat.is_contiguous():
-        accumulate_spans(stats, chunking.slices.views(flat), chunking.slices.buckets, extra)
-        return
-    bits = sum(EXTRA_BITS[name] for name in extra if name in EXTRA_BITS)
-    if chunking.kernel == HOST:
-        from .partition_stats_cpu import host_kernel
-
-        host_kernel()(stats, flat, chunking.chunks, bits)
-    else:
-        from .partition_stats_triton import accumulate_chunks
-
-        accumulate_chunks(stats, flat, chunking.chunks, bits)
+    A ``kernels.Chunking`` reads them with its fused kernel where it can; the stock operators read the rest."""
+    if not (isinstance(slices, Chunking) and slices.accumulate_fused(stats, flat, extra)):
+        accumulate_spans(stats, slices.views(flat), slices.buckets, extra)

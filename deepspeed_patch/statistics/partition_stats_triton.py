@@ -73,7 +73,7 @@ def accumulate_chunks(stats: torch.Tensor, flat: torch.Tensor, chunks: torch.Ten
     """Fold the chunks ``(start, length, bucket row)`` of ``flat`` into ``stats``.
 
     ``extra``: bit 1 L1, bit 2 sum, bit 4 zeros. The caller has checked the chunk list against ``flat``
-    and ``stats`` (``partition_stats.accumulate_partition`` does). Three kernel launches, no synchronisation.
+    and ``stats`` (``kernels.Chunking.accumulate_fused`` does). Three kernel launches, no synchronisation.
     """
     count = chunks.shape[0]
     if count == 0:

@@ -593,28 +593,25 @@ SERIES = (
     PullRequest(
         "09",
         "fused-statistics-kernels",
-        ("statistics/partition_stats_cpu.py", "statistics/partition_stats_triton.py",
+        ("statistics/kernels.py", "statistics/partition_stats_cpu.py", "statistics/partition_stats_triton.py",
          "statistics/csrc/partition_stats.cpp"),
         (),
         cuts=(
             Cut("statistics/partition_stats.py",
-                docstrings=(("", "In one read by a fused kernel where one is available (C++ and OpenMP on the host, "
-                             "``partition_stats_cpu``;\nTriton on CUDA and ROCm, ``partition_stats_triton``), else "
-                             "with stock PyTorch operators over the spans\n(``accumulate_spans``), with the same "
-                             "results.", "With stock PyTorch operators over the spans (``accumulate_spans``)."),
-                            ("", " and which kernel reads it; the probe that picks the kernel runs then too.", ".")),
-                replace=(("chunk_partition", "kernel=kernel or _best_kernel(device))", "kernel=kernel or STOCK)"),
+                docstrings=(("", "(``accumulate_spans``), or by a fused kernel where the partition's slices carry one"
+                             "\n(``kernels.Chunking``), with the same results.", "(``accumulate_spans``)."),
+                            ("prepare_partition", " With the fused kernels, a ``kernels.Chunking``: its chunk list "
+                             "built and its kernel picked now, at\n    start-up, rather than in the first measured "
+                             "step.", ""),
+                            ("accumulate_partition", "\n\n    A ``kernels.Chunking`` reads them with its fused kernel "
+                             "where it can; the stock operators read the rest.", "")),
+                replace=(("prepare_partition", "return chunk_partition(slices_of_spans(list(spans), device), device)",
+                          "return slices_of_spans(list(spans), device)"),
                          ("accumulate_partition",
-                          "    if chunking.kernel == STOCK or flat.dtype not in KERNEL_DTYPES or not "
-                          "flat.is_contiguous():\n"
-                          "        accumulate_spans(stats, chunking.slices.views(flat), "
-                          "chunking.slices.buckets, extra)\n"
-                          "        return\n",
-                          "    accumulate_spans(stats, chunking.slices.views(flat), chunking.slices.buckets, "
-                          "extra)\n")),
-                statements=(("accumulate_partition", r"bits = "), ("accumulate_partition",
-                                                                   r"if chunking\.kernel == HOST")),
-                drop=("KERNEL_DTYPES", "EXTRA_BITS")),
+                          "    if not (isinstance(slices, Chunking) and slices.accumulate_fused(stats, flat, "
+                          "extra)):\n"
+                          "        accumulate_spans(stats, slices.views(flat), slices.buckets, extra)\n",
+                          "    accumulate_spans(stats, slices.views(flat), slices.buckets, extra)\n"))),
             Cut("optimizer_state/optimizer_stats.py",
                 replace=(("OptimizerStatistics.accumulate",
                           "            if not state.accumulate_fused(kind_stats, skipped):\n"

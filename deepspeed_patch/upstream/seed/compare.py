@@ -78,9 +78,9 @@ def worker(args: argparse.Namespace) -> None:
 
         deepspeed_patch.install()
         if run == "package-stock":
-            from deepspeed_patch.statistics import partition_stats
+            from deepspeed_patch.statistics import kernels
 
-            partition_stats._best_kernel = lambda device: partition_stats.STOCK
+            kernels._best_kernel = lambda device: kernels.STOCK
     import deepspeed
 
     is_seed = os.path.isfile(os.path.join(os.path.dirname(os.path.dirname(deepspeed.__file__)), SEED_MODULE))

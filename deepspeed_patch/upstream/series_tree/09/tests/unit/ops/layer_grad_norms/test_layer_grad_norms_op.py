@@ -6,13 +6,9 @@
 import pytest
 import torch
 from deepspeed.ops.op_builder.layer_grad_norms import LayerGradNormsBuilder
+from deepspeed.runtime.layer_grad_norms.statistics.kernels import HOST, STOCK, chunk_partition
 from deepspeed.runtime.layer_grad_norms.statistics.partition_slices import slices_of_spans
-from deepspeed.runtime.layer_grad_norms.statistics.partition_stats import (
-    HOST,
-    STOCK,
-    accumulate_partition,
-    chunk_partition,
-)
+from deepspeed.runtime.layer_grad_norms.statistics.partition_stats import accumulate_partition
 from deepspeed.runtime.layer_grad_norms.statistics.partition_stats_cpu import host_kernel
 from deepspeed.runtime.layer_grad_norms.statistics.statistics import empty_stats
 

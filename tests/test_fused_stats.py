@@ -20,8 +20,7 @@ from typing import List, Optional, Sequence, Tuple
 import pytest
 import torch
 
-from deepspeed_patch.statistics import kernels
-from deepspeed_patch.statistics import partition_stats as fused_stats
+from deepspeed_patch.statistics import kernels, partition_stats
 from deepspeed_patch.statistics.kernels import HOST, STOCK, TRITON, chunk_partition
 from deepspeed_patch.statistics.partition_slices import PartitionSlices, partition_spans, slices_of_spans
 from deepspeed_patch.statistics.partition_stats import accumulate_partition, accumulate_spans
@@ -321,7 +320,7 @@ def test_stock_path_and_kernel_choice(monkeypatch):
     spans = random_spans(flat.numel(), 6, 3, seed=16)
     stats = empty_stats(3, "cpu")
     calls = []
-    monkeypatch.setattr(fused_stats, "accumulate_spans", lambda *args: calls.append(accumulate_spans(*args)))
+    monkeypatch.setattr(partition_stats, "accumulate_spans", lambda *args: calls.append(accumulate_spans(*args)))
     assert chunk_partition(slices_on(spans, "cpu"), "cpu").kernel == HOST
     checked = 0
     for kernel, values in ((STOCK, flat), (HOST, flat.double())):

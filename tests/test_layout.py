@@ -24,18 +24,23 @@ def traced() -> Dict:
     return launch(trace_measured_steps, 1)[0]
 
 
-def documented_files(heading: str) -> List[str]:
-    """The package files named in the first column of the table under ``heading`` (up to the next heading)."""
+def section_files(heading: str, pattern: str) -> List[str]:
+    """The package files that ``pattern`` (one group: the path) finds in the section under ``heading``, up to the
+    next heading."""
     text = open(LAYOUT).read()
     assert heading in text, f"docs/layout.md has no section {heading!r}"
     section = text.split(heading, 1)[1].split("\n#", 1)[0]
-    return sorted("deepspeed_patch/" + name for name in re.findall(r"^\| `([\w/]+\.py)` \|", section, re.M))
+    return sorted("deepspeed_patch/" + name for name in re.findall(pattern, section, re.M))
+
+
+def documented_files(heading: str) -> List[str]:
+    """The package files named in the first column of the table under ``heading``."""
+    return section_files(heading, r"^\| `([\w/]+\.py)` \|")
 
 
 def files_not_run(heading: str) -> List[str]:
     """The package files the section under ``heading`` says its step does not run (lines ``Not run: `x.py` ...``)."""
-    section = open(LAYOUT).read().split(heading, 1)[1].split("\n#", 1)[0]
-    return sorted("deepspeed_patch/" + name for name in re.findall(r"^Not run: `([\w/]+\.py)`", section, re.M))
+    return section_files(heading, r"^Not run: `([\w/]+\.py)`")
 
 
 def test_the_doc_names_exactly_the_files_a_traced_measured_step_runs():

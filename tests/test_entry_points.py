@@ -111,6 +111,7 @@ def test_help_shows_defaults_and_says_what_each_argument_is(command, fragments, 
         assert fragment in text, text
 
 
+@pytest.mark.extended  # 17 s, a launch of its own: the suite's margin under its 10 minutes (tests/README.md)
 def test_readme_quickstart_runs_on_two_ranks():
     result = run_script(os.path.join(ROOT, "examples", "quickstart.py"), timeout=300, cwd=ROOT)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]

@@ -4,27 +4,10 @@
 # DeepSpeed Team
 """What every optimizer family's adapter shares: the step protocol the engine drives.
 
-The engine holds the adapter in ``engine.layer_grad_norms``, and so does the optimizer whose gradients
-it reads (``optimizer.layer_grad_norms``). One optimizer step:
-
-1. ``begin_step()`` at the top of the engine's ``_take_model_step``: the step schedule (``steps.StepSchedule``)
-   decides whether the step is measured; if so a ``Measurement`` is opened (and families whose gradients
-   are complete already, such as BF16_Optimizer's, read them now: ``read_at_begin``).
-2. The optimizer's read points, methods of the family's adapter named after the DeepSpeed method they
-   sit in, fold each gradient partition into the measurement, before it is unscaled and
-   clipped, and record the factor the optimizer divides it by.
-3. ``end_step()`` at the end of ``_take_model_step``: the measurement is reduced across the ranks
-   (``reduction.reduce_stats``) and published (``publish.Publisher``: the result, the dump, DeepSpeed's
-   monitors); the trigger (``trigger.TriggerState``) sees the global norm.
-
-With a flight recorder (``trigger.history``) every step opens a measurement; one that is only recorded
-is pushed into the recorder's ring instead of being reduced, and the whole ring is reduced when the
-trigger fires. Without it, unmeasured steps cost one modulo and a few attribute reads.
-
-Every collective (a measured step's reduction, the ring's at a fire) follows from state that is the same on
-every rank; each reader of the results is guarded on its own (``publish.Consumer``), so a reader failing on
-one rank changes nothing the ranks do. A failure of the measurement itself goes through the failure latch
-(``steps.FailureLatch``).
+``begin_step()`` at the top of the engine's ``_take_model_step`` opens a ``Measurement`` when the step is measured;
+the optimizer's read points (the family's adapter's methods, named after the DeepSpeed method they sit in) fold
+each gradient partition into it; ``end_step()`` at the end of ``_take_model_step`` reduces and publishes it. What
+leads to a collective is the same on every rank, whatever failed on one (``steps.FailureLatch``).
 """
 
 import logging

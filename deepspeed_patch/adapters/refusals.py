@@ -2,11 +2,8 @@
 # SPDX-License-Identifier: Apache-2.0
 
 # DeepSpeed Team
-"""The set-ups the per-layer statistics refuse at initialize, each with its reason.
-
-A set-up that cannot be measured correctly (yet) fails when the engine is built, naming the reason and the
-way out, rather than reporting wrong numbers later. ``attach`` asks these checks while it picks the adapter, and
-raises every refusal that applies in one error (``Refusals``), so a user fixes them in one go.
+"""The set-ups the per-layer statistics refuse at initialize, each with its reason and the way out, every one
+that applies named in one error (``Refusals``) rather than wrong numbers reported later.
 """
 
 from typing import Callable, List, Optional

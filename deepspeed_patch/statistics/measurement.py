@@ -4,15 +4,8 @@
 # DeepSpeed Team
 """One measured optimizer step (``Measurement``): what the read points fold into its table, and its reduction.
 
-For each measured or recorded step the adapter opens a fresh ``Measurement`` (``steps.StepSchedule`` says which),
-which the optimizer's read points fill (this rank's partial statistics, the loss scale the gradients carry,
-the factor the optimizer divides them by) and which ``finish`` reduces across the ranks
-(``reduction.reduce_stats``) and turns into the step's result (``result.step_result``).
-
-An error while measuring (a bug, an unforeseen layout) must not stop the training run: it is logged,
-the step's table carries a failure flag through the next collective, and every rank then switches the
-statistics off together (``steps.FailureLatch``), so no rank is left waiting in a collective the others
-skip and no rank keeps a result the others do not have.
+An error while measuring is logged and flagged in the step's table, and every rank switches the statistics off
+together (``steps.FailureLatch``): no rank waits in a collective the others skip, none keeps a result the others lack.
 """
 
 import contextlib

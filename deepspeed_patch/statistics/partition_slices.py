@@ -4,13 +4,8 @@
 # DeepSpeed Team
 """Which slice of this rank's flat gradient partition belongs to which bucket.
 
-ZeRO-1/2 (and BF16_Optimizer, and FP16_Optimizer on one rank) lays each parameter group out as one
-flat buffer (parameters back to back, with optional alignment padding) and gives every data-parallel
-rank one contiguous partition of it. The flat fp32 gradient partition the optimizer steps on has
-exactly that layout, so a parameter's gradient on this rank is the intersection of its range in the
-flat buffer with this rank's partition. Parameters cut by a partition boundary contribute their
-local part; padding belongs to no slice. Each optimizer's adapter (``adapters/``) supplies its own
-parameter offsets and partition bounds; the arithmetic here is common to all.
+A parameter's gradient on this rank is the intersection of its range in its group's flat buffer with this rank's
+partition; padding belongs to no slice. Each adapter supplies its parameter offsets and partition bounds.
 """
 
 from dataclasses import dataclass

@@ -4,31 +4,10 @@
 # DeepSpeed Team
 """The reduction of every rank's ``(buckets, 9)`` statistics table: two all-reduces, whatever the world size.
 
-A table's first ``NUM_SUMMED`` columns add up across ranks (squared norm, non-finite count, L1, sum,
-zeros, element count), the others take the maximum (max, -min, -abs_min). So one SUM all-reduce of
-the summed columns and one MAX all-reduce of the others give every rank the statistics of the full
-gradient. Each rank sends and receives about ``2 * 72 * buckets`` bytes (ring algorithm), whatever the
-world size, where an all-gather of the tables brought ``72 * buckets * world_size`` to each rank. The
-all-gather is not kept for small worlds, although it is cheaper there while latency dominates (one
-collective of ``W - 1`` ring steps against two of ``2 (W - 1)``): a second path chosen by world size would
-make the bytes per rank depend on the world again and need its own tests, for a saving the cost model
-shows to be small (``benchmarks/results/reduction_cost.md`` has the figures).
-
-Every rank gets the same bits: an all-reduce leaves one result on all ranks (NCCL's ring and tree, and
-gloo's, compute each element's sum once and copy it), so no rank can see a different order of float64
-additions. The counts (element count, non-finite, zeros, and the status row's failure flag a caller
-appends as an extra row) are whole numbers, exact in float64 up to 2**53.
-
-NaN in the maxima (max, -min, -abs_min) follows one rule, whatever the number of ranks and whichever rank
-holds it: a NaN anywhere in a bucket's gradient makes its min, max, abs_min and abs_max NaN, as they are on
-one rank, where ``torch.amax`` propagates NaN; else +inf wins over every finite value. The backends do not
-agree with that or with each other (gloo's MAX keeps or drops a NaN depending on the rank that holds it,
-NCCL's drops it), so ``reduce_stats`` codes NaN and +inf as finite float64 values above any gradient
-statistic's range before the MAX all-reduce (NaN above +inf above every finite value) and decodes them
-after: the order, and with it the result, no longer depends on the backend or on the rank.
-
-The loss the training loop reports is combined here too (``LossAgreement``, ``agreed_losses``): one MAX all-reduce
-of one float64 a reader, at most one a step, its non-finite values coded as the maxima's.
+The first ``NUM_SUMMED`` columns add up across ranks and the others take the maximum, so one SUM and one MAX
+all-reduce give every rank the same bits of the full gradient's statistics. NaN and +inf in the maxima are coded
+as finite values first, so that the result depends neither on the backend nor on the rank that holds them.
+The loss the training loop reports is combined here too (``LossAgreement``).
 """
 
 import math

@@ -2,13 +2,8 @@
 # SPDX-License-Identifier: Apache-2.0
 
 # DeepSpeed Team
-"""A step's result: the dict ``get_layer_grad_norms()`` returns, made from the step's reduced table.
-
-A measured step (``measurement.Measurement.finish``) and each step the flight recorder reduces at a fire
-(``recorder.FlightRecorder.replay``) carry, beside their table, their scales (``StepScales``): the step's
-number, whether the loss scaler skipped it, the loss scale its gradient carries and the factor the optimizer
-divides it by. ``host_copy`` brings the reduced table to the host with the optimizer's global norms still on
-the device, in one copy; ``step_result`` turns both into the result dict.
+"""A step's result: the dict ``get_layer_grad_norms()`` returns, made from the step's reduced table and its scales
+(``StepScales``), the table brought to the host with the optimizer's global norm in one copy (``host_copy``).
 """
 
 import math

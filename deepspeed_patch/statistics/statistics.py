@@ -4,12 +4,9 @@
 # DeepSpeed Team
 """The statistics table: its rows and columns, its identity, and the reported statistics of each bucket.
 
-Each rank folds the spans of its local gradient partition into one small ``(buckets, 9)`` float64 table
-(``partition_stats``). Sums (squared norm, non-finite count, L1, sum, zeros, element count) and maxima
-(max, -min, -abs_min) combine the same way across spans, parameter groups and ranks, so the tables of all
-ranks reduce (``reduction``) to the statistics of the full gradient whatever the number of buckets; this
-module turns a reduced table into the reported numbers. A step's table holds the gradient's buckets, one block
-of them per optimizer statistic, and a status row (``table_rows``).
+Its columns are sums (squared norm, non-finite count, L1, sum, zeros, element count) and maxima (max, -min,
+-abs_min), so spans, parameter groups and ranks combine the same way (``reduction``). A step's table holds the
+gradient's buckets, one block of them per optimizer statistic, and a status row (``table_rows``).
 """
 
 import math

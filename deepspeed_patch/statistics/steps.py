@@ -81,15 +81,10 @@ class StepSchedule:
 class FailureLatch:
     """A failure of the measurement on one rank switches the statistics off on every rank at the same step.
 
-    The failing rank logs it and flags every later step it opens (``failed_locally``): the flag rides in the
-    status row of the next reduction, a measured step's or the recorder's at a fire, and every rank then
-    reads the same flag and switches off (``broken``). Each is logged once.
-
-    "Every rank" is every rank of the adapter's process group, the one its reductions run over: the whole world
-    under ZeRO, one data-parallel replica's model-parallel group under pipeline or tensor parallelism without ZeRO,
-    this rank alone where each holds the whole model (``REPLICATED``). Every other collective of the statistics
-    runs over that group as well (the loss's, ``reduction.agreed_losses``), so ranks that switched off together stop
-    every collective together, and no rank outside the group waits for one.
+    The failing rank logs it and flags every later step it opens (``failed_locally``); the flag rides in the status
+    row of the next reduction, a measured step's or the recorder's at a fire, and every rank then reads it and
+    switches off (``broken``). "Every rank" is the adapter's process group, the one all the statistics'
+    collectives run over, so the ranks that switch off together stop every collective together.
     """
 
     def __init__(self) -> None:

@@ -357,11 +357,7 @@ _READERS_CUTS = (
     Cut("adapters/base.py",
         replace=(("", "from ..outputs.publish import Publisher, Reader",
                   "from ..outputs.monitor import MonitorEvents\nfrom ..outputs.publish import Publisher"),
-                 ("Setup", "Optional[Reader]", "Optional[MonitorEvents]")),
-        docstrings=(("", "the result, the dump, DeepSpeed's\n   monitors", "the result, DeepSpeed's monitors"),
-                    ("", "; each reader of the results is guarded on its own (``publish.Consumer``), so a reader "
-                     "failing on\none rank changes nothing the ranks do", "; a monitor failing on one rank is "
-                     "switched off there and\nchanges nothing the ranks do"), )),
+                 ("Setup", "Optional[Reader]", "Optional[MonitorEvents]"))),
     Cut("outputs/__init__.py", docstrings=(("", "; ``process_rank`` says which rank writes", ""), )),
 )
 
@@ -430,9 +426,7 @@ SERIES = (
                 drop=("LayerGradNormsAdapter.read_at_begin", "LayerGradNormsAdapter.read_at_end"),
                 statements=(("LayerGradNormsAdapter.begin_step", r"with self\.measurement\.guarded"),
                             ("LayerGradNormsAdapter._close", r"with measurement\.guarded")),
-                docstrings=(("", " (and families whose gradients\n   are complete already, such as BF16_Optimizer's, "
-                             "read them now: ``read_at_begin``)", ""),
-                            ("Setup", "; ``REPLICATED`` where each holds it all", ""))),
+                docstrings=(("Setup", "; ``REPLICATED`` where each holds it all", ""), )),
             Cut(ZERO_TESTS, replace=(("", "[0, 1, 2]", "[1, 2]"), )),
         ),
     ),
@@ -455,14 +449,8 @@ SERIES = (
             # the loss the training loop reports, agreed over the ranks (the trigger's loss_factor, skip_step)
             Cut("statistics/reduction.py",
                 drop=("LossAgreement", "ReportedLoss", "agreed_losses", "_coded", "reported_loss"),
-                docstrings=(("", "\n\nThe loss the training loop reports is combined here too (``LossAgreement``, "
-                             "``agreed_losses``): one MAX all-reduce\nof one float64 a reader, at most one a step, "
-                             "its non-finite values coded as the maxima's.", ""), )),
-            Cut("statistics/result.py",
-                docstrings=(("", "A measured step (``measurement.Measurement.finish``) and each step the flight "
-                             "recorder reduces at a fire\n(``recorder.FlightRecorder.replay``) carry, beside their "
-                             "table, their scales", "A measured step (``measurement.Measurement.finish``) carries, "
-                             "beside its table, its scales"), )),
+                docstrings=(("", "\nThe loss the training loop reports is combined here too (``LossAgreement``).",
+                             ""), )),
             Cut("config.py", drop=("TriggerConfig", "DumpConfig", "LayerGradNormsConfig.trigger",
                                    "LayerGradNormsConfig.dump")),
             Cut("statistics/steps.py",
@@ -473,8 +461,7 @@ SERIES = (
                 docstrings=(("", "the trigger's capture (from the global norm), and a failure "
                              "announced through a\nreduction.", "and a failure announced through a reduction."),
                             ("FailureLatch", "next reduction, a measured step's or the recorder's at a fire, and",
-                             "next reduction, and"), ("FailureLatch", " (the loss's, ``reduction.agreed_losses``)",
-                                                      "")),
+                             "next reduction, and")),
                 drop=("StepSchedule.capturing", "StepSchedule.open_capture")),
             Cut("outputs/publish.py",
                 statements=(("Publisher.__init__", r"self\.dump = None"), ("Publisher.__init__", r"if dump and "),
@@ -511,11 +498,6 @@ SERIES = (
                           "self.publisher.publish(result, self.schedule.capture if self.schedule.capturing() else "
                           "None)", "self.publisher.publish(result)")),
                 docstrings=(
-                    ("", "; the trigger (``trigger.TriggerState``) sees the global norm.", "."),
-                    ("", "With a flight recorder (``trigger.history``) every step opens a measurement; one that is "
-                     "only recorded\nis pushed into the recorder's ring instead of being reduced, and the whole ring "
-                     "is reduced when the\ntrigger fires. Without it, unmeasured", "Unmeasured"),
-                    ("", "(a measured step's reduction, the ring's at a fire)", "(a measured step's reduction)"),
                     ("LayerGradNormsAdapter", "the open measurement, the trigger and the\n    recorder, the published",
                      "the open measurement, the\n    published"),
                     ("LayerGradNormsAdapter.end_step", "record it, reduce and publish a measured step, feed the\n"

@@ -162,8 +162,17 @@ def test_only_what_belongs_in_deepspeed(tmp_path):
     for path, text in added.items():
         assert "deepspeed_patch" not in text and "megatron_integration" not in text, path
         assert "capabilities" not in text, path
+        if path.endswith(".py"):
+            sources = [(node.module, node.level) for node in ast.parse(text).body if isinstance(node, ast.ImportFrom)]
+            assert len(sources) == len(set(sources)), path  # one import per module: the inlined ones joined
     config = added[f"{series.UPSTREAM_PACKAGE}/config.py"]
     assert "misspelling" not in config and "difflib" not in config  # no refusal of keys without the block
+
+
+def test_inlined_imports_join_the_modules_own():
+    """An inlined definition's ``from typing import ...`` joins the module's own; a name bound already goes."""
+    text = "import weakref\nfrom typing import Optional\n\nfrom typing import Dict, Optional\nimport weakref\nX = 1\n"
+    assert series._dedupe_imports(text) == "import weakref\nfrom typing import Dict, Optional\n\nX = 1\n"
 
 
 @pytest.mark.extended  # CI's .ci/precommit test runs the same check on every run

@@ -162,19 +162,35 @@ def relative_import(importer: str, module: str) -> str:
 
 
 def _dedupe_imports(text: str) -> str:
-    """Without an import of a name an earlier module-level import binds already."""
+    """Without an import of a name an earlier module-level import binds already, and with the names of a later
+    ``from M import ...`` joined to the first import from ``M`` (the inlined definitions' imports beside the
+    module's own)."""
     tree, lines = ast.parse(text), text.splitlines(keepends=True)
     bound: Set[str] = set()
+    first_from: Dict[Tuple[Optional[str], int], ast.ImportFrom] = {}
     for node in tree.body:
         if not isinstance(node, (ast.Import, ast.ImportFrom)):
             continue
         names = [alias for alias in node.names if (alias.asname or alias.name) not in bound]
         bound |= {alias.asname or alias.name for alias in node.names}
+        first = first_from.setdefault((node.module, node.level), node) if isinstance(node, ast.ImportFrom) else node
+        if first is not node:
+            if names:
+                first.names = sorted(first.names + names, key=lambda alias: alias.name)
+                _rewrite(lines, first, ast.unparse(first) + "\n")
+            _rewrite(lines, node, "")
+            continue
         if len(names) < len(node.names):
             new = "" if not names else (ast.unparse(ast.ImportFrom(node.module, names, node.level)) if isinstance(
                 node, ast.ImportFrom) else ast.unparse(ast.Import(names))) + "\n"
-            lines[node.lineno - 1:node.end_lineno] = [new] + [""] * (node.end_lineno - node.lineno)
+            _rewrite(lines, node, new)
+        node.names = names  # what a later import from the same module joins
     return "".join(lines)
+
+
+def _rewrite(lines: List[str], node: ast.stmt, new: str) -> None:
+    """The lines of statement ``node`` replaced by ``new``, keeping every other statement's line numbers."""
+    lines[node.lineno - 1:node.end_lineno] = [new] + [""] * (node.end_lineno - node.lineno)
 
 
 # --- the stages -----------------------------------------------------------------------------------

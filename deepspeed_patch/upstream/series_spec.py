@@ -541,10 +541,16 @@ SERIES = (
                 drop=("OPTIMIZER_STATISTICS", "OPTIMIZER_KINDS", "LayerGradNormsConfig.optimizer_statistics",
                       "LayerGradNormsConfig._validate_optimizer_statistics")),
             Cut("outputs/monitor.py",
-                replace=(("", "ALL_PHASES = LOGGED_PHASES + OPTIMIZER_KINDS + (UPDATE_TO_WEIGHT, )",
-                          "ALL_PHASES = LOGGED_PHASES"), ("flat_scalars", "logged = logged_result(result)",
-                                                          "logged = result")),
-                drop=("UPDATE_TO_WEIGHT", "update_to_weight", "norm_ratio", "logged_result")),
+                replace=(("flat_scalars", "= ALL_PHASES,", "= LOGGED_PHASES,"),
+                         ("flat_scalars", "(logged.get(phase)", "(result.get(phase)")),
+                statements=(("flat_scalars", r"logged = logged_result"), ),
+                docstrings=(("flat_scalars", " result as logs see it\n    (``logged_result``), by flat tag",
+                             " result,\n    by flat tag"),
+                            ("flat_scalars", ", ``layer-grad-norms/update/layer00``", ""),
+                            ("flat_scalars", ", a kind not requested", ""),
+                            ("flat_scalars", ", and so is a\n    statistic a phase lacks (the ``update_to_weight`` "
+                             "ratio has only its norm)", "")),
+                drop=("UPDATE_TO_WEIGHT", "update_to_weight", "norm_ratio", "logged_result", "ALL_PHASES")),
             Cut("adapters/base.py",
                 statements=(("LayerGradNormsAdapter.__init__", r"self\.kinds = "), ("LayerGradNormsAdapter.__init__",
                                                                                     r"self\.optimizer_statistics: "),
@@ -624,8 +630,8 @@ SERIES = (
                              "say (``master_switch``).", "."), )),
             Cut("statistics/statistics.py",
                 replace=(("bucket_results", ",\n                   factors: Optional[Sequence[float]] = None)", ")"),
-                         ("bucket_results", "multiplier if factors is None else multiplier * factors[position[key]]",
-                          "multiplier")),
+                         ("bucket_results", "* row_multiplier", "* multiplier")),
+                statements=(("bucket_results", r"row_multiplier = "), ),
                 docstrings=(("bucket_results", " (and by the\n    bucket's own entry of ``factors``, the rows' "
                              "multipliers, where given)", ""), ("bucket_results", "; adaptive\n    clipping "
                                                                 "multiplies each bucket by its own.", "."))),
@@ -696,15 +702,13 @@ SERIES = (
                       "ZeroPartitionsAdapter.end_skip", "ZeroPartitionsAdapter.skipping",
                       "ZeroPartitionsAdapter.applied_multiplier")),
             Cut("outputs/monitor.py",
-                replace=(("", "WRITTEN_PHASES = ALL_PHASES + (ADAPTIVE_CLIP, )", "WRITTEN_PHASES = ALL_PHASES"),
+                replace=(("flat_scalars", "= WRITTEN_PHASES,", "= ALL_PHASES,"),
                          ("flat_scalars", _FLAT_SCALARS.replace("\n", "\n    ").replace("{", "{\n        **{", 1) +
                           "\n        },\n        **step_scalars(result)\n    }", _FLAT_SCALARS + "\n    }")),
-                docstrings=(("", ": the signals, and adaptive clipping's factors (a remedy's action, not a signal).",
-                             ": the signals."), ("logged_result",
-                                                 " derived, and\n    the ``adaptive_clip`` factors shaped as a phase "
-                                                 "(``{bucket: {\"norm\": factor}}``).", " derived.")),
+                docstrings=(("logged_result", " derived, and\n    the ``adaptive_clip`` factors shaped as a phase "
+                             "(``{bucket: {\"norm\": factor}}``).", " derived."), ),
                 statements=(("logged_result", r"factors = result\.get"), ("logged_result", r"if factors:")),
-                drop=("SKIPPED_TAG", "step_scalars")),
+                drop=("SKIPPED_TAG", "step_scalars", "WRITTEN_PHASES")),
             Cut("adapters/zero.py",
                 docstrings=(("ZeroAdapter.unscale_and_clip_grads", " (and, with adaptive clipping, multiplied by each "
                              "bucket's factor\n        first)", ""), ),

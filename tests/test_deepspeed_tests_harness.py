@@ -18,6 +18,8 @@ from deepspeed_patch.upstream.deepspeed_tests_report import final_outcomes, key_
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
+pytestmark = pytest.mark.extended  # a session tool's logic, 16 s: CI's extended pass; tests/README.md
+
 CONFIG_PY = '''\
 class DeepSpeedConfig:
 

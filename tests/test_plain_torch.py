@@ -99,6 +99,7 @@ def test_ddp_two_ranks_match_the_averaged_gradient_without_any_collective():
         assert_close_stats(measured["pre_clip"], {k: reference[k] for k in measured["pre_clip"]}, TOLERANCE["fp32"])
 
 
+@pytest.mark.extended  # a torchrun launch of its own, 10 s: CI's extended pass; tests/README.md
 def test_under_torchrun_without_deepspeed_only_rank_0_writes_the_dump(tmp_path):
     import json
 

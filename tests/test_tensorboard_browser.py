@@ -20,6 +20,8 @@ from megatron_integration.cpu_launch import launch
 from megatron_integration.demo import DemoOptions, train_rank
 from megatron_integration.run_scalars import GLOBAL_NORM_TAGS, LOSS_TAGS
 
+pytestmark = pytest.mark.extended  # 19 s (TensorBoard and Chromium): CI's extended pass; tests/README.md
+
 NUM_LAYERS, STEPS = 12, 12
 SELECTED = [0, 1, 6, 10, 11]  # the demo's default: 0, 1, mid, -2, -1
 OUTSIDE = ["embed", "pos_embed", "final_layernorm", "head"]  # the tiny GPT's buckets outside its layers

@@ -15,6 +15,8 @@ if not installed().zero_compute_grad_norm_option:
     pytest.skip(f"DeepSpeed {installed().release} has no zero_optimization.compute_grad_norm",
                 allow_module_level=True)
 
+pytestmark = pytest.mark.extended  # a 2-rank launch of its own for one option: CI's extended pass (tests/README.md)
+
 NO_NORM = {"compute_grad_norm": False}
 CASES = {
     "z1_fp32": {"stage": 1, "zero": NO_NORM},

@@ -43,8 +43,7 @@ class StepSchedule:
         settings = self.control.poll(self.step) if self.control else None
         if settings:
             self._apply_control(settings)
-        on_interval = self.enabled and self.step % self.interval == 0
-        return on_interval or self.capturing()
+        return (self.enabled and self.step % self.interval == 0) or self.capturing()
 
     def capturing(self) -> bool:
         """Inside the window a trigger opened: every step, every bucket."""

@@ -455,7 +455,8 @@ SERIES = (
                                    "LayerGradNormsConfig.dump")),
             Cut("statistics/steps.py",
                 statements=(("StepSchedule.__init__", r"self\.capture: "), ),
-                replace=(("StepSchedule.next_step", "return on_interval or self.capturing()", "return on_interval"),
+                replace=(("StepSchedule.next_step", "(self.enabled and self.step % self.interval == 0) or "
+                          "self.capturing()", "self.enabled and self.step % self.interval == 0"),
                          ("StepSchedule.reported_keys", "self.layer_map.keys if self.capturing() else self.selected",
                           "self.selected")),
                 docstrings=(("", "the trigger's capture (from the global norm), and a failure "

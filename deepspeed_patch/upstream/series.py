@@ -181,10 +181,8 @@ def _dedupe_imports(text: str) -> str:
             _rewrite(lines, node, "")
             continue
         if len(names) < len(node.names):
-            new = "" if not names else (ast.unparse(ast.ImportFrom(node.module, names, node.level)) if isinstance(
-                node, ast.ImportFrom) else ast.unparse(ast.Import(names))) + "\n"
-            _rewrite(lines, node, new)
-        node.names = names  # what a later import from the same module joins
+            node.names = names  # also what a later import from the same module joins
+            _rewrite(lines, node, ast.unparse(node) + "\n" if names else "")
     return "".join(lines)
 
 

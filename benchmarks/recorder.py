@@ -31,11 +31,11 @@ def bench_rank(spec: Spec, history: int) -> Dict[str, Any]:
     engine = tiny_engine(spec, {"enabled": False, "trigger": {"grad_norm_factor": 1e9, "history": history}})
     config = model_config(spec)
     adapter = engine.layer_grad_norms
-    recorder, rank = adapter.recorder, dist.get_rank()
+    recorder, rank = adapter.spikes.recorder, dist.get_rank()
     timings: Dict[str, List[Tuple[bool, float]]] = {"step": [], "inside": []}
     for step in range(4 + spec.steps):
         recording = step % 2 == 1
-        adapter.recorder = recorder if recording else None
+        adapter.spikes.recorder = recorder if recording else None
         batch = synthetic_batch(config, spec.micro_batch, seed=step * 7 + rank)
         inside_before = inside[0]
         dist.barrier()

@@ -75,8 +75,9 @@ def inject_fault(engine, fault: Optional[str]) -> List[Tuple[Any, str, Any]]:
 
         return [_replace(measurement, "accumulate_partition", failing)]
     if fault == "skip_push" and rank == 1:
-        push = adapter.recorder.push
-        adapter.recorder.push = lambda table, scales: None if scales.step == FAULTY_STEP else push(table, scales)
+        recorder = adapter.spikes.recorder
+        push = recorder.push
+        recorder.push = lambda table, scales: None if scales.step == FAULTY_STEP else push(table, scales)
     return []
 
 
@@ -156,7 +157,7 @@ def train(case: Dict[str, Any], enabled: bool, count: bool = False) -> Dict[str,
             record.setdefault("loss_scales", []).append((scale, loss_scale(engine.optimizer)))
     record["final"] = {name: p.detach().clone() for name, p in engine.module.named_parameters()}
     record["optimizer"] = type(engine.optimizer).__name__
-    recorder = engine.layer_grad_norms.recorder if enabled else None
+    recorder = engine.layer_grad_norms.spikes.recorder if enabled else None
     record["ring_bytes"] = None if recorder is None else recorder.nbytes
     record["fires"] = engine.get_layer_grad_norms_history("all") if enabled else None
     logging.getLogger("deepspeed_patch").removeHandler(logs)

@@ -57,7 +57,7 @@ def test_the_doc_names_exactly_the_files_a_traced_measured_step_runs():
     # the traced remedy step acted: adaptive factors applied, skip_step judged it (and did not skip it)
     assert [traced()["remedies"][key] for key in ("factors_applied", "skipped")] == [True, False]
     assert [traced()["plain"][key] for key in ("factors_applied", "skipped")] == [False, None]
-    assert len(plain) == 17 and len(documented_files(SECTIONS["remedies"])) == 5
+    assert len(plain) == 16 and len(documented_files(SECTIONS["remedies"])) == 5
 
 
 def test_the_map_names_every_docs_page():

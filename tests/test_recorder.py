@@ -367,3 +367,48 @@ def test_fires_are_kept_by_step_each_recorded_step_once_and_the_oldest_dropped_p
     assert list(kept) == fires[-KEPT_FIRES:]
     assert state.history() == kept[fires[-1]] and state.history(fires[-2]) == kept[fires[-2]]
     assert state.history(fires[0]) is None and state.history(11) is None
+
+
+def test_the_spike_watch_alone_records_each_step_and_replays_the_ring_at_a_fire():
+    """``SpikeWatch`` on one process, without an adapter: the steps it recorded come back at a fire with the norms of
+    the gradients observed (a plain-PyTorch norm of each bucket's tensors), a step ``skip_step`` skipped is a fire
+    of its own, and a failing push goes to the latch, not to training."""
+    from types import SimpleNamespace
+
+    from deepspeed_patch.config import TriggerConfig
+    from deepspeed_patch.spikes.trigger import SpikeWatch
+    from deepspeed_patch.statistics.measurement import Measurement
+    from deepspeed_patch.statistics.reduction import REPLICATED
+    from deepspeed_patch.statistics.steps import FailureLatch
+
+    layer_map = SimpleNamespace(num_rows=2, keys=[0, 1])
+    latch = FailureLatch()
+    watch = SpikeWatch(TriggerConfig(grad_norm_factor=3.0, window=3, capture_steps=1, history=3), layer_map, "cpu",
+                       None, latch)
+    generator = torch.Generator().manual_seed(0)
+    observed, fired = {}, []
+    for step in range(1, 8):
+        gradients = [torch.randn(5, generator=generator, dtype=torch.float64) * (50.0 if step == 7 else 1.0)
+                     for _ in range(2)]
+        observed[step] = [gradient.norm().item() for gradient in gradients]
+        measurement = Measurement(step, layer_map.num_rows, 1, "cpu", ())
+        measurement.observe(0, gradients, torch.tensor([0, 1]))
+        watch.record(measurement, overflow=False)
+        fired.append(watch.trigger.after_step(step, math.hypot(*observed[step]), False))
+    assert fired[:-1] == [None] * 6 and fired[-1]["fired_at"] == 7
+    entries = watch.replay(fired[-1], REPLICATED, ())
+    assert [entry["step"] for entry in entries] == [5, 6, 7]
+    checked = 0
+    for entry in entries:
+        for bucket in (0, 1):
+            assert entry["pre_clip"][bucket]["norm"] == pytest.approx(observed[entry["step"]][bucket], rel=1e-12)
+            checked += 1
+    assert checked == 6 and watch.trigger.history() == entries
+    assert watch.skip_fire(8, "loss") == {"fired_at": 8, "reason": "skip_step: loss", "capture_until": 9}
+
+    def full_ring(table, scales):
+        raise RuntimeError("injected push failure")
+
+    watch.recorder.push = full_ring
+    watch.record(Measurement(8, layer_map.num_rows, 1, "cpu", ()), overflow=False)
+    assert latch.failed_locally and not latch.broken

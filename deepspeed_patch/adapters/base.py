@@ -20,10 +20,9 @@ from ..capabilities import Capabilities
 from ..config import LayerGradNormsConfig
 from ..optimizer_state.optimizer_stats import OptimizerStatistics
 from ..outputs.publish import Publisher, Reader
-from ..remedies.remedies import CHECKPOINT_KEY, Action, saved_state
+from ..remedies.remedies import CHECKPOINT_KEY, saved_state
 from ..remedies.remedy_step import RemedyStep
-from ..spikes.recorder import FlightRecorder, Replay
-from ..spikes.trigger import FireSelector, History, TriggerState
+from ..spikes.trigger import FireSelector, History, SpikeWatch
 from ..statistics.layer_map import LayerMap
 from ..statistics.measurement import Measurement
 from ..statistics.reduction import LossAgreement
@@ -54,8 +53,8 @@ class Setup:
 
 
 class LayerGradNormsAdapter:
-    """Per-layer gradient statistics of one optimizer: its step schedule, the open measurement, the trigger and the
-    recorder, the published results."""
+    """Per-layer gradient statistics of one optimizer: its step schedule, the open measurement, the published
+    results."""
 
     def __init__(self, setup: Setup, num_partitions: int, device) -> None:
         """``num_partitions``: the gradient partitions a measured step observes (one per parameter group, or
@@ -64,7 +63,6 @@ class LayerGradNormsAdapter:
         self.latch = FailureLatch()
         self.losses = LossAgreement(setup.process_group)
         """The losses ``report_loss`` hands its readers, agreed over the ranks in one all-reduce a step."""
-        self.trigger = TriggerState(setup.config.trigger, self.losses)
         self.publisher = Publisher(setup.config.dump, setup.monitor)
         self.layer_map = setup.layer_map
         self.process_group = setup.process_group
@@ -79,23 +77,23 @@ class LayerGradNormsAdapter:
         """Every measured or recorded step's table and status row, filled in place (``Measurement``)."""
         self.reporting = False
         """Whether the step under way is measured (reduced and published), not only recorded."""
-        trigger = setup.config.trigger
         self.remedy_step: Optional[RemedyStep] = None
         """``adaptive_clipping`` and ``skip_step``, when either is on (set by the families they act in): then every
         step is measured, and reduced before the optimizer steps (``RemedyStep.act``)."""
-        self.capture_steps = trigger.capture_steps if trigger is not None else None
+        trigger = setup.config.trigger
+        self.spikes = SpikeWatch(trigger, self.layer_map, device, self.losses, self.latch,
+                                 self.kinds) if trigger is not None else None
+        """The spike trigger and its flight recorder (``trigger``)."""
         self.wants_loss = (trigger is not None and trigger.loss_factor is not None) or setup.config.skip_step.enabled
         """Whether ``report_loss`` is needed: a trigger watches the loss (``trigger.loss_factor``), or
         ``skip_step`` does."""
-        ring_steps = trigger.history if trigger is not None else 0
-        self.recorder = FlightRecorder(ring_steps, self.layer_map.num_rows, device, self.kinds) if ring_steps else None
 
     def begin_step(self) -> None:
         """Top of the engine's optimizer step: open a measurement if this step is measured or recorded."""
         self.reporting = (self.schedule.next_step() or self.remedy_step is not None) and not self.latch.broken
         if self.remedy_step is not None:
             self.remedy_step.begin(self.schedule.step)
-        if not (self.reporting or (self.recorder is not None and not self.latch.broken)):
+        if not (self.reporting or (self.recording() and not self.latch.broken)):
             return
         self.measurement = Measurement(self.schedule.step,
                                        self.layer_map.num_rows,
@@ -132,16 +130,16 @@ class LayerGradNormsAdapter:
             self.remedy_step.end(measurement, overflow)
         if measurement is not None:
             self._close(measurement, overflow)
-        if self.latch.broken:
+        if self.spikes is None or self.latch.broken:
             return
+        step = self.schedule.step
         norm = action.global_norm if skipped else self.global_norm()  # DeepSpeed's is inf on a skipped step
-        fired = self.trigger.after_step(self.schedule.step, norm, overflow)
+        fired = self.spikes.trigger.after_step(step, norm, overflow)
         if fired is None and skipped:
-            fired = self._skip_fire(action)
+            fired = self.spikes.skip_fire(step, action.skip_reason)
         if fired is not None:
             self.schedule.open_capture(fired)
-            if self.recorder is not None:
-                self._replay(fired)
+            self.publisher.publish_history(self.spikes.replay(fired, self.process_group, self.extra))
 
     def _close(self, measurement: Measurement, overflow: bool) -> None:
         """Record the step, and reduce and publish it if it is measured."""
@@ -151,9 +149,8 @@ class LayerGradNormsAdapter:
         if measurement.kinds:
             with measurement.guarded("reading the optimizer state"):
                 self.read_optimizer_state(measurement, overflow)
-        if self.recorder is not None:
-            with self.latch.failing_locally("recording the step", step):
-                self.recorder.push(measurement.local_table(), measurement.scales(overflow))
+        if self.spikes is not None:
+            self.spikes.record(measurement, overflow)
         if self.reporting:
             self.publisher.clear()
             result = finished = None
@@ -168,17 +165,6 @@ class LayerGradNormsAdapter:
         if measurement.failed:
             self.latch.failed_locally = True
 
-    def _skip_fire(self, action: Action) -> Optional[dict]:
-        """A step ``skip_step`` skipped opens the trigger's capture (and reduces its recorder) like a fire."""
-        if self.capture_steps is None:
-            return None
-        step = self.schedule.step
-        return {
-            "fired_at": step,
-            "reason": f"skip_step: {action.skip_reason}",
-            "capture_until": step + self.capture_steps
-        }
-
     def save_remedies(self, state_dict: dict) -> None:
         """At the end of the optimizer's ``state_dict``: the remedies' state joins the checkpoint it writes."""
         if self.remedy_step is not None:
@@ -190,20 +176,6 @@ class LayerGradNormsAdapter:
         (``remedies.saved_state``). A checkpoint without it restarts them, named in a warning."""
         if self.remedy_step is not None:
             self.remedy_step.remedies.load_state_dict(saved_state(state_dict_list, checkpoint_folder) or {})
-
-    def _replay(self, fired: dict) -> None:
-        """At a fire: the recorded steps no earlier fire published, reduced, kept and published. A rank's
-        failure flag on the fire's own step switches the statistics off (the failure latch)."""
-        step = self.schedule.step
-        with self.latch.failing_locally("reducing the recorded steps", step):
-            replay = self.recorder.replay(self.process_group,
-                                          self.layer_map.keys,
-                                          self.extra,
-                                          after=self.trigger.published_until)
-            _log_left_out(replay, step)
-            self.publisher.publish_history(self.trigger.keep(fired, replay.results))
-            if step in replay.failed:
-                self.latch.switch_off(step)
 
     def read_at_begin(self, measurement: Measurement) -> None:
         """Families whose gradients are complete when the step begins read them here."""
@@ -236,14 +208,20 @@ class LayerGradNormsAdapter:
         """The step's global gradient norm as the optimizer reports it (``None``: not computed)."""
         return None
 
+    def recording(self) -> bool:
+        """Whether every step is recorded (``trigger.history``), measured or not."""
+        return self.spikes is not None and self.spikes.recorder is not None
+
     def result(self) -> Optional[dict]:
         """The statistics of the last measured step (``engine.get_layer_grad_norms()``), or ``None``."""
         return self.publisher.result
 
     def history(self, fire: FireSelector = None) -> History:
         """The recorded steps of the trigger's fires (``engine.get_layer_grad_norms_history()``), oldest first:
-        the last fire's, a given fire's, or every kept fire's (``TriggerState.history``)."""
-        return self.trigger.history(fire)
+        the last fire's, a given fire's, or every kept fire's (``TriggerState.history``); none without a trigger."""
+        if self.spikes is None:
+            return {} if fire == "all" else None
+        return self.spikes.trigger.history(fire)
 
     def report_loss(self, loss: Union[float, torch.Tensor], before_step: bool = True) -> None:
         """The training step's loss, for ``trigger.loss_factor`` and ``skip_step``: best the same value on every
@@ -254,8 +232,8 @@ class LayerGradNormsAdapter:
         alone. Both judge the largest loss any rank reported (``reduction.agreed_losses``), so ranks reporting other
         values, or none, still decide together. Without a ``loss_factor`` or ``skip_step`` (``wants_loss`` false)
         the loss is ignored, not read: a device tensor stays there."""
-        if self.trigger.loss is not None:
-            self.trigger.loss.report(loss)
+        if self.spikes is not None and self.spikes.trigger.loss is not None:
+            self.spikes.trigger.loss.report(loss)
         if self.remedy_step is not None and before_step:
             self.remedy_step.remedies.report_loss(loss)
 
@@ -265,19 +243,3 @@ class LayerGradNormsAdapter:
                     layers: Optional[object] = None) -> None:
         """``engine.set_layer_grad_norms()``: change what is measured; every rank at the same step."""
         self.schedule.set_options(enabled=enabled, interval=interval, layers=layers)
-
-
-def _log_left_out(replay: Replay, step: int) -> None:
-    """Name the recorded steps a fire leaves out because the ranks disagree on them or a rank failed."""
-    if replay.disagreeing:
-        slots = ", ".join(f"{_step_name(low)} to {_step_name(high)}" for low, high in replay.disagreeing)
-        logger.warning(
-            "layer_grad_norms: the fire at step %d leaves out recorded steps on which the ranks disagree (a rank "
-            "missed recording a step): %s", step, slots)
-    if replay.failed:
-        logger.warning("layer_grad_norms: the fire at step %d leaves out recorded steps a rank could not measure: %s",
-                       step, replay.failed)
-
-
-def _step_name(step: float) -> str:
-    return str(int(step)) if abs(step) != float("inf") else "none"

@@ -67,7 +67,7 @@ class ParamGradAdapter(LayerGradNormsAdapter):
         return self._bucket_rows
 
     def read_at_end(self, measurement: Measurement, overflow: bool) -> None:
-        if self.recorder is not None:
+        if self.recording():
             self.norm = measurement.stats[:, SUMSQ].sum().sqrt()
 
     def global_norm(self) -> Optional[torch.Tensor]:

@@ -9,15 +9,9 @@ A spike is seen only once its step is over, and the steps before it are often th
 buckets, a block of buckets per ``optimizer_statistics`` kind, the status row last) stays on the device, in one
 preallocated ring of K tables written in place, beside the step's scales. A quiet step adds no collective and no
 host copy. When the trigger fires, every rank reduces the whole ring in one reduction (that of one measured
-step), and each recorded step becomes a result shaped like ``get_layer_grad_norms()``, every bucket.
-
-The level before the recorded steps: a cause may have begun before the ring's K steps (a learning rate set too high
-and held there). So each step that leaves the ring is folded into a block of K steps, and the last ``BEFORE_BLOCKS``
-blocks are kept beside the ring: per bucket and signal, the sums over the block's finite steps (an fp16 overflow
-stays out) of the squared norm (divided by its step's loss scale) and of the non-finite count. They add across ranks
-as across steps, so the blocks are reduced with the ring, and each becomes the root mean square of its steps' norms
-(NaN for a block of overflowed steps alone), carried oldest first under ``"before"`` by the first recorded step at a
-fire; a block's status row carries its first and last step.
+step), and each recorded step becomes a result shaped like ``get_layer_grad_norms()``, every bucket. A step that
+leaves the ring is folded into a block of K steps, and the last ``BEFORE_BLOCKS`` blocks are kept beside the ring:
+the level before the recorded steps, each block reduced with the ring and read as its steps' root mean square.
 """
 
 import math

@@ -3,13 +3,7 @@
 
 # DeepSpeed Team
 """The spike trigger's rule (``SpikeTrigger``): when a step's global gradient norm, or the loss the training loop
-reports, jumps above a factor of its running median, or the loss scaler skips steps in a row.
-
-The original request: "after encountering a spike we could roll back to the last good checkpoint and run a cycle
-with this debug feature enabled". The rule is a pure function of numbers every rank holds alike (the global norm,
-the agreed loss, the overflow flag), so every rank fires at the same step without a collective of its own;
-``trigger.py`` feeds it and acts on a fire.
-"""
+reports, jumps above a factor of its running median, or the loss scaler skips steps in a row."""
 
 import math
 import statistics

@@ -2,8 +2,9 @@
 # SPDX-License-Identifier: Apache-2.0
 
 # DeepSpeed Team
-"""The trigger's state across steps: the spike trigger, the loss reported since the last step, and its fires
-with the steps the flight recorder held at each.
+"""The trigger's state across steps (``TriggerState``): the spike trigger, the loss reported since the last step,
+and its fires with the steps the flight recorder held at each; and the two as one collaborator of an adapter
+(``SpikeWatch``): each step recorded, the recorded steps reduced at a fire.
 
 It changes only with what is the same on every rank of the process group (the global norm, the loss scaler's
 overflow, the largest loss any of them reported: ``reduction.agreed_losses``), so they all fire at the same step,
@@ -11,13 +12,17 @@ whatever the training loop reports on each and whatever a reader of the results 
 """
 
 import logging
-from typing import Dict, List, Optional, Union
+from typing import Collection, Dict, List, Optional, Sequence, Union
 
 import torch
 
 from ..config import TriggerConfig
 from ..outputs.process_rank import rank_of_process
+from ..statistics.layer_map import LayerMap
+from ..statistics.measurement import Measurement
 from ..statistics.reduction import LossAgreement, reported_loss
+from ..statistics.steps import FailureLatch
+from .recorder import FlightRecorder, Replay
 from .spike_rule import SpikeTrigger
 
 logger = logging.getLogger(__name__)
@@ -92,6 +97,65 @@ class TriggerState:
         if fire is None:
             return self.fires[next(reversed(self.fires))] if self.fires else None
         return self.fires.get(fire)
+
+
+class SpikeWatch:
+    """An adapter's trigger and, with ``trigger.history``, its flight recorder; what fails here goes to the
+    adapter's failure latch (``latch``)."""
+
+    def __init__(self,
+                 config: TriggerConfig,
+                 layer_map: LayerMap,
+                 device,
+                 losses: LossAgreement,
+                 latch: FailureLatch,
+                 kinds: Sequence[str] = ()) -> None:
+        self.trigger = TriggerState(config, losses)
+        self.recorder = FlightRecorder(config.history, layer_map.num_rows, device, kinds) if config.history else None
+        self.capture_steps = config.capture_steps
+        self.keys = layer_map.keys
+        self.latch = latch
+
+    def record(self, measurement: Measurement, overflow: bool) -> None:
+        """Push the step's local table into the recorder's ring, if there is one: no collective, no host copy."""
+        if self.recorder is not None:
+            with self.latch.failing_locally("recording the step", measurement.step):
+                self.recorder.push(measurement.local_table(), measurement.scales(overflow))
+
+    def skip_fire(self, step: int, reason: str) -> dict:
+        """A step ``skip_step`` skipped opens the trigger's capture (and reduces the recorder) like a fire."""
+        return {"fired_at": step, "reason": f"skip_step: {reason}", "capture_until": step + self.capture_steps}
+
+    def replay(self, fired: dict, process_group, extra: Collection[str]) -> List[dict]:
+        """At a fire: the recorded steps no earlier fire published, reduced across ``process_group`` (every rank
+        calls it) and kept as the fire's; returned to be published. A rank's failure flag on the fire's own step
+        switches the statistics off (the failure latch)."""
+        if self.recorder is None:
+            return []
+        step = fired["fired_at"]
+        with self.latch.failing_locally("reducing the recorded steps", step):
+            replay = self.recorder.replay(process_group, self.keys, extra, after=self.trigger.published_until)
+            _log_left_out(replay, step)
+            if step in replay.failed:
+                self.latch.switch_off(step)
+            return self.trigger.keep(fired, replay.results)
+        return []  # it failed on this rank: the latch has it
+
+
+def _log_left_out(replay: Replay, step: int) -> None:
+    """Name the recorded steps a fire leaves out because the ranks disagree on them or a rank failed."""
+    if replay.disagreeing:
+        slots = ", ".join(f"{_step_name(low)} to {_step_name(high)}" for low, high in replay.disagreeing)
+        logger.warning(
+            "layer_grad_norms: the fire at step %d leaves out recorded steps on which the ranks disagree (a rank "
+            "missed recording a step): %s", step, slots)
+    if replay.failed:
+        logger.warning("layer_grad_norms: the fire at step %d leaves out recorded steps a rank could not measure: %s",
+                       step, replay.failed)
+
+
+def _step_name(step: float) -> str:
+    return str(int(step)) if abs(step) != float("inf") else "none"
 
 
 def _on_host(*values) -> List[Optional[float]]:

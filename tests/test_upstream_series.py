@@ -11,7 +11,7 @@ import re
 import shutil
 import subprocess
 import sys
-from typing import Dict, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import pytest
 import torch
@@ -20,10 +20,12 @@ from deepspeed_patch.upstream import precommit, series
 from deepspeed_patch.upstream.build import installed_deepspeed_root
 from deepspeed_patch.upstream.series_spec import SERIES
 from deepspeed_patch.upstream.source_edit import (
+    COLUMN_LIMIT,
     Cut,
     StaleCut,
     apply_cut,
     drop_unused,
+    import_line,
     module_level_names,
     resolve_capabilities,
 )
@@ -51,9 +53,22 @@ def test_one_small_patch_with_its_pr_text_per_pull_request():
         assert series.added_lines(_read(path)) <= series.CAPS.get(request.number, series.MAX_ADDED_LINES), path
         text = _read(path[:-len(".patch")] + ".md")
         assert "all-reduce" in text and "Tests" in text, path
+        long_lines = [line for line in _added_python_lines(_read(path)) if len(line) > COLUMN_LIMIT]
+        assert long_lines == [], path  # DeepSpeed's line length, in the modules a cut or an import edit rewrote too
     # PR 01, written for DeepSpeed, within issue 47's 600 lines; only PR 02, onto the package's core, past the cap
     assert series.CAPS["01"] == 600 and [number for number, cap in series.CAPS.items() if cap > 1000] == ["02"]
     assert [request.number for request in SERIES if request.written_by_hand] == ["01"]
+
+
+def _added_python_lines(patch: str) -> List[str]:
+    """The lines a patch adds to Python files."""
+    lines, python = [], False
+    for line in patch.splitlines():
+        if line.startswith("+++ "):
+            python = line.endswith(".py")
+        elif line.startswith("+") and python:
+            lines.append(line[1:])
+    return lines
 
 
 def test_the_docs_quote_each_patchs_added_lines():
@@ -167,6 +182,13 @@ def test_only_what_belongs_in_deepspeed(tmp_path):
             assert len(sources) == len(set(sources)), path  # one import per module: the inlined ones joined
     config = added[f"{series.UPSTREAM_PACKAGE}/config.py"]
     assert "misspelling" not in config and "difflib" not in config  # no refusal of keys without the block
+
+
+def test_an_import_past_the_column_limit_is_parenthesized_for_yapf_to_wrap():
+    long = ast.parse("from .refusals import " + ", ".join(f"check_{index:02}" for index in range(12))).body[0]
+    short = ast.parse("from .refusals import check_00, check_01").body[0]
+    assert import_line(long).startswith("from .refusals import (check_00, ") and import_line(long).endswith("1)\n")
+    assert import_line(short) == "from .refusals import check_00, check_01\n"
 
 
 def test_inlined_imports_join_the_modules_own():

@@ -225,13 +225,14 @@ class LayerGradNormsAdapter:
 
     def report_loss(self, loss: Union[float, torch.Tensor], before_step: bool = True) -> None:
         """The training step's loss, for ``trigger.loss_factor`` and ``skip_step``: best the same value on every
-        rank (a loss averaged across the ranks, as Megatron's reduced loss is). For the trigger, before
-        ``engine.step()`` of that step or after it; it is judged at the end of the next optimizer step. For
-        ``skip_step``, before ``engine.step()`` of that step (``before_step``), whose skip it decides; a loss
-        reported after its step (``before_step=False``, as Megatron's training-log hook does) goes to the trigger
-        alone. Both judge the largest loss any rank reported (``reduction.agreed_losses``), so ranks reporting other
-        values, or none, still decide together. Without a ``loss_factor`` or ``skip_step`` (``wants_loss`` false)
-        the loss is ignored, not read: a device tensor stays there."""
+        rank (a loss averaged across the ranks, as Megatron's reduced loss is). The trigger judges it at the end of
+        the next optimizer step, whether it was reported before ``engine.step()`` of its step or after it.
+        ``skip_step`` decides the skip of the step whose ``engine.step()`` comes after the loss (``before_step``); a
+        loss reported after its step (``before_step=False``, as Megatron's training-log hook does) is the trigger's
+        alone.
+        The largest loss any rank reported is judged (``reduction.agreed_losses``), so ranks reporting other values,
+        or none, still decide together. Without a ``loss_factor`` or ``skip_step`` (``wants_loss`` false) the loss
+        is ignored, not read: a device tensor stays there."""
         if self.spikes is not None and self.spikes.trigger.loss is not None:
             self.spikes.trigger.loss.report(loss)
         if self.remedy_step is not None and before_step:

@@ -46,7 +46,7 @@ from .build import (
     upstream_modules,
 )
 from .series_spec import PACKAGE_ONLY, SERIES, SERIES_TREE, TREE_PATHS, PullRequest
-from .source_edit import Cut, apply_cut, drop_unused, module_level_names, resolve_capabilities
+from .source_edit import Cut, apply_cut, drop_unused, import_line, module_level_names, resolve_capabilities
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SERIES_DIR = os.path.join(HERE, "series")
@@ -177,12 +177,12 @@ def _dedupe_imports(text: str) -> str:
         if first is not node:
             if names:
                 first.names = sorted(first.names + names, key=lambda alias: alias.name)
-                _rewrite(lines, first, ast.unparse(first) + "\n")
+                _rewrite(lines, first, import_line(first))
             _rewrite(lines, node, "")
             continue
         if len(names) < len(node.names):
             node.names = names  # also what a later import from the same module joins
-            _rewrite(lines, node, ast.unparse(node) + "\n" if names else "")
+            _rewrite(lines, node, import_line(node) if names else "")
     return "".join(lines)
 
 

@@ -657,12 +657,11 @@ SERIES = (
                 docstrings=(
                     ("LayerGradNormsAdapter.__init__", ", or\n        ``skip_step`` does.", "."),
                     ("LayerGradNormsAdapter.report_loss", " and ``skip_step``", ""),
-                    ("LayerGradNormsAdapter.report_loss", " For\n        ``skip_step``, before ``engine.step()`` of "
-                     "that step (``before_step``), whose skip it decides; a loss\n        reported after its step "
-                     "(``before_step=False``, as Megatron's training-log hook does) goes to the trigger\n"
-                     "        alone. Both judge", " It judges"),
-                    ("LayerGradNormsAdapter.report_loss", "still decide together. Without a ``loss_factor`` or "
-                     "``skip_step`` (``wants_loss`` false)", "still decide together. Without a ``loss_factor``"),
+                    ("LayerGradNormsAdapter.report_loss", "\n        ``skip_step`` decides the skip of the step whose "
+                     "``engine.step()`` comes after the loss (``before_step``); a\n        loss reported after its "
+                     "step (``before_step=False``, as Megatron's training-log hook does) is the trigger's\n"
+                     "        alone.", ""),
+                    ("LayerGradNormsAdapter.report_loss", " or ``skip_step``", ""),
                 ),
                 statements=(("LayerGradNormsAdapter.__init__",
                              r"self\.remedy_step: "),

@@ -13,9 +13,11 @@ import ast
 import re
 import textwrap
 from dataclasses import dataclass
-from typing import Dict, Iterable, List, Optional, Set, Tuple
+from typing import Dict, Iterable, List, Optional, Set, Tuple, Union
 
 Scope = str  # "" (the module), "name" (a top-level function or class), "Class.method"
+COLUMN_LIMIT = 119
+"""DeepSpeed's line length (its ``.style.yapf``)."""
 
 
 class StaleCut(ValueError):
@@ -307,6 +309,16 @@ def _body_import_spans(tree: ast.Module, used: Set[str], lines: List[str]) -> Tu
     return spans, edits
 
 
+def import_line(node: Union[ast.Import, ast.ImportFrom]) -> str:
+    """``node`` written back as one line, its names in parentheses where the line would pass DeepSpeed's column
+    limit: yapf then wraps it (a long ``from M import a, b`` without them stays one line)."""
+    text = " " * node.col_offset + ast.unparse(node)
+    if len(text) <= COLUMN_LIMIT or isinstance(node, ast.Import):
+        return text + "\n"
+    head, names = text.split(" import ", 1)
+    return f"{head} import ({names})\n"
+
+
 def drop_unused(text: str, exported: Iterable[str] = ()) -> str:
     """``text`` without the imports nothing in it uses and the private module-level functions nothing calls
     (repeated until none is left); ``exported``: names other modules import from it."""
@@ -321,12 +333,8 @@ def drop_unused(text: str, exported: Iterable[str] = ()) -> str:
         import_spans, edits = _body_import_spans(tree, used, lines)
         if edits:
             node, kept = edits[0]
-            names = ", ".join(alias.name if alias.asname is None else f"{alias.name} as {alias.asname}"
-                              for alias in kept)
-            prefix = f"from {'.' * node.level}{node.module or ''} import " if isinstance(node,
-                                                                                         ast.ImportFrom) else "import "
-            new = " " * node.col_offset + prefix + names + "\n"
-            lines[node.lineno - 1:node.end_lineno] = [new]
+            node.names = kept
+            lines[node.lineno - 1:node.end_lineno] = [import_line(node)]
             text = "".join(lines)
             continue
         if not spans and not import_spans:

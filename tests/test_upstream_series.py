@@ -53,11 +53,17 @@ def test_one_small_patch_with_its_pr_text_per_pull_request():
         assert series.added_lines(_read(path)) <= series.CAPS.get(request.number, series.MAX_ADDED_LINES), path
         text = _read(path[:-len(".patch")] + ".md")
         assert "all-reduce" in text and "Tests" in text, path
-        long_lines = [line for line in _added_python_lines(_read(path)) if len(line) > COLUMN_LIMIT]
-        assert long_lines == [], path  # DeepSpeed's line length, in the modules a cut or an import edit rewrote too
+        python = _added_python_lines(_read(path))
+        assert [line for line in python if len(line) > COLUMN_LIMIT] == [], path  # DeepSpeed's line length, cut or not
+        assert [line for line in python if PACKAGE_CITATION.search(line)] == [], path  # nothing DeepSpeed lacks
     # PR 01, written for DeepSpeed, within issue 47's 600 lines; only PR 02, onto the package's core, past the cap
     assert series.CAPS["01"] == 600 and [number for number, cap in series.CAPS.items() if cap > 1000] == ["02"]
     assert [request.number for request in SERIES if request.written_by_hand] == ["01"]
+
+
+PACKAGE_CITATION = re.compile(r"Capabilities\.|upstream/|docs/\w|``plot``|``report``|plain\.py|hf\.py|tags\.py")
+"""What the package's texts may cite of the package itself (its release table, bug reports, pages, commands and
+package-only modules), and no added line upstream may."""
 
 
 def _added_python_lines(patch: str) -> List[str]:

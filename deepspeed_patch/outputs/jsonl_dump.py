@@ -2,12 +2,8 @@
 # SPDX-License-Identifier: Apache-2.0
 
 # DeepSpeed Team
-"""The JSONL post-mortem dump (``JsonlDump``): one line per measured step in a file that rotates past a size.
-
-A file of its own, apart from DeepSpeed's monitors, because it survives the run that wrote it: ``plot`` and
-``report`` read it after a crash, a rollback or a resume. ``publish.py`` decides what goes in and that rank 0
-alone writes it.
-"""
+"""The JSONL post-mortem dump (``JsonlDump``): one line per measured step in a file that rotates past a size, read
+after a crash, a rollback or a resume (``publish.py`` decides what goes in, and that rank 0 alone writes it)."""
 
 import json
 import os

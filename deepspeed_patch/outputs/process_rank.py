@@ -3,11 +3,7 @@
 
 # DeepSpeed Team
 """This process's global rank, for the work only one rank does: rank 0 alone writes the files and logs a
-decision every rank takes (a switch-off), so that a run of many ranks writes one file and one line.
-
-It is a module of its own because the rank is asked where no process group of ours is at hand: under DeepSpeed,
-and under a launcher that never initialised DeepSpeed's communication (``plain.py``'s loops).
-"""
+decision every rank takes (a switch-off), so that a run of many ranks writes one file and one line."""
 
 import os
 

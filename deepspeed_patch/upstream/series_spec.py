@@ -109,7 +109,23 @@ PACKAGE_ONLY += (
         replace=(("", " Where a formula differs between DeepSpeed releases the\ncaller passes the "
                   "``capabilities.Capabilities`` fact that decides it.", ""), )),
     Cut("outputs/monitor.py", replace=(("", "named as every other writer names them (``tags``), ", ""), )),
-    Cut("adapters/fused_fp16.py", replace=(("", "\n(``capabilities.Capabilities.fp16_skip_method``)", ""), )),
+    Cut("adapters/fused_fp16.py",
+        replace=(("", "\n(``capabilities.Capabilities.fp16_skip_method``)", ""),
+                 ("", "\n(``Capabilities.fp16_loss_scaled_by_optimizer``);", ";"),
+                 ("", "\n(``upstream/bug_reports/stage0_unscaled_loss.md``)", ""))),
+    Cut("adapters/zero.py", docstrings=(("_group_spans", ", ``Capabilities.zero_records_offsets``", ""), )),
+    Cut("statistics/clipping.py",
+        docstrings=(("zero_unscale_divisor", "\n    (``Capabilities.zero_zeroes_invalid_norm``). Mirrors",
+                     ".\n    Mirrors"), )),
+    Cut("spikes/recorder.py", drop=("FlightRecorder.nbytes", )),  # the ring's memory, for the package's tests
+)
+
+# what the package's texts cite of the package itself (its bug reports, commands and docs pages)
+PACKAGE_ONLY += (
+    Cut("statistics/reduction.py", docstrings=(("", "\n(``upstream/bug_reports/gloo_exit_abort.md``.)", ""), )),
+    Cut("outputs/jsonl_dump.py", docstrings=(("JsonlDump", "The rule for readers (``plot``, ``report``):",
+                                              "The rule for readers:"), )),
+    Cut("adapters/refusals.py", replace=(("check_remedies", "; docs/remedies.md says why)", ")"), )),
 )
 
 # The host kernels: DeepSpeed builds them with its op builder (series_tree/09/op_builder/layer_grad_norms.py, the
@@ -462,8 +478,16 @@ SERIES = (
                 docstrings=(("", "the trigger's capture (from the global norm), and a failure "
                              "announced through a\nreduction.", "and a failure announced through a reduction."),
                             ("FailureLatch", "next reduction, a measured step's or the recorder's at a fire, and",
-                             "next reduction, and")),
+                             "next reduction, and"),
+                            ("FailureLatch.failing_locally", "(after a collective, or recording)",
+                             "(after a collective)"),
+                            ("FailureLatch.failing_locally", "next measured step or fire,", "next measured step,")),
                 drop=("StepSchedule.capturing", "StepSchedule.open_capture")),
+            # what a measured step's texts say of the recorder and its fires
+            Cut("statistics/measurement.py",
+                replace=(("Measurement.guarded", "step's \"\n                    \"or fire's), training",
+                          "step's), \"\n                    \"training"), )),
+            Cut("statistics/result.py", docstrings=(("host_copy", " (or of a fire)", ""), )),
             Cut("outputs/publish.py",
                 statements=(("Publisher.__init__", r"self\.dump = None"), ("Publisher.__init__", r"if dump and "),
                             ("Publisher.publish", r"if capture is not None:")),
@@ -492,7 +516,10 @@ SERIES = (
                          ("LayerGradNormsAdapter._close",
                           "self.publisher.publish(result, self.schedule.capture if self.schedule.capturing() else "
                           "None)", "self.publisher.publish(result)")),
-                docstrings=(("LayerGradNormsAdapter.end_step", "record it, reduce and publish a measured step, feed "
+                docstrings=(("LayerGradNormsAdapter.__init__", "Every measured or recorded step's", "Every measured "
+                             "step's"), ("LayerGradNormsAdapter.__init__", ", not only recorded.", "."),
+                            ("LayerGradNormsAdapter.begin_step", " is measured or recorded.", " is measured."),
+                            ("LayerGradNormsAdapter.end_step", "record it, reduce and publish a measured step, feed "
                              "the\n        trigger, and when it fires reduce the recorded steps. What leads to a "
                              "collective here (``reporting``,\n        the fire)", "reduce and publish a measured "
                              "step. What leads to a\n        collective here (``reporting``)"), ),
@@ -599,6 +626,9 @@ SERIES = (
                           "                    state.accumulate(kind, kind_stats[kind], self.scratch, skipped)",
                           "            for kind in self.kinds:\n"
                           "                state.accumulate(kind, kind_stats[kind], self.scratch, skipped)"), ),
+                docstrings=(("", ": on the host by the C++ kernel, which reads each chunk of the weights\nand moments "
+                             "once and folds all requested kinds from it (``accumulate_fused``); elsewhere piece by "
+                             "piece", ": piece by piece"), ),
                 drop=("PartitionState.accumulate_fused", )),
         ),
     ),

@@ -672,7 +672,8 @@ SERIES = (
                 drop=("StepScales.action", "remedy_fields", "ADAPTIVE_CLIP", "SKIPPED", "resolve_scales")),
             Cut("adapters/base.py",
                 replace=(
-                    ("LayerGradNormsAdapter.__init__", " or setup.config.skip_step.enabled", ""),
+                    ("LayerGradNormsAdapter.__init__", "(trigger is not None and trigger.loss_factor is not None) or "
+                     "setup.config.skip_step.enabled", "trigger is not None and trigger.loss_factor is not None"),
                     ("LayerGradNormsAdapter.begin_step", "(self.schedule.next_step() or self.remedy_step is not None)",
                      "self.schedule.next_step()"),
                     ("LayerGradNormsAdapter.end_step", "        try:\n    " + _END_STEP.replace("\n", "\n    ") +

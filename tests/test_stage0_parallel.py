@@ -3,7 +3,7 @@ FP16_Optimizer and FP16_UnfusedOptimizer (with an overflow step), and bf16.
 
 Each rank's gradient is its stage's or shard's complete gradient, averaged over data parallelism; the
 tables are summed over the model-parallel group (one data-parallel replica). PP 2 (both spec offsets, a
-tied embedding) and TP 2 on 2 ranks, PP 2 x DP 2 on 4 (the extended tier); the references are the unsharded
+tied embedding) and TP 2 on 2 ranks, PP 2 x DP 2 on 4 (all in the extended tier); the references are the unsharded
 models in plain PyTorch. The applied clip factor is checked against the step SGD (lr 1) really took: DeepSpeed
 clips by its own model-parallel norm, which under a pipeline is not the whole model's; in fp16 and bf16 the step
 of the optimizer's fp32 master weights, bucket for bucket.
@@ -44,12 +44,13 @@ PIPELINE_DP_CASES = {
                                    "overflow_step": 2, "steps": 3},
 }
 TP_CLIP, STEPS = 0.5, 3
-# The 4-rank launch (PP 2 x DP 2) runs in the extended tier: the suite has that topology under ZeRO-1
-# (test_parallel3d.py) and stage 0 on 2 ranks here.
-FOUR_RANKS = pytest.mark.extended
-LOW_PRECISION = [pytest.param(name, marks=[FOUR_RANKS] if cases is PIPELINE_DP_CASES else [])
-                 for cases in (PIPELINE_CASES, PARALLEL_CASES, PIPELINE_DP_CASES)
-                 for name, case in cases.items() if case.get("dtype", "fp32") != "fp32"]
+# CI's extended pass (14 s, tests/README.md): the suite keeps PP 2 x DP 2 and TP 2 x DP 2 under ZeRO-1
+# (test_parallel3d.py) and stage 0 without model parallelism, fp16 and fp32, at 1, 2 and 3 ranks (test_zero_stats.py)
+pytestmark = pytest.mark.extended
+LOW_PRECISION = [
+    name for cases in (PIPELINE_CASES, PARALLEL_CASES, PIPELINE_DP_CASES) for name, case in cases.items()
+    if case.get("dtype", "fp32") != "fp32"
+]
 
 
 @lru_cache(maxsize=None)
@@ -124,7 +125,6 @@ def test_tensor_parallel_matches_the_unsharded_reference():
     assert checked == STEPS
 
 
-@FOUR_RANKS
 def test_pipeline_with_data_parallelism_counts_each_replica_once():
     ranks = records("pp2_dp2_clip")
     assert len({repr(rank["measured"]) for rank in ranks}) == 1 and len(ranks) == 4

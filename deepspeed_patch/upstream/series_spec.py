@@ -117,7 +117,6 @@ PACKAGE_ONLY += (
     Cut("statistics/clipping.py",
         docstrings=(("zero_unscale_divisor", "\n    (``Capabilities.zero_zeroes_invalid_norm``). Mirrors",
                      ".\n    Mirrors"), )),
-    Cut("spikes/recorder.py", drop=("FlightRecorder.nbytes", )),  # the ring's memory, for the package's tests
 )
 
 # what the package's texts cite of the package itself (its bug reports, commands and docs pages)

@@ -64,9 +64,7 @@ def attach(engine) -> Optional[LayerGradNormsAdapter]:
     refusals.check(check_moe, engine, family)
     refusals.check(check_optimizer_statistics, optimizer, family, config)
     refusals.check(check_remedies, optimizer, family, config)
-    if family is not None:
-        refusals.check(check_supported, optimizer,
-                       family.unsupported(optimizer, engine.param_names, capabilities.installed()))
+    refusals.check(check_supported, optimizer, family, engine.param_names)
     refusals.raise_all()
     if family is None:
         return _param_grad_adapter(engine, config)

@@ -6,10 +6,11 @@
 that applies named in one error (``Refusals``) rather than wrong numbers reported later.
 """
 
-from typing import Callable, List, Optional
+from typing import Callable, Dict, List, Optional
 
 import torch
 
+from .. import capabilities
 from ..config import CONFIG_KEY, LayerGradNormsConfig, UnsupportedSetupError
 from ..optimizer_state.adam_rule import NEEDS_ADAM, adam_decoupling, adam_rule
 from .bf16 import BF16Adapter
@@ -66,14 +67,18 @@ def check_param_grad_trigger(config: LayerGradNormsConfig, replicated: bool) -> 
                                     "this rank's stage or shard only); use ZeRO-1/2 or fp16/bf16")
 
 
-def check_supported(optimizer, family_refusals: List[str]) -> None:
-    """Refuse what no adapter measures yet, and what ``family_refusals`` (the adapter's own) names."""
+def check_supported(optimizer, family: Optional[type], names: Dict[torch.nn.Parameter, str]) -> None:
+    """Refuse what the adapter of ``optimizer``'s ``family`` cannot measure (``names``: the engine's parameter
+    names), and what no adapter measures yet; nothing where no adapter reads ``optimizer`` (``family`` None)."""
+    if family is None:
+        return
     refusals = {
         "ZenFlow": bool(getattr(optimizer, "zenflow", False)),
         "torch autocast": getattr(optimizer, "torch_autocast_gradscaler", None) is not None,
         "the Muon optimizer": "muon" in type(optimizer.optimizer).__name__.lower(),
     }
-    refused = [what for what, present in refusals.items() if present] + family_refusals
+    refused = [what for what, present in refusals.items() if present]
+    refused += family.unsupported(optimizer, names, capabilities.installed())
     if refused:
         raise UnsupportedSetupError(f"{CONFIG_KEY} does not support {', '.join(refused)} yet; "
                                     f"remove the '{CONFIG_KEY}' block or set enabled=false")

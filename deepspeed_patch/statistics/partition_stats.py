@@ -30,11 +30,11 @@ def accumulate_spans(stats: torch.Tensor,
                      piece: Optional[int] = None) -> None:
     """Fold the statistics of ``spans`` (1-D gradient slices) into their ``buckets`` rows of ``stats``.
 
-    ``extra`` names the statistics of ``EXTRA_STATISTICS`` to compute as well; ``piece`` overrides the
-    number of elements read at a time (``HOST_PIECE`` or ``DEVICE_PIECE``). Spans of any floating dtype
-    are read; fp16 and bf16 pieces are converted one at a time into a scratch buffer, never as a whole.
-    One host synchronisation per call: non-finite elements are counted only when a span's min or max says
+    ``piece`` overrides the number of elements read at a time (``HOST_PIECE`` or ``DEVICE_PIECE``). Spans of any
+    floating dtype are read; fp16 and bf16 pieces are converted one at a time into a scratch buffer, never as a
+    whole. One host synchronisation per call: non-finite elements are counted only when a span's min or max says
     there are some, which keeps the common case to three reductions over the gradient.
+    ``extra`` names the statistics of ``EXTRA_STATISTICS`` to compute as well.
     """
     if not spans:
         return

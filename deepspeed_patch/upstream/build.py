@@ -276,13 +276,18 @@ def docs_line(deepspeed_root: str) -> int:
         return json.load(handle)["docs_line"]
 
 
+def docs_among_anchor(section: str) -> str:
+    """The anchor's lines with the docs section after the table's blank line, one blank line after it."""
+    return DOCS_ANCHOR[0] + DOCS_ANCHOR[1] + section + "\n" + "".join(DOCS_ANCHOR[2:])
+
+
 def _docs_diff(deepspeed_root: str) -> str:
     """The docs section, as a hunk located by its surrounding lines."""
     section = _read(DOCS_SECTION).splitlines(keepends=True)
     context = len(DOCS_ANCHOR)
     start = docs_line(deepspeed_root)
-    lines = [f" {line}" for line in DOCS_ANCHOR[:-1]] + [f"+{line}" for line in section + ["\n"]]
-    lines.append(f" {DOCS_ANCHOR[-1]}")
+    lines = [f" {line}" for line in DOCS_ANCHOR[:2]] + [f"+{line}" for line in section + ["\n"]]
+    lines += [f" {line}" for line in DOCS_ANCHOR[2:]]
     return (f"diff --git a/{DOCS_PAGE} b/{DOCS_PAGE}\n--- a/{DOCS_PAGE}\n+++ b/{DOCS_PAGE}\n"
             f"@@ -{start},{context} +{start},{context + len(section) + 1} @@\n" + "".join(lines))
 

@@ -41,6 +41,7 @@ from .build import (
     _diff,
     _import_insertion,
     deepspeed_version,
+    docs_among_anchor,
     docs_line,
     patch_source,
     upstream_modules,
@@ -296,8 +297,7 @@ def _docs_page(root: str, section: str) -> Tuple[str, str]:
     anchor = "".join(DOCS_ANCHOR)
     if anchor not in page:
         raise ValueError(f"{DOCS_PAGE}: the lines the docs section goes among are not there")
-    before = "".join(DOCS_ANCHOR[:-1])
-    return page, page.replace(anchor, before + section + "\n" + DOCS_ANCHOR[-1]) if section else page
+    return page, page.replace(anchor, docs_among_anchor(section)) if section else page
 
 
 def stage_tree(root: str, upto: int, full: Dict[str, str], release) -> Dict[str, str]:

@@ -95,7 +95,8 @@ PACKAGE_ONLY = (
         statements=(("OptimizerAdapter.__init__", r"self\.capabilities = setup\.capabilities"), ),
         replace=(("OptimizerAdapter.unsupported", ", capabilities: Capabilities)", ")"), )),
     Cut("adapters/zero3.py", replace=(("Zero3Adapter.unsupported", ", capabilities: Capabilities)", ")"), )),
-    Cut("adapters/attach.py", replace=(("_setup", ",\n                 capabilities=capabilities.installed())", ")"), )),
+    Cut("adapters/attach.py",
+        replace=(("_setup", ",\n                 capabilities=capabilities.installed())", ")"), )),
     Cut("adapters/refusals.py", replace=(("check_supported", "names, capabilities.installed())", "names)"), )),
     Cut("adapters/param_grads.py",
         replace=(("", "DeepSpeed without ZeRO\nin fp32 (the engine clips them itself), plain PyTorch and "

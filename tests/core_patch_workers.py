@@ -1,10 +1,10 @@
-"""What the upstream series up to patch 02 (the package's core) does that the package does otherwise, run on a
-DeepSpeed carrying it (``PYTHONPATH``), one rank, ``deepspeed_patch`` not imported:
+"""What the upstream series up to patch 03 (the package's core and its failure latch) does that the package does
+otherwise, run on a DeepSpeed carrying it (``PYTHONPATH``), one rank, ``deepspeed_patch`` not imported:
 
 - a model whose layers lie in two stacks (an encoder's and a decoder's ``layers.N``) is refused at initialize, by
-  name (the package keys them apart; PR 03 brings that upstream);
-- a DeepSpeed monitor that raises is written once and then left alone, and the statistics and training go on (the
-  package guards its readers through ``publish.Consumer``, which PR 07 brings).
+  name (the package keys them apart; PR 04 brings that upstream);
+- a DeepSpeed monitor that raises is written once and then left alone, and the statistics and training go on (PR
+  03's guard; the package guards its readers through ``publish.Consumer``, which PR 08 brings).
 
 Prints one JSON line: what each case saw.
 """

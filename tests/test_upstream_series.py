@@ -48,7 +48,7 @@ def _read(path: str) -> str:
 
 def test_one_small_patch_with_its_pr_text_per_pull_request():
     assert [os.path.basename(path) for path in PATCHES] == [f"{request.file_name}.patch" for request in SERIES]
-    assert len(PATCHES) == 11
+    assert len(PATCHES) == 12
     for request, path in zip(SERIES, PATCHES):
         assert series.added_lines(_read(path)) <= series.CAPS.get(request.number, series.MAX_ADDED_LINES), path
         text = _read(path[:-len(".patch")] + ".md")
@@ -82,7 +82,7 @@ def test_the_docs_quote_each_patchs_added_lines():
     page = _read(os.path.join(REPO, "docs", "upstream.md"))
     quoted = dict(re.findall(r"^\| `(\d\d-[\w-]+)` \| (\d+) \|", page, re.M))
     committed = {request.file_name: str(series.added_lines(_read(path))) for request, path in zip(SERIES, PATCHES)}
-    assert len(committed) == 11 and quoted == committed
+    assert len(committed) == 12 and quoted == committed
 
 
 NOT_A_MODULE_NAME = {"bf16": "a dtype every family reads, besides ``adapters/bf16.py``"}
@@ -131,7 +131,7 @@ def _new_files(upto: int, root: str) -> Dict[str, str]:
 def test_the_series_own_files_import_what_their_tree_defines(tmp_path):
     """The DeepSpeed-style tests and the op builder the series adds (``series_tree/``, written by hand) import
     names of the feature's modules; after the patch that adds each, those modules must define them. The package's
-    tests cannot see a stale name there (patch 09's op test imported two names renamed in the package)."""
+    tests cannot see a stale name there (patch 10's op test imported two names renamed in the package)."""
     checked, missing = 0, []
     for upto, path in enumerate(PATCHES, start=1):
         own = [name for name in precommit.patch_files(_read(path))
@@ -147,7 +147,7 @@ def test_the_series_own_files_import_what_their_tree_defines(tmp_path):
                         checked += 1
                         if alias.name not in module_level_names(module):
                             missing.append((upto, name, node.module, alias.name))
-    assert checked >= 8 and not missing, missing  # 8 names today: 1 in patch 02's test, 7 in patch 09's
+    assert checked >= 8 and not missing, missing  # 8 names today: 1 in patch 02's test, 7 in patch 10's
 
 
 @pytest.mark.parametrize("upto", [pytest.param(2, marks=pytest.mark.extended), 11])
@@ -286,12 +286,12 @@ def test_the_core_alone_gives_exact_zero12_statistics(tmp_path):
     """The series up to patch 02 (the package's core) applied to the installed DeepSpeed, which PR 01's call-site
     hunks do not fit (it is left out: ``make_series``; ``tests/test_seed_compare.py`` runs its module there): ZeRO-1
     and ZeRO-2 in fp16 (an overflow step, gradient accumulation, a loss-scale growth step, clipping), bf16 and fp32
-    (clipping, two parameter groups), training unchanged with the block off where the case compares. Then what that
-    tree does otherwise than the package (``tests/core_patch_workers.py``): an encoder-decoder refused by name, a
-    raising monitor written once."""
-    assert [request.number for request, _ in series.make_series(installed_deepspeed_root(), upto=2)] == ["02"]
-    root = _patched_copy(tmp_path, upto=2)
-    _zero_stats_pass_on(root, CORE_PATCH_CASES)
+    (clipping, two parameter groups), training unchanged with the block off where the case compares. Then what the
+    tree up to patch 03 (the failure latch) does otherwise than the package (``tests/core_patch_workers.py``): an
+    encoder-decoder refused by name, a raising monitor written once."""
+    assert [request.number for request, _ in series.make_series(installed_deepspeed_root(), upto=3)] == ["02", "03"]
+    _zero_stats_pass_on(_patched_copy(tmp_path / "core", upto=2), CORE_PATCH_CASES)
+    root = _patched_copy(tmp_path / "latch", upto=3)
     env = {**os.environ, "PYTHONPATH": root, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
            "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1"}
     command = [sys.executable, os.path.join(REPO, "tests", "core_patch_workers.py")]

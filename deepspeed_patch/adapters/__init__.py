@@ -2,11 +2,8 @@
 # SPDX-License-Identifier: Apache-2.0
 
 # DeepSpeed Team
-"""One adapter per optimizer family, between DeepSpeed and the per-layer statistics.
-
-Each adapter owns what is particular to its family: the private attributes it reads, the layout of the gradient
-partitions, the points where the gradient is read, and the factor the optimizer divides it by. ``base`` holds the
-step protocol they share, ``optimizer`` what DeepSpeed's optimizers share beyond it; ``attach`` picks the adapter.
+"""One adapter per optimizer family, between DeepSpeed and the per-layer statistics: the attributes it reads, where
+it reads the gradient and what the optimizer divides it by. ``base`` holds the step protocol; ``attach`` picks one.
 """
 
 from typing import Optional

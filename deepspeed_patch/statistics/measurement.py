@@ -37,11 +37,11 @@ class Measurement:
                  table: Optional[torch.Tensor] = None,
                  kinds: Sequence[str] = ()) -> None:
         """``num_partitions``: the gradient partitions to observe before the step is complete (one per parameter
-        group, or ZeRO-3 sub-group); ``failed``: a failure already known on this rank, to be announced through
-        ``finish``; ``table``: a ``(table_rows(num_buckets, kinds), 9)`` buffer to fill (the owner's, reset here
-        in place, so that a step allocates no table), else a new one. Its last row is the status row
-        ``local_table`` writes; ``kinds`` (``optimizer_statistics``) add one block of ``num_buckets`` rows each
-        after the gradient's."""
+        group, or ZeRO-3 sub-group); ``table``: a ``(table_rows(num_buckets, kinds), 9)`` buffer to fill (the
+        owner's, reset here in place, so that a step allocates no table), else a new one. Its last row is the
+        status row ``local_table`` writes; ``kinds`` (``optimizer_statistics``) add one block of ``num_buckets``
+        rows each after the gradient's.
+        ``failed``: a failure already known on this rank, to be announced through ``finish``."""
         self.step = step
         rows = table_rows(num_buckets, kinds)
         self.table = empty_stats(rows, device) if table is None else reset_stats(table)

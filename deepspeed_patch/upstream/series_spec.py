@@ -127,7 +127,7 @@ PACKAGE_ONLY += (
     Cut("adapters/refusals.py", replace=(("check_remedies", "; docs/remedies.md says why)", ")"), )),
 )
 
-# The host kernels: DeepSpeed builds them with its op builder (series_tree/09/op_builder/layer_grad_norms.py, the
+# The host kernels: DeepSpeed builds them with its op builder (series_tree/10/op_builder/layer_grad_norms.py, the
 # source under csrc/: TREE_PATHS); the package with cpp_extension.load, as the releases it supports lack the builder
 PACKAGE_ONLY += (Cut(
     "statistics/partition_stats_cpu.py",
@@ -159,7 +159,7 @@ _FLAT_SCALARS = ("    return {\n        scalar_tag(phase, name, key): values[nam
 
 _FAMILIES = "(ZeroAdapter, Zero3Adapter, BF16Adapter, FusedFP16Adapter, UnfusedFP16Adapter)"
 
-# PR 03: buckets other than the layer: one per parameter (granularity "param"), or per match of group_by
+# PR 04: buckets other than the layer: one per parameter (granularity "param"), or per match of group_by
 _KEYS_BY_LAYER = ("        in_layers = [key for key in keys if None not in key_layers[key]]\n"
                   "        layers = sorted(in_layers, key=lambda key: (next(iter(key_layers[key])), "
                   "not is_layer(key)))\n"
@@ -198,7 +198,7 @@ _GRANULARITY_CUTS = (
                   '        layers.setdefault(int(name.split(".")[1]), [])'))),
 )
 
-# PR 03: the extra statistics (``statistics``: l1, mean, zeros, numel), computed only where asked for
+# PR 04: the extra statistics (``statistics``: l1, mean, zeros, numel), computed only where asked for
 _EXTRA_STATISTICS_CUTS = (
     Cut("config.py", drop=("EXTRA_STATISTICS", "LayerGradNormsConfig.statistics",
                            "LayerGradNormsConfig._validate_statistics")),
@@ -227,7 +227,7 @@ _EXTRA_STATISTICS_CUTS = (
     Cut(DOCS, rows=("statistics", )),
 )
 
-# PR 03: the layers of several stacks; PR 02's build_layer_map keys a layer by its index and refuses several stacks
+# PR 04: the layers of several stacks; PR 02's build_layer_map keys a layer by its index and refuses several stacks
 _REFUSE_STACKS = """\
     stacks = {where[0] for where in (locate_layer(name, pattern) for name, _ in named_params) if where is not None}
     if len(stacks) > 1:
@@ -256,7 +256,7 @@ _BUCKET_LABEL_BODY = """    if not is_layer(key):
     return f"layer{index:02d}" if stack is None else f"{stack}.layer{index:02d}"
 """
 _SELECTION_AND_STACKS_CUTS = (
-    # PR 03 also brings the selection of layers to report (the "layers" key) and the layers of several stacks
+    # PR 04 also brings the selection of layers to report (the "layers" key) and the layers of several stacks
     # (an encoder's and a decoder's, keyed "encoder.3"); PR 02 reports every bucket and refuses several stacks
     Cut("config.py",
         drop=("LayerToken", "LAYER_SPEC_FORMS", "parse_layer_spec", "_parse_layer_token",
@@ -312,7 +312,7 @@ _SELECTION_AND_STACKS_CUTS = (
     Cut(ZERO_TESTS, drop=("Stack", "EncoderDecoder", "TestLayerGradNormsSelection", "TestLayerGradNormsStacks")),
 )
 
-# PR 04: Mixture-of-Experts buckets, PipelineModule specs, tensor parallelism; PR 02 refuses them by name
+# PR 05: Mixture-of-Experts buckets, PipelineModule specs, tensor parallelism; PR 02 refuses them by name
 _PIPELINE_BRANCH = (
     '        if config.granularity != "layer":\n'
     '            raise UnsupportedSetupError(f"{CONFIG_KEY}.granularity={config.granularity!r}: a PipelineModule '
@@ -344,7 +344,7 @@ _PARALLEL_CUTS = (
             ("model_layer_map", "from the specs of a\n    ``PipelineModule``, else from the parameter names",
              "from the parameter names (a\n    ``PipelineModule`` is refused)"),
         )),
-    # PR 04 brings the second check at initialize (check_moe), and with it the refusals gathered into one error
+    # PR 05 brings the second check at initialize (check_moe), and with it the refusals gathered into one error
     Cut("adapters/refusals.py",
         drop=("Refusals", ),
         docstrings=(("", ", every one\nthat applies named in one error (``Refusals``) rather than",
@@ -371,7 +371,7 @@ _PARALLEL_CUTS = (
                      "further.", " (pipeline and\n    tensor parallelism are refused)."), )),
 )
 
-# PR 07: readers of the results behind one interface (Reader), each guarded on its own (Consumer), as the JSONL dump
+# PR 08: readers of the results behind one interface (Reader), each guarded on its own (Consumer), as the JSONL dump
 # joins DeepSpeed's monitors; before it, the publisher calls the monitors itself, guarded the same way
 _GUARDED_MONITOR = """\
         if self.monitor is None:
@@ -420,6 +420,59 @@ _READERS_CUTS = (
 )
 
 
+# PR 03: a failure never reaches training: the failure latch, the read points' guards, a monitor that fails left alone
+_LATCH_STEPS_DOC = (", and when the statistics switch off (``FailureLatch``).\n\nBoth decide collectives, so both "
+                    "change only with state that is the same on every rank: the engine's step\ncount, the interval, "
+                    "and a failure announced through a reduction.")
+_STEPS_DOC = (".\n\nIt decides collectives, so it changes only with state that is the same on every rank: the "
+              "engine's step\ncount and the interval.")
+_LATCH_MEASUREMENT_DOC = ("\n\nAn error while measuring is logged and flagged in the step's table, and every "
+                          "rank switches the statistics off\ntogether (``steps.FailureLatch``): no rank waits in a "
+                          "collective the others skip, none keeps a result the others lack.")
+_SWITCH_OFF = ("if finished and result is None:\n                self.latch.switch_off(step)\n"
+               "            elif result is not None:")
+_MONITOR_FAILS_DOC = ("\nMonitors that fail (a full disk, a writer's error) log one traceback and are not written "
+                      "again on that rank;\ntraining and the statistics go on.")
+_FAILURE_LATCH_CUTS = (
+    Cut("statistics/steps.py", drop=("FailureLatch", "logger"), docstrings=(("", _LATCH_STEPS_DOC, _STEPS_DOC), )),
+    Cut("statistics/measurement.py",
+        drop=("Measurement.guarded", "logger"),
+        replace=(("Measurement.__init__", "                 failed: bool = False,\n", ""),
+                 ("Measurement._wanted", "not self.failed and ", ""),
+                 ("Measurement.local_table", "not self.failed and ", "")),
+        statements=(("Measurement.__init__", r"self\.failed = "), ),
+        docstrings=(("", _LATCH_MEASUREMENT_DOC, ""),
+                    ("Measurement.__init__", "\n        ``failed``: a failure already known on this rank, to be "
+                     "announced through ``finish``.", ""),
+                    ("Measurement.local_table", "this rank\n        failed to measure or left incomplete",
+                     "this rank\n        left incomplete"),
+                    ("Measurement.finish", "``None`` when any rank failed to measure.",
+                     "``None`` when a rank left it incomplete."))),
+    Cut("adapters/base.py",
+        statements=(("LayerGradNormsAdapter.__init__", r"self\.latch = "),
+                    ("LayerGradNormsAdapter._close", r"step = measurement\.step"),
+                    ("LayerGradNormsAdapter._close", r"result = finished = None"),
+                    ("LayerGradNormsAdapter._close", r"finished = True"),
+                    ("LayerGradNormsAdapter._close", r"if measurement\.failed:")),
+        unwrap=(("LayerGradNormsAdapter.end_step", r"with self\.latch\.failing_locally"),
+                ("LayerGradNormsAdapter._close", r"with self\.latch\.failing_locally")),
+        replace=(("LayerGradNormsAdapter.begin_step", " and not self.latch.broken", ""),
+                 ("LayerGradNormsAdapter.begin_step", "failed=self.latch.failed_locally,\n", ""),
+                 ("LayerGradNormsAdapter._close", _SWITCH_OFF, "if result is not None:")),
+        docstrings=(("", " What\nleads to a collective is the same on every rank, whatever failed on one "
+                     "(``steps.FailureLatch``).", ""),
+                    ("LayerGradNormsAdapter.end_step", " What leads to a\n        collective here (``reporting``) "
+                     "is the same on every rank, whatever failed on one.", ""))),
+    Cut("adapters/optimizer.py", unwrap=(("ZeroPartitionsAdapter.update_scale", r"with measurement\.guarded"), )),
+    Cut("adapters/zero.py", unwrap=(("ZeroAdapter.unscale_and_clip_grads", r"with measurement\.guarded"), )),
+    Cut("outputs/publish.py",
+        drop=("logger", ),
+        replace=(("Publisher.publish", _GUARDED_MONITOR,
+                  "        if self.monitor is not None:\n            self.monitor.write(result)\n"), ),
+        docstrings=(("", _MONITOR_FAILS_DOC, ""), )),
+    Cut(ZERO_TESTS, drop=("TestLayerGradNormsOff.test_a_failing_monitor_stops_alone", "TestLayerGradNormsFailure")),
+)
+
 SERIES = (
     PullRequest("01", "zero12-layer-grad-norms", (), (), written_by_hand=True),
     PullRequest(
@@ -434,17 +487,23 @@ SERIES = (
         ("DeepSpeedConfig", "DeepSpeedEngine", "DeepSpeedZeroOptimizer"),
         docs=True,
     ),
-    PullRequest("03",
+    PullRequest("03", "failure-latch", (), (), cuts=_FAILURE_LATCH_CUTS),
+    PullRequest("04",
                 "bucket-granularity",
                 (), (),
                 cuts=_GRANULARITY_CUTS + _SELECTION_AND_STACKS_CUTS + _EXTRA_STATISTICS_CUTS),
-    PullRequest("04", "zero12-moe-and-model-parallelism", (), (), cuts=_PARALLEL_CUTS),
+    PullRequest("05", "zero12-moe-and-model-parallelism", (), (), cuts=_PARALLEL_CUTS),
     PullRequest(
-        "05",
+        "06",
         "bf16-fp16-stage0",
         ("adapters/bf16.py", "adapters/fused_fp16.py", "adapters/unfused_fp16.py", "adapters/param_grads.py"),
         ("BF16_Optimizer", "FP16_Optimizer", "FP16_UnfusedOptimizer"),
         cuts=(
+            # an engine without an optimizer (bf16's DummyOptim; ZeRO-3's DeepSpeedZeRoOffload) warns instead of
+            # the refusal of every optimizer no adapter reads, as in PR 01
+            Cut("adapters/attach.py",
+                statements=(("attach", r"if not _steps_an_optimizer\(engine\):"), ),
+                drop=("_steps_an_optimizer", )),
             Cut("adapters/attach.py",
                 drop=("REPLICATED_FAMILIES", ),
                 replace=(
@@ -495,7 +554,7 @@ SERIES = (
         ),
     ),
     PullRequest(
-        "06",
+        "07",
         "zero3",
         ("adapters/zero3.py", ),
         ("DeepSpeedZeroOptimizer_Stage3", ),
@@ -506,7 +565,7 @@ SERIES = (
                   drop=("TestLayerGradNormsZero3OneAndThreeRanks", ))),
     ),
     PullRequest(
-        "07",
+        "08",
         "trigger-flight-recorder",
         ("spikes/__init__.py", "spikes/trigger.py", "spikes/recorder.py",
          "spikes/spike_rule.py", "outputs/jsonl_dump.py", "outputs/process_rank.py"),
@@ -601,7 +660,7 @@ SERIES = (
         ) + _READERS_CUTS,
     ),
     PullRequest(
-        "08",
+        "09",
         "optimizer-statistics",
         ("optimizer_state/__init__.py", "optimizer_state/adam_rule.py", "optimizer_state/optimizer_stats.py"),
         (),
@@ -649,7 +708,7 @@ SERIES = (
         ),
     ),
     PullRequest(
-        "09",
+        "10",
         "fused-statistics-kernels",
         ("statistics/kernels.py", "statistics/partition_stats_cpu.py", "statistics/partition_stats_triton.py",
          "statistics/csrc/partition_stats.cpp"),
@@ -684,7 +743,7 @@ SERIES = (
         ),
     ),
     PullRequest(
-        "10",
+        "11",
         "remedies",
         ("remedies/__init__.py", "remedies/remedies.py", "remedies/remedy_step.py", "remedies/adaptive_clipping.py",
          "remedies/skip_step.py"),
@@ -805,7 +864,7 @@ SERIES = (
         ),
     ),
     PullRequest(
-        "11",
+        "12",
         "live-control",
         ("spikes/control_file.py", ),
         (),

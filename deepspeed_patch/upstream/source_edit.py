@@ -40,6 +40,9 @@ class Cut:
     """Like ``replace``, for the text of docstrings that name what the pull request brings."""
     rows: Tuple[str, ...] = ()
     """Markdown table rows, by the key in their first cell (the docs section)."""
+    unwrap: Tuple[Tuple[Scope, str], ...] = ()
+    """``(scope, pattern)``: every ``with`` or ``try`` statement in ``scope`` whose first line matches ``pattern``
+    replaced by its body (a guard the pull request brings around code an earlier one has)."""
 
 
 def _lines(text: str) -> List[str]:
@@ -127,6 +130,28 @@ def drop_statements(text: str, scope: Scope, pattern: str, path: str) -> str:
     return _remove(text, outermost)
 
 
+def unwrap_statements(text: str, scope: Scope, pattern: str, path: str) -> str:
+    """``text`` with each ``with`` or ``try`` statement of ``scope`` whose first line matches ``pattern`` replaced by
+    its body, one level less indented (a ``try``'s handlers dropped)."""
+    matcher, unwrapped = re.compile(pattern), 0
+    while True:
+        lines = _lines(text)
+        found = [
+            node for body in _bodies(_scope_node(ast.parse(text), scope, path)) for node in body
+            if isinstance(node, (ast.With, ast.Try)) and matcher.search(lines[node.lineno - 1])
+        ]
+        if not found:
+            break
+        node = found[0]
+        dedent = node.body[0].col_offset - node.col_offset
+        body = lines[node.body[0].lineno - 1:node.body[-1].end_lineno]
+        lines[node.lineno - 1:node.end_lineno] = [line[dedent:] if line.strip() else line for line in body]
+        text, unwrapped = "".join(lines), unwrapped + 1
+    if not unwrapped:
+        raise StaleCut(f"{path}: no with or try statement in {scope or 'the module'!r} matches {pattern!r}")
+    return text
+
+
 def replace_text(text: str, scope: Scope, old: str, new: str, path: str) -> str:
     if path.endswith(".py") and scope:
         node = _scope_node(ast.parse(text), scope, path)
@@ -144,6 +169,8 @@ def apply_cut(text: str, cut: Cut) -> str:
     """``text`` (the file ``cut.path``) without what ``cut`` names."""
     for scope, old, new in cut.replace + cut.docstrings:
         text = replace_text(text, scope, old, new, cut.path)
+    for scope, pattern in cut.unwrap:
+        text = unwrap_statements(text, scope, pattern, cut.path)
     for scope, pattern in cut.statements:
         text = drop_statements(text, scope, pattern, cut.path)
     if cut.drop:

@@ -18,7 +18,7 @@ set-up):
   against the installed release, where the patch's call-site hunks do not apply (``tests/test_seed_compare.py``);
 - ``package-stock``: unmodified DeepSpeed master (``--master``) with ``deepspeed_patch.install()``, the package's
   statistics forced onto its stock PyTorch path (``partition_stats.accumulate_spans``, what PR 02 ships);
-- ``package-host``: the same with the package's default kernel on the host (the C++/OpenMP one, PR 9's).
+- ``package-host``: the same with the package's default kernel on the host (the C++/OpenMP one, PR 10's).
 
 Every layer's pre- and post-clip norm, min and max, and ``clip_coef``, ``step`` and ``overflow``, are compared
 with ``==``; a difference is reported in ulps. Each run's ranks' results are compared with rank 0's too. Exit status

@@ -15,6 +15,7 @@ import deepspeed.comm as dist
 from deepspeed.accelerator import get_accelerator
 from deepspeed.runtime.base_optimizer import ZeROOptimizer
 from deepspeed.runtime.layer_grad_norms.outputs.monitor import MonitorEvents
+from deepspeed.runtime.layer_grad_norms.statistics.measurement import Measurement
 from deepspeed.utils import safe_get_full_grad
 from unit.common import DistributedTest
 from unit.simple_model import SimpleModel, random_dataloader
@@ -191,6 +192,31 @@ class TestLayerGradNormsOff(DistributedTest):
         finally:
             MonitorEvents.write = write
         assert engine.get_layer_grad_norms()["step"] == 2 and calls == [1]
+
+
+class TestLayerGradNormsFailure(DistributedTest):
+    world_size = 2
+
+    def test_a_failure_on_one_rank_switches_every_rank_off(self):
+        engine = initialize(SimpleModel(hidden_dim=HIDDEN_DIM, nlayers=2), get_config(2, BLOCK))
+        observe = Measurement.observe_partition
+
+        def failing_on_rank_0_at_step_2(self, *args):
+            if dist.get_rank() == 0 and self.step == 2:
+                raise RuntimeError("injected")
+            observe(self, *args)
+
+        Measurement.observe_partition = failing_on_rank_0_at_step_2
+        results = []
+        try:
+            for x, y in random_dataloader(engine, STEPS * 2, HIDDEN_DIM, engine.device, torch.float):
+                engine.backward(engine(x, y))
+                engine.step()
+                results.append(engine.get_layer_grad_norms())
+        finally:
+            Measurement.observe_partition = observe
+        assert results[0]["step"] == 1 and results[1:] == [None] * (STEPS - 1)
+        assert engine.global_steps == STEPS
 
 
 def bucket_key(name, granularity):

@@ -237,6 +237,15 @@ def test_capabilities_are_folded_and_cuts_fail_loudly():
     assert drop_unused(cut).strip() == ""
 
 
+def test_an_unwrapped_guard_leaves_its_body_and_a_stale_one_fails_loudly():
+    source = ("def f(m):\n    a = 1\n    with m.guarded('read'):  # never into training\n        b = 2\n"
+              "        if b:\n            a = b\n    try:\n        m.write(a)\n    except Exception:\n"
+              "        m.off()\n    return a\n")
+    unwrapped = apply_cut(source, Cut("m.py", unwrap=(("f", r"with m\.guarded"), ("f", r"try:"))))
+    assert unwrapped == "def f(m):\n    a = 1\n    b = 2\n    if b:\n        a = b\n    m.write(a)\n    return a\n"
+    with pytest.raises(StaleCut, match="no with or try statement in 'f'"):
+        apply_cut(unwrapped, Cut("m.py", unwrap=(("f", r"with m\.guarded"), )))
+
 def _installed_layout(patch: str) -> str:
     """``patch`` with DeepSpeed's ``op_builder/`` and ``csrc/`` where an installed DeepSpeed keeps them."""
     moved = r"diff --git a/deepspeed/ops/\1 b/deepspeed/ops/\1"

@@ -17,6 +17,7 @@ from typing import List
 import torch
 from deepspeed import comm as dist
 
+from ..capabilities import Capabilities
 from ..optimizer_state.optimizer_stats import optimizer_statistics
 from ..statistics.partition_slices import PartitionSlices, Span, partition_spans
 from ..statistics.partition_stats import prepare_partition
@@ -29,9 +30,8 @@ class ZeroAdapter(ZeroPartitionsAdapter):
 
     def __init__(self, optimizer, setup: Setup) -> None:
         device = optimizer.single_partition_of_fp32_groups[0].device
-        self.zero_records_offsets = setup.capabilities.zero_records_offsets
         self.partition_slices = [
-            prepare_partition(_group_spans(optimizer, index, setup.bucket_of, self.zero_records_offsets), device)
+            prepare_partition(_group_spans(optimizer, index, setup.bucket_of, setup.capabilities), device)
             for index in range(len(optimizer.bit16_groups))
         ]
         super().__init__(optimizer, setup, len(self.partition_slices), device)
@@ -64,7 +64,7 @@ class ZeroAdapter(ZeroPartitionsAdapter):
             self.observe_flat(measurement, index, flat_grad, total_norm, self.capabilities.zero_zeroes_invalid_norm)
 
     def spans_to_scale(self, index: int) -> List[Span]:
-        return _group_spans(self.optimizer, index, self.layer_map.bucket_of, self.zero_records_offsets)
+        return _group_spans(self.optimizer, index, self.layer_map.bucket_of, self.capabilities)
 
     def observe_skipped(self, measurement, index: int, slices: PartitionSlices) -> None:
         """Group ``index``'s gradient on a skipped step: the offloaded fp32 partition, the flat partition a
@@ -81,14 +81,14 @@ class ZeroAdapter(ZeroPartitionsAdapter):
             observe_chunks(measurement, index, slices, pieces)
 
 
-def _group_spans(optimizer, index: int, bucket_of: BucketOf, records_offsets: bool) -> List[Span]:
+def _group_spans(optimizer, index: int, bucket_of: BucketOf, capabilities: Capabilities) -> List[Span]:
     """The spans of parameter group ``index`` on this rank, from the optimizer's own layout bookkeeping: the parameter
-    order and offsets of the flat buffer (after round-robin reordering and alignment padding; ``records_offsets``:
-    the release records them, ``Capabilities.zero_records_offsets``) and the data-parallel partitions."""
+    order and offsets of the flat buffer (after round-robin reordering and alignment padding) and the data-parallel
+    partitions. ``capabilities``: whether the release records the offsets (``zero_records_offsets``)."""
     params = optimizer.round_robin_bit16_groups[index]
     # The meta copies keep the true sizes when offload has swapped the parameters' storage out.
     sizes = [meta.numel() for meta in optimizer.round_robin_bit16_meta[index]]
-    if records_offsets:  # it may pad between parameters, and says where
+    if capabilities.zero_records_offsets:  # it may pad between parameters, and says where
         offsets = optimizer.round_robin_bit16_offsets[index]
     else:  # back to back, the padding at the end
         offsets = list(itertools.accumulate(sizes[:-1], initial=0))

@@ -56,7 +56,7 @@ MAX_ADDED_LINES = 1000
 # Pull requests with a cap of their own. PR 01 (the seed, written for DeepSpeed) is held to issue 47's 600 lines.
 # PR 02 is past the cap: it takes PR 01's module to the package's core, the shape the other families, the recorder,
 # the optimizer's statistics and the remedies share (config model, layer map, statistics table, adapters,
-# publisher), 1,296 added lines as the package's modules are written; its cap is a ratchet a little above that, so
+# publisher), 1,292 added lines as the package's modules are written; its cap is a ratchet a little above that, so
 # that it only shrinks; issue 47's rewrite of that core into the seed's shape is to bring it under 1,000.
 CAPS = {"01": 600, "02": 1350}
 

@@ -116,7 +116,12 @@ PACKAGE_ONLY += (
         replace=(("", "\n(``capabilities.Capabilities.fp16_skip_method``)", ""),
                  ("", "\n(``Capabilities.fp16_loss_scaled_by_optimizer``);", ";"),
                  ("", "\n(``upstream/bug_reports/stage0_unscaled_loss.md``)", ""))),
-    Cut("adapters/zero.py", docstrings=(("_group_spans", ", ``Capabilities.zero_records_offsets``", ""), )),
+    Cut("adapters/zero.py",
+        replace=(("ZeroAdapter.__init__", ", setup.capabilities)", ")"), ("ZeroAdapter.spans_to_scale",
+                                                                         ", self.capabilities)", ")"),
+                 ("_group_spans", ", capabilities: Capabilities)", ")")),
+        docstrings=(("_group_spans", " ``capabilities``: whether the release records the offsets "
+                     "(``zero_records_offsets``).", ""), )),
     Cut("statistics/clipping.py",
         docstrings=(("zero_unscale_divisor", "\n    (``Capabilities.zero_zeroes_invalid_norm``). Mirrors",
                      ".\n    Mirrors"), )),

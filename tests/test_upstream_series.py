@@ -150,7 +150,7 @@ def test_the_series_own_files_import_what_their_tree_defines(tmp_path):
     assert checked >= 8 and not missing, missing  # 8 names today: 1 in patch 02's test, 7 in patch 10's
 
 
-@pytest.mark.parametrize("upto", [pytest.param(2, marks=pytest.mark.extended), 11])
+@pytest.mark.parametrize("upto", [pytest.param(2, marks=pytest.mark.extended), len(SERIES)])
 def test_committed_series_carries_the_current_package(tmp_path, upto):
     """The series is generated against a master checkout (CI has none, so its call-site and docs hunks are checked
     in a session: git apply --check); here, every file it adds after the first ``upto`` patches must be what the
@@ -245,6 +245,7 @@ def test_an_unwrapped_guard_leaves_its_body_and_a_stale_one_fails_loudly():
     assert unwrapped == "def f(m):\n    a = 1\n    b = 2\n    if b:\n        a = b\n    m.write(a)\n    return a\n"
     with pytest.raises(StaleCut, match="no with or try statement in 'f'"):
         apply_cut(unwrapped, Cut("m.py", unwrap=(("f", r"with m\.guarded"), )))
+
 
 def _installed_layout(patch: str) -> str:
     """``patch`` with DeepSpeed's ``op_builder/`` and ``csrc/`` where an installed DeepSpeed keeps them."""

@@ -46,11 +46,13 @@ LICENSE = "# Copyright (c) Microsoft Corporation.\n# SPDX-License-Identifier: Ap
 CPP_LICENSE = LICENSE.replace("# ", "// ")
 SOURCE_SUFFIXES = {".py": LICENSE, ".cpp": CPP_LICENSE}  # the package's files that go upstream, by their header
 
-# Where the docs section goes on DeepSpeed's config-json page: after "Gradient Clipping", before these
-# lines' last. A checkout has the page; an installed package does not (see docs_line).
+# Where the docs section goes on DeepSpeed's config-json page: among these lines, after "Gradient Clipping"'s table
+# and its blank line (DOCS_SECTION_AT), where PR 01 puts it. A checkout has the page; an installed package does not
+# (see docs_line).
 DOCS_PAGE = "docs/_pages/config-json.md"
 DOCS_ANCHOR = ("| Enable gradient clipping with value | `1.0`   |\n", "\n", "\n", "\n",
                "### ZeRO Optimizations for FP16 Training\n")
+DOCS_SECTION_AT = 2
 DOCS_SECTION = os.path.join(HERE, "config-json-section.md")
 
 
@@ -277,8 +279,8 @@ def docs_line(deepspeed_root: str) -> int:
 
 
 def docs_among_anchor(section: str) -> str:
-    """The anchor's lines with the docs section after the table's blank line, one blank line after it."""
-    return DOCS_ANCHOR[0] + DOCS_ANCHOR[1] + section + "\n" + "".join(DOCS_ANCHOR[2:])
+    """The anchor's lines with the docs section at ``DOCS_SECTION_AT``, one blank line after it."""
+    return "".join(DOCS_ANCHOR[:DOCS_SECTION_AT]) + section + "\n" + "".join(DOCS_ANCHOR[DOCS_SECTION_AT:])
 
 
 def _docs_diff(deepspeed_root: str) -> str:
@@ -286,8 +288,8 @@ def _docs_diff(deepspeed_root: str) -> str:
     section = _read(DOCS_SECTION).splitlines(keepends=True)
     context = len(DOCS_ANCHOR)
     start = docs_line(deepspeed_root)
-    lines = [f" {line}" for line in DOCS_ANCHOR[:2]] + [f"+{line}" for line in section + ["\n"]]
-    lines += [f" {line}" for line in DOCS_ANCHOR[2:]]
+    lines = [f" {line}" for line in DOCS_ANCHOR[:DOCS_SECTION_AT]] + [f"+{line}" for line in section + ["\n"]]
+    lines += [f" {line}" for line in DOCS_ANCHOR[DOCS_SECTION_AT:]]
     return (f"diff --git a/{DOCS_PAGE} b/{DOCS_PAGE}\n--- a/{DOCS_PAGE}\n+++ b/{DOCS_PAGE}\n"
             f"@@ -{start},{context} +{start},{context + len(section) + 1} @@\n" + "".join(lines))
 

@@ -95,12 +95,12 @@ PACKAGE_ONLY = (
         statements=(("OptimizerAdapter.__init__", r"self\.capabilities = setup\.capabilities"), ),
         replace=(("OptimizerAdapter.unsupported", ", capabilities: Capabilities)", ")"), )),
     Cut("adapters/zero3.py", replace=(("Zero3Adapter.unsupported", ", capabilities: Capabilities)", ")"), )),
+    # attach's try: an optimizer of another DeepSpeed release that keeps its layout elsewhere; upstream the adapter
+    # and the optimizer are one release
     Cut("adapters/attach.py",
-        replace=(("_setup", ",\n                 capabilities=capabilities.installed())", ")"), )),
+        replace=(("_setup", ",\n                 capabilities=capabilities.installed())", ")"), ),
+        unwrap=(("attach", r"try:"), )),
     Cut("adapters/refusals.py", replace=(("check_supported", "names, capabilities.installed())", "names)"), )),
-    # an optimizer of another DeepSpeed release that keeps its layout elsewhere: upstream the adapter and the
-    # optimizer are one release
-    Cut("adapters/attach.py", unwrap=(("attach", r"try:"), )),
     Cut("adapters/param_grads.py",
         replace=(("", "DeepSpeed without ZeRO\nin fp32 (the engine clips them itself), plain PyTorch and "
                   "DistributedDataParallel (``plain.py``).", "DeepSpeed without ZeRO\nin fp32 (the engine clips "
@@ -352,22 +352,19 @@ _PARALLEL_CUTS = (
             ("model_layer_map", "from the specs of a\n    ``PipelineModule``, else from the parameter names",
              "from the parameter names (a\n    ``PipelineModule`` is refused)"),
         )),
-    # PR 05 brings the second check at initialize (check_moe), and with it the refusals gathered into one error
+    # with check_moe, the second check at initialize, PR 05 brings the refusals gathered into one error (Refusals)
     Cut("adapters/refusals.py",
-        drop=("Refusals", ),
+        drop=("Refusals", "check_moe", "check_no_sequence_parallel", "whole_model_on_each_rank"),
+        replace=(("check_supported", _MUON,
+                  _MUON + '        "Mixture-of-Experts": bool(getattr(optimizer, "has_moe_layers", False)),\n'), ),
         docstrings=(("", ", every one\nthat applies named in one error (``Refusals``) rather than",
                      " rather\nthan"), )),
     Cut("adapters/attach.py",
-        statements=(("attach", r"refusals = Refusals\(\)"), ("attach", r"refusals\.raise_all\(\)")),
-        replace=(("attach", "refusals.check(check_supported, optimizer,", "check_supported(optimizer,"), )),
-    Cut("adapters/refusals.py",
-        drop=("check_moe", "check_no_sequence_parallel", "whole_model_on_each_rank"),
-        replace=(("check_supported", _MUON,
-                  _MUON + '        "Mixture-of-Experts": bool(getattr(optimizer, "has_moe_layers", False)),\n'), )),
-    Cut("adapters/attach.py",
-        statements=(("attach", r"check_moe\b"), ("_setup", r"check_no_sequence_parallel\("),
+        statements=(("attach", r"check_moe\b"), ("attach", r"refusals = Refusals\(\)"),
+                    ("attach", r"refusals\.raise_all\(\)"), ("_setup", r"check_no_sequence_parallel\("),
                     ("_setup", r"tensor_rank = "), ("_setup", r"def bucket_of")),
-        replace=(("_setup", "                 bucket_of,\n", "                 layer_map.bucket_of,\n"),
+        replace=(("attach", "refusals.check(check_supported, optimizer,", "check_supported(optimizer,"),
+                 ("_setup", "                 bucket_of,\n", "                 layer_map.bucket_of,\n"),
                  ("_stats_group", "    covered = dist.get_world_size(group=optimizer.dp_process_group) * "
                   "engine.mpu.get_model_parallel_world_size()\n    if covered != dist.get_world_size():\n        "
                   'raise UnsupportedSetupError(f"{CONFIG_KEY}: data x model parallel ranks ({covered}) are not all "\n'
@@ -507,13 +504,11 @@ SERIES = (
         ("adapters/bf16.py", "adapters/fused_fp16.py", "adapters/unfused_fp16.py", "adapters/param_grads.py"),
         ("BF16_Optimizer", "FP16_Optimizer", "FP16_UnfusedOptimizer"),
         cuts=(
-            # an engine without an optimizer (bf16's DummyOptim; ZeRO-3's DeepSpeedZeRoOffload) warns instead of
-            # the refusal of every optimizer no adapter reads, as in PR 01
+            # the families without ZeRO, and an engine without an optimizer (bf16's DummyOptim, ZeRO-3's
+            # DeepSpeedZeRoOffload) warned; before PR 06 it is refused with every optimizer no adapter reads, as in PR 01
             Cut("adapters/attach.py",
                 statements=(("attach", r"if not _steps_an_optimizer\(engine\):"), ),
-                drop=("_steps_an_optimizer", )),
-            Cut("adapters/attach.py",
-                drop=("REPLICATED_FAMILIES", ),
+                drop=("REPLICATED_FAMILIES", "_steps_an_optimizer"),
                 replace=(
                     ("", "(ZeroAdapter, BF16Adapter, FusedFP16Adapter, UnfusedFP16Adapter)", "(ZeroAdapter, )"),
                     ("", "the last two holds its complete gradient", "ZeRO-1/2's"),

@@ -505,7 +505,7 @@ SERIES = (
         ("BF16_Optimizer", "FP16_Optimizer", "FP16_UnfusedOptimizer"),
         cuts=(
             # the families without ZeRO, and an engine without an optimizer (bf16's DummyOptim, ZeRO-3's
-            # DeepSpeedZeRoOffload) warned; before PR 06 it is refused with every optimizer no adapter reads, as in PR 01
+            # DeepSpeedZeRoOffload) warned; before PR 06 it is refused with every optimizer no adapter reads (PR 01)
             Cut("adapters/attach.py",
                 statements=(("attach", r"if not _steps_an_optimizer\(engine\):"), ),
                 drop=("REPLICATED_FAMILIES", "_steps_an_optimizer"),

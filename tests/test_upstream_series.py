@@ -245,6 +245,9 @@ def test_an_unwrapped_guard_leaves_its_body_and_a_stale_one_fails_loudly():
     assert unwrapped == "def f(m):\n    a = 1\n    b = 2\n    if b:\n        a = b\n    m.write(a)\n    return a\n"
     with pytest.raises(StaleCut, match="no with or try statement in 'f'"):
         apply_cut(unwrapped, Cut("m.py", unwrap=(("f", r"with m\.guarded"), )))
+    with pytest.raises(StaleCut, match="has an else or a finally to keep"):
+        apply_cut("def f(m):\n    try:\n        m.write()\n    finally:\n        m.close()\n",
+                  Cut("m.py", unwrap=(("f", r"try:"), )))
 
 
 def _installed_layout(patch: str) -> str:

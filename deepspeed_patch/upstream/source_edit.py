@@ -132,7 +132,7 @@ def drop_statements(text: str, scope: Scope, pattern: str, path: str) -> str:
 
 def unwrap_statements(text: str, scope: Scope, pattern: str, path: str) -> str:
     """``text`` with each ``with`` or ``try`` statement of ``scope`` whose first line matches ``pattern`` replaced by
-    its body, one level less indented (a ``try``'s handlers dropped)."""
+    its body, one level less indented (a ``try``'s handlers dropped; one with an ``else`` or a ``finally`` refused)."""
     matcher, unwrapped = re.compile(pattern), 0
     while True:
         lines = _lines(text)
@@ -143,6 +143,8 @@ def unwrap_statements(text: str, scope: Scope, pattern: str, path: str) -> str:
         if not found:
             break
         node = found[0]
+        if isinstance(node, ast.Try) and (node.orelse or node.finalbody):
+            raise StaleCut(f"{path}: the try at line {node.lineno} of {scope!r} has an else or a finally to keep")
         dedent = node.body[0].col_offset - node.col_offset
         body = lines[node.body[0].lineno - 1:node.body[-1].end_lineno]
         lines[node.lineno - 1:node.end_lineno] = [line[dedent:] if line.strip() else line for line in body]
